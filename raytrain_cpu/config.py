@@ -1,0 +1,519 @@
+"""Run configuration: nested dataclasses, YAML files and dotted ``key=value`` overrides.
+
+Every field has a docstring (the string literal under it); ``--help`` prints them.
+Validation happens in ``__post_init__`` so a bad value fails on the driver, before Ray
+starts. Only plain dicts (``Config.to_dict()``) cross the Ray boundary.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import os
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and the fix."""
+
+
+def _require(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def _choice(value: str, key: str, choices: tuple[str, ...]) -> None:
+    _require(value in choices, key, f"got {value!r}; choose one of {', '.join(choices)}.")
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the Llama-architecture model built from scratch when model.name_or_path is 'tiny'."""
+
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    num_layers: int = 2
+    """Number of decoder layers."""
+    num_heads: int = 4
+    """Attention heads; must divide hidden_size."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide num_heads."""
+    intermediate_size: int = 176
+    """Width of the SwiGLU MLP."""
+    max_position_embeddings: int = 2048
+    """Longest sequence the rotary embedding is set up for; must be >= data.seq_len."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output projection (Llama-3 does not)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            _require(getattr(self, name) > 0, f"model.tiny.{name}", "must be a positive integer.")
+        _require(
+            self.hidden_size % self.num_heads == 0,
+            "model.tiny.num_heads",
+            f"{self.num_heads} does not divide hidden_size {self.hidden_size}; pick a divisor.",
+        )
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            "model.tiny.num_kv_heads",
+            f"{self.num_kv_heads} does not divide num_heads {self.num_heads}; pick a divisor.",
+        )
+
+
+@dataclass
+class ModelConfig:
+    """Which model to train and how to hold it."""
+
+    name_or_path: str = "tiny"
+    """'tiny' builds a small Llama from model.tiny and writes it as safetensors (no download);
+    otherwise a local directory with config.json + safetensors, or a hub id such as
+    meta-llama/Meta-Llama-3-8B (cluster only: needs network and, for gated models, HF_TOKEN)."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Shape of the 'tiny' model."""
+    tokenizer: str = "bundled"
+    """'bundled' (a 2048-token BPE trained on wikitext, shipped with the package), '' (the
+    model's own tokenizer), a local directory or a hub id."""
+    dtype: str = "bf16"
+    """Training precision: 'bf16' (DeepSpeed bf16, fp32 master weights) or 'fp32'."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory (costs ~1/3 more compute)."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name_or_path), "model.name_or_path", "must not be empty; use 'tiny'.")
+        _choice(self.dtype, "model.dtype", ("bf16", "fp32"))
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.name_or_path == "tiny"
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from and how it becomes packed training blocks."""
+
+    source: str = "bundled"
+    """'bundled' (wikitext-2 shipped with the package: trains on its test split, evaluates on
+    its validation split), 'text' (wikitext-style text files), 'parquet', 'jsonl' (local,
+    /fsx/... or s3://...), or 'hub' (a dataset on the Hugging Face hub, cluster only)."""
+    path: str = ""
+    """Training data for source text/parquet/jsonl: a file, a directory or a glob."""
+    eval_path: str = ""
+    """Evaluation data for source text/parquet/jsonl; '' holds out data.eval_fraction of the
+    training blocks instead."""
+    hub_id: str = "wikitext"
+    """Dataset id on the hub, for source 'hub'."""
+    hub_config: str = "wikitext-2-raw-v1"
+    """Dataset configuration (subset) name on the hub, for source 'hub'."""
+    train_split: str = "train"
+    """Split to train on, for source 'hub'."""
+    eval_split: str = "validation"
+    """Split to evaluate on, for source 'hub'."""
+    text_column: str = "text"
+    """Column holding the text, for parquet, jsonl and hub sources."""
+    seq_len: int = 256
+    """Tokens per packed training block."""
+    eval_fraction: float = 0.02
+    """Share of training blocks held out for evaluation when there is no eval source."""
+    cache_dir: str = ""
+    """Where packed blocks are cached as parquet, keyed by source + tokenizer + seq_len;
+    '' means <run.storage_path>/data_cache."""
+    bad_rows: str = "error"
+    """'error' stops at the first undecodable or missing text naming the file and line; 'skip'
+    drops such rows and counts them in summary.json."""
+    tokenize_batch_size: int = 512
+    """Rows per Ray Data batch in tokenization."""
+    tokenize_actors: int = 0
+    """Tokenizer actors in Ray Data; 0 uses every CPU Ray reports."""
+    prefetch_batches: int = 4
+    """Batches each training worker prefetches from its Ray Data shard."""
+
+    def __post_init__(self) -> None:
+        _choice(self.source, "data.source", ("bundled", "text", "parquet", "jsonl", "hub"))
+        if self.source in ("text", "parquet", "jsonl"):
+            _require(bool(self.path), "data.path", f"source {self.source!r} needs data.path=<file|dir|glob>.")
+        _require(self.seq_len >= 8, "data.seq_len", f"got {self.seq_len}; use at least 8 tokens.")
+        _require(0.0 <= self.eval_fraction < 0.5, "data.eval_fraction", "must be in [0, 0.5).")
+        _choice(self.bad_rows, "data.bad_rows", ("error", "skip"))
+        _require(self.tokenize_batch_size > 0, "data.tokenize_batch_size", "must be positive.")
+        _require(self.tokenize_actors >= 0, "data.tokenize_actors", "must be >= 0 (0 = auto).")
+        _require(self.prefetch_batches >= 0, "data.prefetch_batches", "must be >= 0.")
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    max_steps: int = 200
+    """Optimizer steps to run in total (a resumed run counts from where it stopped)."""
+    micro_batch_size: int = 8
+    """Blocks per worker per forward/backward pass."""
+    grad_accum_steps: int = 1
+    """Micro batches accumulated per optimizer step."""
+    global_batch_size: int = 0
+    """Blocks per optimizer step over all workers; 0 derives it as micro_batch_size x
+    grad_accum_steps x world size; if set it must equal that product."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of train.lr."""
+    warmup_steps: int = 20
+    """Linear warm-up steps (capped at a tenth of train.max_steps for short runs)."""
+    schedule: str = "cosine"
+    """'cosine' (warm-up then cosine decay), 'wsd' (warm-up, stable, then linear decay over
+    the last train.decay_fraction of steps) or 'constant' (warm-up then flat)."""
+    decay_fraction: float = 0.2
+    """Share of train.max_steps spent decaying, for schedule 'wsd'."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 1234
+    """Seeds model initialisation, data order and dropout."""
+    log_every: int = 10
+    """Write a metrics.jsonl line every this many steps."""
+    eval_every: int = 100
+    """Evaluate every this many steps (and always at the end); 0 evaluates only at the end."""
+    eval_batches: int = 0
+    """Micro batches per evaluation per worker; 0 evaluates the whole eval split."""
+    checkpoint_every: int = 100
+    """Checkpoint every this many steps (and always at the end); 0 only at the end."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every"):
+            _require(getattr(self, name) > 0, f"train.{name}", "must be a positive integer.")
+        for name in ("global_batch_size", "warmup_steps", "eval_every", "eval_batches", "checkpoint_every"):
+            _require(getattr(self, name) >= 0, f"train.{name}", "must be >= 0.")
+        _require(self.lr > 0, "train.lr", f"got {self.lr}; must be > 0.")
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1].")
+        _choice(self.schedule, "train.schedule", ("cosine", "wsd", "constant"))
+        _require(0 < self.decay_fraction <= 1, "train.decay_fraction", "must be in (0, 1].")
+        _require(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "train.betas",
+            "must be two numbers in [0, 1), e.g. [0.9, 0.95].",
+        )
+        _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping).")
+        if self.global_batch_size:
+            per_worker = self.micro_batch_size * self.grad_accum_steps
+            _require(
+                self.global_batch_size % per_worker == 0,
+                "train.global_batch_size",
+                f"{self.global_batch_size} is not a multiple of micro_batch_size x grad_accum_steps "
+                f"= {per_worker}; set it to {per_worker} x <number of workers> or to 0 to derive it.",
+            )
+
+    def derive_global_batch(self, world_size: int) -> int:
+        """Blocks per optimizer step; raises ConfigError when the batch can't split evenly."""
+        derived = self.micro_batch_size * self.grad_accum_steps * world_size
+        if self.global_batch_size and self.global_batch_size != derived:
+            per_worker = self.micro_batch_size * self.grad_accum_steps
+            raise ConfigError(
+                f"train.global_batch_size: {self.global_batch_size} blocks do not divide evenly over "
+                f"{world_size} workers with micro_batch_size x grad_accum_steps = {per_worker} "
+                f"(that gives {derived}). Set train.global_batch_size={derived}, or 0 to derive it, "
+                f"or change scaling.num_workers to {self.global_batch_size // per_worker}."
+            )
+        return derived
+
+
+# ----------------------------------------------------------------------------- scaling
+
+
+@dataclass
+class ScalingConfig:
+    """How many Ray Train workers, and what each reserves."""
+
+    num_workers: int = 0
+    """Training workers (ranks); 0 derives it: one per node with CPUs, or 2 on a single
+    machine with at least 2 CPUs."""
+    cpus_per_worker: float = 0.0
+    """Ray CPUs each worker reserves; 0 derives it from what Ray reports, leaving
+    scaling.data_cpus free for Ray Data."""
+    data_cpus: float = 0.0
+    """CPUs per node left unreserved so Ray Data can read and prefetch next to training;
+    0 derives it: 1 on machines with up to 16 CPUs, 2 above."""
+    threads_per_worker: int = 0
+    """torch intra-op threads per worker; 0 uses the physical cores behind the worker's CPUs."""
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    """Extra Ray resources each worker needs, e.g. {c7i_worker: 1}, to land on given nodes."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_workers >= 0, "scaling.num_workers", "must be >= 0 (0 = auto).")
+        _require(self.cpus_per_worker >= 0, "scaling.cpus_per_worker", "must be >= 0 (0 = auto).")
+        _require(self.data_cpus >= 0, "scaling.data_cpus", "must be >= 0 (0 = auto).")
+        _require(self.threads_per_worker >= 0, "scaling.threads_per_worker", "must be >= 0 (0 = auto).")
+        for k, v in self.resources_per_worker.items():
+            _require(
+                isinstance(v, (int, float)) and v > 0,
+                f"scaling.resources_per_worker.{k}",
+                "must be a positive number.",
+            )
+
+
+# ----------------------------------------------------------------------------- deepspeed
+
+
+@dataclass
+class DeepSpeedSettings:
+    """DeepSpeed engine settings; a JSON file can add or override raw DeepSpeed keys."""
+
+    zero_stage: int = 3
+    """ZeRO stage: 3 shards parameters, gradients and optimizer states (and loads sharded);
+    1 and 2 shard only optimizer states (and gradients)."""
+    config_file: str = ""
+    """Optional DeepSpeed JSON merged over the generated config (batch sizes, precision and
+    optimizer are always set from this config)."""
+    overlap_comm: bool = False
+    """Overlap gradient reduction with backward (helps with real networks, not on one host)."""
+    param_persistence_threshold: int = 10000
+    """ZeRO-3: parameters smaller than this many elements stay whole on every rank."""
+
+    def __post_init__(self) -> None:
+        _choice(str(self.zero_stage), "deepspeed.zero_stage", ("1", "2", "3"))
+        if self.config_file:
+            _require(
+                Path(self.config_file).is_file(),
+                "deepspeed.config_file",
+                f"{self.config_file!r} does not exist; give the path of a DeepSpeed JSON file or ''.",
+            )
+        _require(self.param_persistence_threshold >= 0, "deepspeed.param_persistence_threshold", "must be >= 0.")
+
+
+# ----------------------------------------------------------------------------- run
+
+
+@dataclass
+class RunSettings:
+    """Where the run lives and how it recovers."""
+
+    name: str = "tiny-local"
+    """Run name; re-running with the same name and storage path resumes the run."""
+    storage_path: str = "./runs"
+    """Directory for runs (shared by all nodes on a cluster, e.g. /fsx/runs)."""
+    ray_address: str = ""
+    """'' starts a local Ray (or joins RAY_ADDRESS when set, as under `ray job submit`);
+    'auto' joins a running cluster; or host:port."""
+    num_to_keep: int = 2
+    """Checkpoints kept on storage (the newest ones)."""
+    max_failures: int = 0
+    """Times Ray Train restarts the worker group after a failure; -1 retries forever."""
+    gloo_timeout_s: int = 600
+    """Seconds a collective may wait on a peer before the attempt fails (Ray's default is 1800)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            bool(self.name) and "/" not in self.name and self.name not in (".", ".."),
+            "run.name",
+            f"{self.name!r} must be a plain directory name (no '/').",
+        )
+        _require(bool(self.storage_path), "run.storage_path", "must not be empty; e.g. ./runs or /fsx/runs.")
+        _require(self.num_to_keep >= 1, "run.num_to_keep", "must be >= 1.")
+        _require(self.max_failures >= -1, "run.max_failures", "must be >= -1 (-1 = retry forever).")
+        _require(self.gloo_timeout_s >= 10, "run.gloo_timeout_s", "must be at least 10 seconds.")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.storage_path).expanduser().absolute() / self.name
+
+
+# ----------------------------------------------------------------------------- root
+
+
+@dataclass
+class Config:
+    """A whole training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The data."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The training loop."""
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    """Workers and resources."""
+    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
+    """DeepSpeed."""
+    run: RunSettings = field(default_factory=RunSettings)
+    """Run directory, recovery."""
+
+    def __post_init__(self) -> None:
+        if self.model.is_tiny:
+            _require(
+                self.model.tiny.max_position_embeddings >= self.data.seq_len,
+                "data.seq_len",
+                f"{self.data.seq_len} exceeds model.tiny.max_position_embeddings="
+                f"{self.model.tiny.max_position_embeddings}; lower seq_len or raise the other.",
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        return _build(cls, d, prefix="")
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Checks one leaf value against its annotated type; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}.")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}.")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}.")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}.")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list like [0.9, 0.95], got {value!r}.")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping like {{name: 1}}, got {value!r}.")
+        _, val_tp = typing.get_args(tp)
+        return {str(k): _coerce(v, val_tp, f"{key}.{k}") for k, v in value.items()}
+    return value
+
+
+def _build(cls: type, d: dict[str, Any] | None, prefix: str) -> Any:
+    d = dict(d or {})
+    hints = _type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(d) - set(names))
+    if unknown:
+        where = prefix.rstrip(".") or "the top level"
+        raise ConfigError(
+            f"{prefix}{unknown[0]}: unknown key in {where}; valid keys are {', '.join(names)}. "
+            "Run `python -m raytrain_cpu.main --help` to list every option."
+        )
+    kwargs = {}
+    for name in names:
+        if name not in d:
+            continue
+        tp, key = hints[name], f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(d[name], dict):
+                raise ConfigError(f"{key}: expected a section (mapping), got {d[name]!r}.")
+            kwargs[name] = _build(tp, d[name], prefix=f"{key}.")
+        else:
+            kwargs[name] = _coerce(d[name], tp, key)
+    return cls(**kwargs)
+
+
+def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = d
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{dotted}: {p} is a value, not a section.")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'train.lr=1e-3' -> ('train.lr', 0.001); values are read as YAML scalars/lists."""
+    if "=" not in text or text.startswith("="):
+        raise ConfigError(f"{text!r}: overrides look like section.key=value, e.g. train.max_steps=20.")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}: cannot read value {raw!r} ({e.__class__.__name__}).") from None
+    return key.strip(), "" if value is None else value
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults <- YAML file <- overrides, validated. Raises ConfigError."""
+    raw: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: {str(path)!r} does not exist; pass a YAML file such as configs/local.yaml.")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"--config: {path} must hold a mapping of sections (model:, data:, train:, ...).")
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(raw, key, value)
+    return Config.from_dict(raw)
+
+
+# ----------------------------------------------------------------------------- help text
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings: the string literal right under each field."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name):
+            if isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str):
+                docs[a.target.id] = " ".join(b.value.value.split())
+    return docs
+
+
+def describe_options(cls: type = Config, prefix: str = "", default: Any = None) -> list[tuple[str, str, str]]:
+    """(dotted key, default, meaning) for every leaf option."""
+    default = default if default is not None else cls()
+    docs = _field_docs(cls)
+    hints = _type_hints(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        value = getattr(default, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += describe_options(hints[f.name], f"{prefix}{f.name}.", value)
+        else:
+            rows.append((f"{prefix}{f.name}", repr(value), docs.get(f.name, "")))
+    return rows
+
+
+def options_help() -> str:
+    lines = ["options (set in the YAML file or as key=value after it):"]
+    for key, default, doc in describe_options():
+        lines.append(f"  {key} (default {default})")
+        lines.extend("      " + ln for ln in textwrap.wrap(doc, 84))
+    return "\n".join(lines)
