@@ -137,6 +137,10 @@ class DataConfig:
     """Rows per Ray Data batch in tokenization."""
     tokenize_actors: int = 0
     """Tokenizer actors in Ray Data; 0 uses every CPU Ray reports."""
+    shuffle_window: int = 65536
+    """Blocks shuffled together: training visits windows of this many blocks in a seeded
+    random order and the blocks within each window in a seeded random order, so a reader
+    holds one window at a time (data smaller than a window get a full permutation)."""
     prefetch_batches: int = 4
     """Batches each training worker prefetches from its Ray Data shard."""
 
@@ -149,6 +153,7 @@ class DataConfig:
         _choice(self.bad_rows, "data.bad_rows", ("error", "skip"))
         _require(self.tokenize_batch_size > 0, "data.tokenize_batch_size", "must be positive.")
         _require(self.tokenize_actors >= 0, "data.tokenize_actors", "must be >= 0 (0 = auto).")
+        _require(self.shuffle_window > 0, "data.shuffle_window", "must be a positive number of blocks.")
         _require(self.prefetch_batches >= 0, "data.prefetch_batches", "must be >= 0.")
 
 
@@ -197,6 +202,9 @@ class TrainConfig:
     """Micro batches per evaluation per worker; 0 evaluates the whole eval split."""
     checkpoint_every: int = 100
     """Checkpoint every this many steps (and always at the end); 0 only at the end."""
+    record_block_ids: bool = False
+    """Append the id of every block each rank trains on to <run dir>/block_ids/rank<r>.txt
+    (an audit trail of the data order; the resume tests count them)."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every"):

@@ -1,0 +1,312 @@
+"""Measure peak RSS per rank of real ZeRO training, to calibrate ``raytrain_cpu.plan``.
+
+Spawns ``--world-size`` processes (gloo on 127.0.0.1), and in each one does what a Ray Train
+worker of this project does: load a Llama with ``from_pretrained`` under ZeRO-3's
+``zero.Init`` (so each rank only ever holds its shard), ``deepspeed.initialize`` with AdamW and
+bf16, then a few optimizer steps on random tokens. Each rank records its resident set size
+(VmRSS) after every stage of start-up and its high-water mark (VmHWM); rank-wise maxima are
+written, with the planner's prediction for the same case next to them, to
+``benchmarks/results/planner_calibration.json``.
+
+    python benchmarks/calibrate_planner.py                  # both calibration sizes
+    python benchmarks/calibrate_planner.py --sizes tiny     # one size
+    python benchmarks/calibrate_planner.py --no-write       # print only
+
+The case shapes live in ``raytrain_cpu.plan.CALIBRATION_SHAPES`` so the planner's unit tests
+predict exactly the models measured here. Keep it small: each rank gets one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported anywhere
+
+import torch
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from raytrain_cpu import plan  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results" / "planner_calibration.json"
+
+
+# ----------------------------------------------------------------------------- memory probes
+
+
+def _status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS: now, VmHWM: peak since start)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _rss_gib() -> float:
+    return _status_kib("VmRSS") / 2**20
+
+
+def _hwm_gib() -> float:
+    return _status_kib("VmHWM") / 2**20
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+def _ds_config(micro_batch: int, zero_stage: int) -> dict[str, Any]:
+    # The DeepSpeed defaults for everything not named, like a plain project config would get.
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": zero_stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _rank_main(rank: int, world_size: int, port: int, case: dict[str, Any], out_dir: str) -> None:
+    """torch.multiprocessing entry point: a gloo group on 127.0.0.1, then the measurement."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    # The imports a Ray Train worker of this project carries, so the baseline is honest.
+    import ray.train  # noqa: F401
+
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    _measure_rank(rank, case, out_dir)
+    torch.distributed.destroy_process_group()
+
+
+def _ray_train_loop(case: dict[str, Any]) -> None:
+    """Ray Train entry point: Ray has set up the gloo group already."""
+    import ray.train
+
+    _measure_rank(ray.train.get_context().get_world_rank(), case, case["out_dir"])
+
+
+def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
+    """Load, initialize and train one rank, recording resident memory at each stage."""
+    torch.set_num_threads(1)  # 2 cores shared by 2 ranks (and by other people's tests)
+    importlib.import_module("torch._dynamo")  # before zero.Init patches Tensor.__new__
+    import deepspeed
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    points: dict[str, float] = {"imports": _rss_gib()}
+    deepspeed.init_distributed(dist_backend="gloo")  # reuses the initialised group
+    points["process_group"] = _rss_gib()
+
+    ds_config = _ds_config(case["micro_batch"], case["zero_stage"])
+    model_dir = case["model_dir"]
+    hf_config = AutoConfig.from_pretrained(model_dir)  # before zero.Init is switched on
+    dschf = transformers.integrations.HfDeepSpeedConfig(ds_config)  # noqa: F841  (keep alive: enables zero.Init)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=torch.bfloat16)
+    if case["activation_checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    points["after_load"] = _rss_gib()
+    points["load_peak"] = _hwm_gib()
+
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    engine.train()  # from_pretrained returns eval mode, where HF skips activation checkpointing
+    points["after_initialize"] = _rss_gib()
+
+    gen = torch.Generator().manual_seed(1234 + rank)
+    vocab, seq_len, micro_batch = hf_config.vocab_size, case["seq_len"], case["micro_batch"]
+    step_times, phases = [], []
+    for step in range(case["steps"]):
+        tokens = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen)
+        t0 = time.perf_counter()
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        fwd = (_rss_gib(), _hwm_gib())
+        engine.backward(loss)
+        bwd = (_rss_gib(), _hwm_gib())
+        engine.step()
+        step_times.append(time.perf_counter() - t0)
+        phases.append({"fwd": fwd, "bwd": bwd, "step": (_rss_gib(), _hwm_gib())})
+        if step == 0:
+            points["after_first_step"] = _rss_gib()
+    points["end"] = _rss_gib()
+    points["peak"] = _hwm_gib()
+
+    result = {"rank": rank, "rss_gib": points, "phases": phases, "step_s": step_times, "loss": loss.item()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
+
+
+# ----------------------------------------------------------------------------- one case
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _save_model(shape: plan.ModelShape, path: str) -> None:
+    """Writes a randomly initialised Llama of this shape as safetensors, like the 'tiny' model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=shape.tie_word_embeddings,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+
+
+def _launch_mp(world_size: int, case: dict[str, Any], out_dir: str) -> None:
+    args = (world_size, _free_port(), case, out_dir)
+    mp.start_processes(_rank_main, args=args, nprocs=world_size, join=True, start_method="spawn")
+
+
+def _launch_ray(world_size: int, case: dict[str, Any], out_dir: str) -> None:
+    """The same measurement inside Ray Train workers (adds the Ray core worker to each rank)."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    # Workers import this file as a module (a function from __main__ would be pickled by value).
+    here = str(Path(__file__).parent)
+    sys.path.insert(0, here)
+    calibrate = importlib.import_module(Path(__file__).stem)
+    pythonpath = os.pathsep.join(p for p in (str(REPO), here, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(num_cpus=world_size, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    try:
+        TorchTrainer(
+            calibrate._ray_train_loop,
+            train_loop_config=case | {"out_dir": out_dir},
+            scaling_config=ScalingConfig(num_workers=world_size, resources_per_worker={"CPU": 1}),
+            torch_config=TorchConfig(backend="gloo"),
+            run_config=RunConfig(name="calibrate", storage_path=os.path.join(out_dir, "ray")),
+        ).fit()
+    finally:
+        ray.shutdown()
+
+
+def measure(
+    name: str, world_size: int, micro_batch: int, seq_len: int, steps: int, ac: bool, launcher: str = "mp"
+) -> dict[str, Any]:
+    """Runs one calibration case and returns measured (max over ranks) next to predicted GiB."""
+    shape = plan.CALIBRATION_SHAPES[name]
+    with tempfile.TemporaryDirectory(prefix="calib-") as tmp:
+        model_dir = os.path.join(tmp, "model")
+        _save_model(shape, model_dir)
+        case = dict(
+            model_dir=model_dir,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            steps=steps,
+            zero_stage=3,
+            activation_checkpointing=ac,
+        )
+        t0 = time.perf_counter()
+        (_launch_ray if launcher == "ray" else _launch_mp)(world_size, case, tmp)
+        wall = time.perf_counter() - t0
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
+
+    measured = {k: max(r["rss_gib"][k] for r in ranks) for k in ranks[0]["rss_gib"]}
+    predicted = plan.plan(
+        shape,
+        world_size=world_size,
+        zero_stage=3,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        activation_checkpointing=ac,
+    )["memory_gib"]
+    # Per step, the high-water mark reached by the end of forward / backward / optimizer step.
+    hwm = [
+        {ph: round(max(r["phases"][i][ph][1] for r in ranks), 4) for ph in ("fwd", "bwd", "step")} for i in range(steps)
+    ]
+    return {
+        "model": name,
+        "params": shape.num_params,
+        "launcher": launcher,
+        "world_size": world_size,
+        "zero_stage": 3,
+        "offload": "none",
+        "dtype": "bf16",
+        "micro_batch": micro_batch,
+        "seq_len": seq_len,
+        "activation_checkpointing": ac,
+        "steps": steps,
+        "measured_rss_gib": {k: round(v, 4) for k, v in measured.items()},
+        "predicted_gib": {k: round(v, 4) for k, v in predicted.items()},
+        "peak_ratio_predicted_over_measured": round(predicted["peak"] / measured["peak"], 4),
+        "hwm_by_phase_gib": hwm,
+        "median_step_s": round(sorted(ranks[0]["step_s"])[len(ranks[0]["step_s"]) // 2], 3),
+        "final_loss": round(ranks[0]["loss"], 4),
+        "wall_s": round(wall, 1),
+    }
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", nargs="+", default=list(plan.CALIBRATION_SHAPES), choices=list(plan.CALIBRATION_SHAPES))
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--micro-batch", type=int, default=plan.CALIBRATION_MICRO_BATCH)
+    p.add_argument("--seq-len", type=int, default=plan.CALIBRATION_SEQ_LEN)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--launcher", choices=("mp", "ray"), default="mp", help="torch.multiprocessing or Ray Train workers")
+    p.add_argument("--no-write", action="store_true", help=f"print only; do not rewrite {RESULTS.name}")
+    args = p.parse_args(argv)
+
+    cases = []
+    for name in args.sizes:
+        print(f"measuring {name} ...", flush=True)
+        r = measure(
+            name,
+            args.world_size,
+            args.micro_batch,
+            args.seq_len,
+            args.steps,
+            args.activation_checkpointing,
+            args.launcher,
+        )
+        print(json.dumps(r, indent=2), flush=True)
+        cases.append(r)
+
+    if not args.no_write:
+        import deepspeed
+        import transformers
+
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "what": "peak RSS per rank (VmHWM, max over ranks) of ZeRO-3 bf16 training, measured vs raytrain_cpu.plan",
+            "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
+            "versions": {
+                "torch": torch.__version__,
+                "deepspeed": deepspeed.__version__,
+                "transformers": transformers.__version__,
+            },
+            "cases": cases,
+        }
+        RESULTS.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,652 @@
+"""Data: text -> documents -> tokens (Ray Data) -> packed blocks (parquet cache) -> per-rank streams.
+
+The flow, top to bottom:
+
+1. **sources**: text files, JSONL, parquet (local, /fsx or s3://) or a hub dataset are read
+   as whole files with Ray Data, so a bad byte or a missing column can be reported with its
+   file and line. Wikitext-style line sources are regrouped into articles (a ` = Title = `
+   heading starts one); blank lines are dropped.
+2. **tokenize**: `map_batches` with a callable class, so each Ray Data actor loads the
+   tokenizer once; batched fast tokenization; every document ends with EOS.
+3. **pack**: documents are concatenated and cut into `seq_len` blocks: no padding anywhere,
+   the EOS marks document boundaries. Labels are the inputs (the model shifts them), so the
+   target of each position is the next token of the same packed stream.
+4. **cache**: blocks are written as parquet under `<cache_dir>/<key>/`, where the key hashes
+   the source, the tokenizer and seq_len. Written to a temporary directory and renamed, so a
+   cache is either whole or absent. `python -m raytrain_cpu.data prepare --config ...` fills
+   it ahead of time; training fills it when missing.
+5. **stream**: each rank gets its own Ray Data pipeline over the cache holding exactly the
+   blocks it will train on, in a seeded order, starting at the first block not yet consumed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from raytrain_cpu.config import Config, ConfigError, DataConfig, load_config
+from raytrain_cpu.tokenizer import BUNDLED_WIKITEXT, load_tokenizer, resolve_tokenizer_path
+
+CACHE_FORMAT = 1
+BLOCKS_PER_FILE = 8192
+_HEADING = re.compile(r"^ ?= [^=].*[^=] = ?$")
+
+
+class DataError(ValueError):
+    """Unusable input data; the message names the file (and line or row) and the fix."""
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One split of one source: which files, how to read them, how to cut documents."""
+
+    kind: str  # text | jsonl | parquet
+    paths: tuple[str, ...]
+    text_column: str
+    wikitext: bool  # regroup lines into articles at ` = Title = ` headings
+    bad_rows: str
+    filesystem: str = "local"  # local | s3 | hf
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "paths": list(self.paths), "text_column": self.text_column, "wikitext": self.wikitext}
+
+
+def _expand_local(path: str, kind: str, key: str) -> tuple[str, ...]:
+    suffix = {"text": (".txt", ".raw", ".tokens"), "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}[kind]
+    p = Path(path).expanduser()
+    if any(ch in path for ch in "*?["):
+        files = sorted(str(f) for f in Path(p.anchor or ".").glob(str(p.relative_to(p.anchor)) if p.anchor else path))
+    elif p.is_dir():
+        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.name.endswith(suffix))
+    elif p.is_file():
+        files = [str(p.absolute())]
+    else:
+        raise DataError(f"{key}: {path!r} does not exist. Point it at a {kind} file, a directory or a glob.")
+    if not files:
+        raise DataError(f"{key}: {path!r} holds no {'/'.join(suffix)} files; the source is empty.")
+    return tuple(str(Path(f).absolute()) for f in files)
+
+
+def _expand_s3(path: str, kind: str, key: str) -> tuple[str, ...]:
+    import pyarrow.fs as pafs
+
+    fs, root = pafs.FileSystem.from_uri(path)
+    info = fs.get_file_info(root)
+    if info.type == pafs.FileType.NotFound:
+        raise DataError(f"{key}: {path!r} does not exist (or is not readable with these credentials).")
+    if info.type == pafs.FileType.File:
+        return (path,)
+    sel = pafs.FileSelector(root, recursive=True)
+    files = sorted(f.path for f in fs.get_file_info(sel) if f.type == pafs.FileType.File)
+    if not files:
+        raise DataError(f"{key}: {path!r} is empty.")
+    return tuple(f"s3://{f}" for f in files)
+
+
+def _hub_files(cfg: DataConfig, split: str) -> tuple[str, ...]:
+    """Parquet files of a hub dataset split (the hub's own parquet conversion), as hf:// paths."""
+    from huggingface_hub import HfFileSystem
+
+    fs = HfFileSystem()
+    base = f"datasets/{cfg.hub_id}"
+    candidates = [f"{base}/{cfg.hub_config}/{split}-*.parquet", f"{base}/{cfg.hub_config}/{split}/*.parquet"]
+    for pattern in candidates:
+        files = sorted(fs.glob(pattern))
+        if files:
+            return tuple(f"hf://{f}" for f in files)
+    raise DataError(
+        f"data.hub_id: no parquet files for {cfg.hub_id} / {cfg.hub_config} / split {split!r} on the hub "
+        f"(looked for {candidates}). Check data.hub_config and data.train_split/eval_split."
+    )
+
+
+def source_specs(cfg: DataConfig) -> tuple[SourceSpec, SourceSpec | None]:
+    """(train, eval) sources; eval is None when it is held out from train."""
+    if cfg.source == "bundled":
+        mk = lambda f: SourceSpec("text", (str(BUNDLED_WIKITEXT / f),), "text", True, cfg.bad_rows)  # noqa: E731
+        return mk("test.txt"), mk("valid.txt")
+    if cfg.source == "hub":
+        wikitext = "wikitext" in cfg.hub_id.lower()
+        mk = lambda s: SourceSpec("parquet", _hub_files(cfg, s), cfg.text_column, wikitext, cfg.bad_rows, "hf")  # noqa: E731
+        return mk(cfg.train_split), (mk(cfg.eval_split) if cfg.eval_split else None)
+    expand = _expand_s3 if cfg.path.startswith("s3://") else _expand_local
+    fs = "s3" if cfg.path.startswith("s3://") else "local"
+    train = SourceSpec(cfg.source, expand(cfg.path, cfg.source, "data.path"), cfg.text_column, cfg.source == "text", cfg.bad_rows, fs)
+    evals = None
+    if cfg.eval_path:
+        efs = "s3" if cfg.eval_path.startswith("s3://") else "local"
+        eexpand = _expand_s3 if efs == "s3" else _expand_local
+        evals = SourceSpec(cfg.source, eexpand(cfg.eval_path, cfg.source, "data.eval_path"), cfg.text_column, cfg.source == "text", cfg.bad_rows, efs)
+    return train, evals
+
+
+def _filesystem(name: str):
+    if name == "hf":
+        from huggingface_hub import HfFileSystem
+        from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+        return PyFileSystem(FSSpecHandler(HfFileSystem()))
+    return None
+
+
+# ----------------------------------------------------------------------------- documents
+
+
+def _decode_lines(raw: bytes, path: str, bad_rows: str) -> tuple[list[str], int]:
+    """UTF-8 lines of a file; undecodable lines fail (naming file and line) or are skipped."""
+    try:
+        return raw.decode("utf-8").split("\n"), 0
+    except UnicodeDecodeError as e:
+        if bad_rows == "error":
+            line = raw[: e.start].count(b"\n") + 1
+            col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+            raise DataError(
+                f"{path}, line {line}, column {col}: not valid UTF-8 (byte 0x{raw[e.start]:02x}). "
+                "Re-encode the file as UTF-8, or set data.bad_rows=skip to drop such lines."
+            ) from None
+    lines, skipped = [], 0
+    for chunk in raw.split(b"\n"):
+        try:
+            lines.append(chunk.decode("utf-8"))
+        except UnicodeDecodeError:
+            skipped += 1
+    return lines, skipped
+
+
+def _group_wikitext(lines: list[str]) -> list[str]:
+    """Articles: a top-level ` = Title = ` heading starts one; blank lines are dropped."""
+    docs: list[list[str]] = []
+    for line in lines:
+        if not line.strip():
+            continue
+        if _HEADING.match(line.rstrip("\n")) or not docs:
+            docs.append([])
+        docs[-1].append(line.strip())
+    return ["\n".join(d) for d in docs]
+
+
+def _records_text(records: list[Any], column: str, path: str, first_row: int, bad_rows: str, what: str) -> tuple[list[str], int]:
+    texts, skipped = [], 0
+    for i, value in enumerate(records):
+        if isinstance(value, str):
+            texts.append(value)
+            continue
+        if bad_rows == "skip":
+            skipped += 1
+            continue
+        raise DataError(
+            f"{path}, {what} {first_row + i}: column {column!r} is {'missing' if value is None else type(value).__name__}, "
+            "not text. Fix the row, or set data.bad_rows=skip to drop such rows."
+        )
+    return texts, skipped
+
+
+def file_documents(path: str, raw: bytes, spec: SourceSpec) -> tuple[list[str], int]:
+    """(documents, skipped rows) of one whole file."""
+    if spec.kind == "text":
+        lines, skipped = _decode_lines(raw, path, spec.bad_rows)
+        docs = _group_wikitext(lines) if spec.wikitext else ["\n".join(ln for ln in lines if ln.strip())]
+        return [d for d in docs if d.strip()], skipped
+    if spec.kind == "jsonl":
+        lines, skipped = _decode_lines(raw, path, spec.bad_rows)
+        values = []
+        for n, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                if spec.bad_rows == "skip":
+                    skipped += 1
+                    continue
+                raise DataError(f"{path}, line {n}: not valid JSON ({e.msg}). Fix it, or set data.bad_rows=skip.") from None
+            if not isinstance(obj, dict) or spec.text_column not in obj:
+                if spec.bad_rows == "skip":
+                    skipped += 1
+                    continue
+                keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+                raise DataError(
+                    f"{path}, line {n}: no {spec.text_column!r} field (has {keys}). "
+                    "Set data.text_column to the field holding the text."
+                )
+            values.append((n, obj[spec.text_column]))
+        texts = []
+        for n, v in values:
+            t, s = _records_text([v], spec.text_column, path, n, spec.bad_rows, "line")
+            texts += t
+            skipped += s
+        return _docs_from_texts(texts, spec), skipped
+    # parquet
+    import io
+
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(io.BytesIO(raw))
+    if spec.text_column not in table.column_names:
+        raise DataError(
+            f"{path}: no column {spec.text_column!r} (columns: {table.column_names}). "
+            "Set data.text_column to the column holding the text."
+        )
+    texts, skipped = _records_text(table.column(spec.text_column).to_pylist(), spec.text_column, path, 0, spec.bad_rows, "row")
+    return _docs_from_texts(texts, spec), skipped
+
+
+def _docs_from_texts(texts: list[str], spec: SourceSpec) -> list[str]:
+    if spec.wikitext:  # line-per-row wikitext (the hub's layout): regroup into articles
+        return _group_wikitext([t.rstrip("\n") for t in texts])
+    return [t for t in texts if t.strip()]
+
+
+def _documents_batch(batch: dict[str, np.ndarray], spec: SourceSpec) -> dict[str, list]:
+    docs, skipped, order = [], [], []
+    for path, raw, file_index in zip(batch["path"], batch["bytes"], batch["file_index"]):
+        d, s = file_documents(str(path), bytes(raw), spec)
+        docs += d
+        order += [(int(file_index), i) for i in range(len(d))]
+        skipped += [s] + [0] * (len(d) - 1) if d else []
+        if not d and s:  # a file whose every row was skipped still reports its count
+            docs.append("")
+            order.append((int(file_index), -1))
+            skipped.append(s)
+    return {
+        "text": docs,
+        "skipped": np.asarray(skipped, dtype=np.int64),
+        "file_index": np.asarray([o[0] for o in order], dtype=np.int64),
+        "doc_index": np.asarray([o[1] for o in order], dtype=np.int64),
+    }
+
+
+# ----------------------------------------------------------------------------- tokenize
+
+
+class Tokenize:
+    """Ray Data callable class: one tokenizer per actor, batched fast tokenization."""
+
+    def __init__(self, tokenizer_path: str, threads: int = 1):
+        # The Rust tokenizer would start a thread pool per actor; with one CPU per actor that
+        # oversubscribes the cores, so parallelism comes from actors, not threads.
+        os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+        os.environ["RAYON_NUM_THREADS"] = str(max(1, threads))
+        self.tok = load_tokenizer(tokenizer_path)
+        self.eos = self.tok.eos_token_id
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        texts = [str(t) for t in batch["text"]]
+        keep = [i for i, t in enumerate(texts) if t]
+        enc = self.tok([texts[i] for i in keep], add_special_tokens=False)["input_ids"] if keep else []
+        ids: list[np.ndarray] = [np.zeros(0, dtype=np.int32) for _ in texts]
+        for i, e in zip(keep, enc):
+            ids[i] = np.asarray(e + [self.eos], dtype=np.int32)
+        return {
+            "ids": ids,
+            "skipped": batch["skipped"],
+            "file_index": batch["file_index"],
+            "doc_index": batch["doc_index"],
+        }
+
+
+# ----------------------------------------------------------------------------- pack + cache
+
+
+def _file_fingerprint(path: str, fs: str) -> str:
+    if fs == "local":
+        st = os.stat(path)
+        return f"{path}:{st.st_size}:{int(st.st_mtime)}"
+    return path  # remote objects: keyed by name (re-prepare by clearing the cache)
+
+
+def _tokenizer_fingerprint(path: str) -> str:
+    p = Path(path)
+    if p.is_dir() and (p / "tokenizer.json").is_file():
+        return hashlib.sha256((p / "tokenizer.json").read_bytes()).hexdigest()[:16]
+    return path
+
+
+def cache_key(cfg: Config, train: SourceSpec, evals: SourceSpec | None, tokenizer_path: str) -> str:
+    d = cfg.data
+    payload = {
+        "format": CACHE_FORMAT,
+        "train": [_file_fingerprint(p, train.filesystem) for p in train.paths] + [train.text_column, train.wikitext],
+        "eval": ([_file_fingerprint(p, evals.filesystem) for p in evals.paths] + [evals.text_column]) if evals else d.eval_fraction,
+        "tokenizer": _tokenizer_fingerprint(tokenizer_path),
+        "seq_len": d.seq_len,
+        "bad_rows": d.bad_rows,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_root(cfg: Config) -> Path:
+    return Path(cfg.data.cache_dir).expanduser().absolute() if cfg.data.cache_dir else cfg.run.run_dir.parent / "data_cache"
+
+
+class _BlockWriter:
+    """Cuts a token stream into seq_len blocks and writes them as parquet files."""
+
+    def __init__(self, out: Path, seq_len: int):
+        self.out, self.seq_len = out, seq_len
+        out.mkdir(parents=True)
+        self.buf: list[np.ndarray] = []
+        self.pending = 0
+        self.blocks: list[np.ndarray] = []
+        self.n_blocks = 0
+        self.files = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        self.buf.append(ids)
+        self.pending += len(ids)
+        if self.pending >= self.seq_len:
+            flat = np.concatenate(self.buf)
+            n = len(flat) // self.seq_len
+            self.blocks.extend(flat[: n * self.seq_len].reshape(n, self.seq_len))
+            rest = flat[n * self.seq_len :]
+            self.buf, self.pending = [rest], len(rest)
+            if len(self.blocks) >= BLOCKS_PER_FILE:
+                self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not self.blocks:
+            return
+        arr = np.stack(self.blocks)
+        ids = pa.FixedSizeListArray.from_arrays(pa.array(arr.reshape(-1)), self.seq_len)
+        block_id = pa.array(np.arange(self.n_blocks, self.n_blocks + len(arr), dtype=np.int64))
+        pq.write_table(pa.table({"block_id": block_id, "input_ids": ids}), self.out / f"part-{self.files:05d}.parquet")
+        self.n_blocks += len(arr)
+        self.files += 1
+        self.blocks = []
+
+    def close(self) -> int:
+        """Writes the last full blocks; returns the tokens of the final partial block (dropped)."""
+        self._flush()
+        return self.pending
+
+
+def _read_documents(spec: SourceSpec, cfg: DataConfig, tokenizer_path: str, actors: int):
+    import ray
+
+    ds = ray.data.read_binary_files(
+        list(spec.paths), include_paths=True, filesystem=_filesystem(spec.filesystem), num_cpus=0
+    )
+    index = {p: i for i, p in enumerate(spec.paths)}
+    index.update({p.split("://", 1)[-1]: i for i, p in enumerate(spec.paths)})
+
+    def add_index(batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        batch["file_index"] = np.asarray([index.get(str(p), index.get(str(p).lstrip("/"), 0)) for p in batch["path"]], dtype=np.int64)
+        return batch
+
+    return (
+        ds.map_batches(add_index, batch_size=1)
+        .map_batches(_documents_batch, fn_kwargs={"spec": spec}, batch_size=1)
+        .map_batches(
+            Tokenize,
+            fn_constructor_kwargs={"tokenizer_path": tokenizer_path},
+            batch_size=cfg.tokenize_batch_size,
+            concurrency=actors,
+            num_cpus=1,
+        )
+    )
+
+
+def _pack(spec: SourceSpec, cfg: DataConfig, tokenizer_path: str, actors: int, out: Path, holdout: Path | None) -> dict:
+    """Tokenizes in Ray Data, then packs in document order on the driver (a sequential concat)."""
+    import ray
+
+    ds = _read_documents(spec, cfg, tokenizer_path, actors)
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # packing order = file order = document order
+    writer = _BlockWriter(out, cfg.seq_len)
+    eval_writer = _BlockWriter(holdout, cfg.seq_len) if holdout else None
+    every = round(1 / cfg.eval_fraction) if holdout else 0
+    docs = skipped = tokens = 0
+    for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+        skipped += int(batch["skipped"].sum())
+        for ids in batch["ids"]:
+            if len(ids) == 0:
+                continue
+            docs += 1
+            tokens += len(ids)
+            # Hold-out goes by document, so no article is split between train and eval.
+            if eval_writer is not None and docs % every == 0:
+                eval_writer.add(ids)
+            else:
+                writer.add(np.asarray(ids, dtype=np.int32))
+    dropped = writer.close() + (eval_writer.close() if eval_writer else 0)
+    if docs == 0:
+        raise DataError(
+            f"the source {', '.join(spec.paths[:3])}{' ...' if len(spec.paths) > 3 else ''} holds no text "
+            f"({skipped} rows skipped). Point data.path at non-empty text."
+        )
+    return {
+        "documents": docs,
+        "tokens": tokens,
+        "skipped_rows": skipped,
+        "dropped_tail_tokens": dropped,
+        "blocks": writer.n_blocks,
+        "eval_blocks": eval_writer.n_blocks if eval_writer else 0,
+    }
+
+
+def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
+    """Builds (or finds) the packed-block cache for this config; returns its directory."""
+    import ray
+
+    tokenizer_path = resolve_tokenizer_path(cfg.model.tokenizer, cfg.model.name_or_path)
+    train, evals = source_specs(cfg.data)
+    key = cache_key(cfg, train, evals, tokenizer_path)
+    final = cache_root(cfg) / key
+    if (final / "meta.json").is_file() and not force:
+        return final
+    t0 = time.perf_counter()
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    actors = cfg.data.tokenize_actors or max(1, cpus)
+    tmp = final.parent / f".{key}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        log(f"[data] preparing {train.kind} source ({len(train.paths)} files) -> {final}")
+        stats = _pack(train, cfg.data, tokenizer_path, actors, tmp / "train", None if evals else tmp / "eval")
+        if stats["blocks"] == 0:
+            raise DataError(
+                f"the training text gives {stats['tokens']} tokens, less than one block of data.seq_len="
+                f"{cfg.data.seq_len}; lower data.seq_len or add text."
+            )
+        if evals:
+            estats = _pack(evals, cfg.data, tokenizer_path, actors, tmp / "eval", None)
+            stats["eval_blocks"] = estats["blocks"]
+            stats["eval_tokens"] = estats["tokens"]
+            stats["skipped_rows"] += estats["skipped_rows"]
+        wall = time.perf_counter() - t0
+        meta = {
+            "format": CACHE_FORMAT,
+            "key": key,
+            "seq_len": cfg.data.seq_len,
+            "tokenizer": tokenizer_path,
+            "train_source": train.describe(),
+            "eval_source": evals.describe() if evals else f"held out: every {round(1 / cfg.data.eval_fraction)}th document",
+            **stats,
+            "padding_tokens": 0,
+            "prepare_wall_s": round(wall, 3),
+            "tokens_per_s": round(stats["tokens"] / wall, 1),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # the cache appears whole or not at all
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log(f"[data] {stats['blocks']} train / {stats['eval_blocks']} eval blocks of {cfg.data.seq_len} tokens in {wall:.1f}s")
+    return final
+
+
+def read_meta(cache: Path) -> dict:
+    return json.loads((Path(cache) / "meta.json").read_text())
+
+
+# ----------------------------------------------------------------------------- streams
+
+
+@functools.lru_cache(maxsize=4)
+def global_order(n_blocks: int, seed: int, epoch: int, window: int) -> np.ndarray:
+    """Block ids in the order epoch `epoch` visits them.
+
+    A two-level seeded shuffle: windows of `window` consecutive blocks (a few cache files) are
+    visited in random order, and blocks are permuted within each window. A reader then needs
+    only one window of files at a time, however large the corpus; when the data fit in one
+    window (as wikitext-2 does) this is a plain global permutation.
+    """
+    rng = np.random.default_rng([seed, epoch])
+    n_win = -(-n_blocks // window)
+    parts = [rng.permutation(np.arange(w * window, min(n_blocks, (w + 1) * window))) for w in rng.permutation(n_win)]
+    return np.concatenate(parts)
+
+
+@functools.lru_cache(maxsize=16)
+def _cache_file(path: str) -> np.ndarray:
+    import pyarrow.parquet as pq
+
+    col = pq.read_table(path, columns=["input_ids"]).column("input_ids").combine_chunks()
+    return col.values.to_numpy(zero_copy_only=False).reshape(len(col), -1)
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """Which blocks rank `rank` trains on, in which order.
+
+    The global stream visits every block once per epoch (`global_order`); global step s
+    consumes positions [s*G, (s+1)*G) with G = micro x accum x W; within a step, micro batch k
+    of rank r holds positions s*G + (k*W + r)*m ... + m. So rank r's i-th block sits at
+    position ((i // m) * W + r) * m + i % m, and a run resumed after `start` consumed
+    positions (a multiple of G) continues with rank-local index start / W: the first block not
+    yet consumed, none repeated, none skipped.
+    """
+
+    train_dir: str
+    n_blocks: int
+    seed: int
+    window: int
+    micro: int
+    world_size: int
+    rank: int
+    start: int  # global positions already consumed (a multiple of the global batch)
+    end: int  # global positions the whole run consumes
+
+    @property
+    def local_range(self) -> tuple[int, int]:
+        return self.start // self.world_size, self.end // self.world_size
+
+    def positions(self, local: np.ndarray) -> np.ndarray:
+        m, w = self.micro, self.world_size
+        return ((local // m) * w + self.rank) * m + local % m
+
+    def fetch(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        local = batch["id"].astype(np.int64) + self.local_range[0]
+        pos = self.positions(local)
+        epoch, within = np.divmod(pos, self.n_blocks)
+        block_id = np.empty_like(pos)
+        for e in np.unique(epoch):
+            sel = epoch == e
+            block_id[sel] = global_order(self.n_blocks, self.seed, int(e), self.window)[within[sel]]
+        rows = []
+        for b in block_id:
+            f, r = divmod(int(b), BLOCKS_PER_FILE)
+            rows.append(_cache_file(f"{self.train_dir}/part-{f:05d}.parquet")[r])
+        return {"pos": pos, "block_id": block_id, "input_ids": np.stack(rows)}
+
+
+def train_stream(cache: Path, plan: StreamPlan):
+    """The Ray Dataset rank `plan.rank` iterates: its blocks in global order, lazily fetched.
+
+    No shuffle stage: the order is arithmetic on a seeded permutation, so the dataset is a
+    `range` mapped to cache rows, deterministic and cheap to restart at any position.
+    """
+    import ray
+
+    lo, hi = plan.local_range
+    return ray.data.range(hi - lo, override_num_blocks=max(1, min(64, (hi - lo) // 256))).map_batches(
+        plan.fetch, batch_format="numpy", batch_size=256, num_cpus=0.25
+    )
+
+
+def eval_stream(cache: Path, world_size: int, rank: int, n_eval: int):
+    """Rank r evaluates eval blocks r, r+W, ...; every rank gets the same count (ZeRO-3 needs
+    every rank in every forward), so up to W-1 trailing blocks are left out."""
+    import ray
+
+    per_rank = n_eval // world_size
+
+    def pick(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        ids = batch["block_id"].astype(np.int64)
+        keep = (ids % world_size == rank) & (ids // world_size < per_rank)
+        return {"block_id": ids[keep], "input_ids": np.asarray(batch["input_ids"])[keep]}
+
+    ds = ray.data.read_parquet(str(Path(cache) / "eval"), num_cpus=0.25)
+    return ds.map_batches(pick, batch_format="numpy", num_cpus=0.25)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m raytrain_cpu.data",
+        description="Tokenize and pack a text source into the parquet block cache that training streams from.",
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="build the cache for a config (no-op when it exists)")
+    p.add_argument("--config", default=None, help="YAML config (default: the embedded local default)")
+    p.add_argument("--force", action="store_true", help="rebuild even if the cache exists")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.seq_len=512")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        source_specs(cfg.data)  # fail on missing paths before Ray starts
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import ray
+
+    ray.init(address=cfg.run.ray_address or None, log_to_driver=False, include_dashboard=False)
+    try:
+        cache = prepare(cfg, force=args.force)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    meta = read_meta(cache)
+    print(json.dumps({"cache": str(cache), **{k: meta[k] for k in ("blocks", "eval_blocks", "tokens", "skipped_rows", "tokens_per_s")}}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = [
+    "DataError",
+    "StreamPlan",
+    "cache_root",
+    "eval_stream",
+    "file_documents",
+    "global_order",
+    "prepare",
+    "read_meta",
+    "source_specs",
+    "train_stream",
+]

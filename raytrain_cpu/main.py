@@ -1,0 +1,349 @@
+"""`python -m raytrain_cpu.main [--config FILE] [key=value ...]`: the whole job, from the driver.
+
+validate (before Ray) -> ray.init -> size the workers -> prepare data -> write the model ->
+TorchTrainer(gloo) -> summary. Re-running the same command with the same run.name resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raytrain_cpu.config import Config, ConfigError, load_config, options_help
+
+# ----------------------------------------------------------------------------- validation
+
+
+def check_storage(path: Path) -> None:
+    """Fails if the run directory can't be created and written; leaves nothing behind."""
+    probe_dir = path
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    if not probe_dir.is_dir():
+        raise ConfigError(
+            f"run.storage_path: {probe_dir} is a file, so {path} can't be created. "
+            "Choose a directory path for run.storage_path."
+        )
+    probe = probe_dir / f".raytrain_write_probe_{uuid.uuid4().hex[:8]}"
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"run.storage_path: cannot write under {probe_dir} ({e.strerror}). "
+            "Point run.storage_path at a writable directory (on a cluster: the shared /fsx mount)."
+        ) from None
+
+
+def validate_before_ray(cfg: Config) -> None:
+    from raytrain_cpu.data import DataError, source_specs
+    from raytrain_cpu.model import check_model_path
+
+    if not cfg.model.is_tiny:
+        check_model_path(cfg.model.name_or_path)
+    if cfg.model.tokenizer not in ("bundled", ""):
+        p = Path(cfg.model.tokenizer).expanduser()
+        if cfg.model.tokenizer.startswith((".", "/", "~")) and not p.is_dir():
+            raise ConfigError(f"model.tokenizer: {cfg.model.tokenizer!r} does not exist; use 'bundled', '' or a tokenizer directory.")
+    check_storage(cfg.run.run_dir)
+    if cfg.data.source != "hub":
+        try:
+            source_specs(cfg.data)
+        except DataError as e:
+            raise ConfigError(str(e)) from None
+
+
+# ----------------------------------------------------------------------------- scaling
+
+
+def physical_cores() -> int:
+    """Physical cores of this machine (vCPUs / threads per core)."""
+    try:
+        cores = set()
+        block: dict[str, str] = {}
+        for line in Path("/proc/cpuinfo").read_text().splitlines() + [""]:
+            if not line.strip():
+                if "core id" in block:
+                    cores.add((block.get("physical id", "0"), block["core id"]))
+                block = {}
+            elif ":" in line:
+                k, v = line.split(":", 1)
+                block[k.strip()] = v.strip()
+        return max(1, len(cores)) if cores else os.cpu_count() or 1
+    except OSError:
+        return os.cpu_count() or 1
+
+
+def derive_scaling(cfg: Config) -> dict[str, Any]:
+    """Worker count, CPUs and threads per worker from what Ray reports (config wins when set)."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0]
+    cpus_per_node = min(n["Resources"]["CPU"] for n in nodes)
+    s = cfg.scaling
+    data_cpus = s.data_cpus or (1.0 if cpus_per_node <= 16 else 2.0)
+    if s.num_workers:
+        workers = s.num_workers
+    else:
+        workers = len(nodes) if len(nodes) > 1 else (2 if cpus_per_node >= 2 else 1)
+    workers_per_node = max(1, -(-workers // len(nodes)))
+    free = cpus_per_node - data_cpus
+    if s.cpus_per_worker:
+        cpus = s.cpus_per_worker
+    else:
+        cpus = max(0.25, free / workers_per_node)
+        cpus = int(cpus) if cpus >= 1 else round(cpus, 2)
+    if cpus * workers_per_node > cpus_per_node:
+        raise ConfigError(
+            f"scaling.cpus_per_worker: {workers_per_node} workers x {cpus} CPUs don't fit a node with "
+            f"{cpus_per_node:g} CPUs; lower scaling.cpus_per_worker or scaling.num_workers."
+        )
+    vcpus_per_core = max(1, (os.cpu_count() or 1) // physical_cores())
+    threads = s.threads_per_worker or max(1, int(max(cpus, 1) // vcpus_per_core) if cpus >= 1 else 1)
+    if len(nodes) == 1 and not s.threads_per_worker:
+        threads = max(1, min(threads, physical_cores() // workers_per_node))
+    return {
+        "num_workers": workers,
+        "cpus_per_worker": cpus,
+        "threads_per_worker": threads,
+        "data_cpus": data_cpus,
+        "nodes": len(nodes),
+        "cpus_per_node": cpus_per_node,
+    }
+
+
+# ----------------------------------------------------------------------------- checkpoints on disk
+
+
+def newest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+    """The manifest of the newest checkpoint with one, as Ray Train will hand it back on resume."""
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    if snapshot.is_file():
+        try:
+            state = json.loads(snapshot.read_text())
+            latest = state.get("latest_checkpoint_result") or {}
+            path = (latest.get("checkpoint") or {}).get("path")
+            if path and (Path(path) / "manifest.json").is_file():
+                return {**json.loads((Path(path) / "manifest.json").read_text()), "path": path}
+        except (ValueError, AttributeError):
+            pass
+    found = []
+    for m in run_dir.glob("checkpoint_*/manifest.json"):
+        found.append({**json.loads(m.read_text()), "path": str(m.parent)})
+    return max(found, key=lambda m: m["step"]) if found else None
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def build_datasets(cache: Path, meta: dict, cfg: Config, world: int, start: int) -> dict[str, Any]:
+    from raytrain_cpu.data import StreamPlan, eval_stream, train_stream
+
+    end = cfg.train.max_steps * cfg.train.derive_global_batch(world)
+    out = {}
+    for r in range(world):
+        plan = StreamPlan(
+            str(Path(cache) / "train"), meta["blocks"], cfg.train.seed, cfg.data.shuffle_window,
+            cfg.train.micro_batch_size, world, r, start, end,
+        )
+        out[f"train_rank{r}"] = train_stream(cache, plan)
+        if meta["eval_blocks"] >= world:
+            out[f"eval_rank{r}"] = eval_stream(cache, world, r, meta["eval_blocks"])
+    return out
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Runs (or resumes) the job; returns the summary written to summary.json."""
+    import ray
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain_cpu.checkpoint import config_hash
+    from raytrain_cpu.data import prepare, read_meta
+    from raytrain_cpu.model import count_parameters, write_tiny_model
+    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+    from raytrain_cpu.train import train_loop
+
+    t0 = time.perf_counter()
+    run_dir = cfg.run.run_dir
+    ray_env = {"TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu"}
+    os.environ.update(ray_env)
+    if not ray.is_initialized():
+        ray.init(
+            address=cfg.run.ray_address or None,
+            runtime_env={"env_vars": ray_env},
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=True,
+            logging_level="WARNING",
+        )
+    # Helper processes (e.g. Ray Train's placement-group cleaner) find this cluster, not another.
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    sizing = derive_scaling(cfg)
+    world = sizing["num_workers"]
+    global_batch = cfg.train.derive_global_batch(world)  # ConfigError names the fix
+    print(
+        f"[raytrain] {world} workers x {sizing['cpus_per_worker']} CPUs ({sizing['threads_per_worker']} threads), "
+        f"global batch {global_batch} blocks, run dir {run_dir}",
+        flush=True,
+    )
+
+    # ---- data
+    cache = prepare(cfg, log=lambda m: print(m, flush=True))
+    meta = read_meta(cache)
+    needed = cfg.train.max_steps * global_batch
+    if needed > meta["blocks"]:
+        print(f"[raytrain] {needed} blocks needed, {meta['blocks']} in the data: {needed / meta['blocks']:.1f} epochs", flush=True)
+
+    # ---- model
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.model.is_tiny:
+        tok = load_tokenizer(resolve_tokenizer_path(cfg.model.tokenizer, "tiny"))
+        model_dir = str(write_tiny_model(cfg, tok, run_dir / "base_model"))
+    else:
+        model_dir = cfg.model.name_or_path
+        if "/" in model_dir and not Path(model_dir).exists():
+            from huggingface_hub import snapshot_download
+
+            # Download once to shared storage so every worker reads the same files.
+            model_dir = snapshot_download(model_dir, cache_dir=str(run_dir.parent / "hf_cache"), allow_patterns=["*.json", "*.safetensors", "tokenizer*"])
+    n_params = count_parameters(model_dir)
+
+    # ---- resolved config and resume position
+    cfg_dict = cfg.to_dict()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+    if cfg.train.record_block_ids:
+        (run_dir / "block_ids").mkdir(exist_ok=True)
+    latest = newest_checkpoint(run_dir)
+    start_step = latest["step"] if latest else 0
+    if latest and latest["step"] >= cfg.train.max_steps:
+        print(f"[raytrain] {latest['path']} is already at step {latest['step']} >= train.max_steps; nothing to do.")
+    if latest and latest["world_size"] != world:
+        raise ConfigError(
+            f"scaling.num_workers: the run's latest checkpoint ({latest['path']}) has {latest['world_size']} ZeRO "
+            f"shards but this run has {world} workers. Resume with scaling.num_workers={latest['world_size']}, "
+            "or convert the checkpoint with DeepSpeed's ds_to_universal.py and start a new run.name."
+        )
+    start = start_step * global_batch
+    datasets = build_datasets(cache, meta, cfg, world, start)
+
+    # ---- trainer
+    loop_config = {
+        "config": cfg_dict,
+        "run_dir": str(run_dir),
+        "model_dir": model_dir,
+        "config_hash": config_hash(cfg_dict),
+        "threads_per_worker": sizing["threads_per_worker"],
+        "has_eval": meta["eval_blocks"] >= world,
+        "start_position": start,
+        "record_block_ids": cfg.train.record_block_ids,
+        "n_params": n_params,
+    }
+    from ray.data import DataContext
+
+    data_ctx = DataContext.get_current()
+    data_ctx.execution_options.preserve_order = True  # each rank's blocks arrive in plan order
+    data_ctx.enable_progress_bars = False  # one progress line from rank 0, not a bar per operator
+    data_ctx.print_on_execution_start = False
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config=loop_config,
+        # gloo: the CPU collective backend that ships with PyTorch; oneCCL bindings are retired.
+        torch_config=TorchConfig(backend="gloo", timeout_s=cfg.run.gloo_timeout_s),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=world,
+            use_gpu=False,
+            resources_per_worker={"CPU": sizing["cpus_per_worker"], **cfg.scaling.resources_per_worker},
+        ),
+        run_config=ray.train.RunConfig(
+            name=cfg.run.name,
+            storage_path=str(run_dir.parent),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.num_to_keep),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            worker_runtime_env={"env_vars": ray_env},
+        ),
+        datasets=datasets,
+        dataset_config=ray.train.DataConfig(datasets_to_split=[]),
+    )
+    result = trainer.fit()
+
+    # ---- summary
+    worker_summary = json.loads((run_dir / ".worker_summary.json").read_text())
+    summary = {
+        **worker_summary,
+        "wall_s": time.perf_counter() - t0,
+        "checkpoint_path": result.checkpoint.path if result.checkpoint else None,
+        "run_dir": str(run_dir),
+        "data_cache": str(cache),
+        "padding_tokens": meta["padding_tokens"],
+        "skipped_rows": meta["skipped_rows"],
+        "scaling": sizing,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    ppl = f"{s['eval_perplexity']:.2f}" if s.get("eval_perplexity") is not None else "n/a"
+    resumed = f" (resumed from step {s['resumed_from_step']})" if s.get("resumed_from_step") else ""
+    print(
+        "\n== raytrain_cpu summary ==\n"
+        f"steps            {s['steps']}{resumed}\n"
+        f"tokens seen      {s['tokens_seen']:,}\n"
+        f"final loss       {s['final_loss']:.4f}\n"
+        f"eval perplexity  {ppl}\n"
+        f"tokens/s         {s['tokens_per_s']:,.0f} on {s['world_size']} workers\n"
+        f"wall time        {s['wall_s']:.0f}s\n"
+        f"checkpoint       {s['checkpoint_path']}\n"
+        f"run directory    {s['run_dir']} (metrics.jsonl, summary.json)\n",
+        flush=True,
+    )
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m raytrain_cpu.main",
+        description=(
+            "Train a causal LM on CPUs with Ray Train (gloo) + DeepSpeed ZeRO-3. With no arguments: "
+            "a tiny Llama on the bundled wikitext-2, 2 workers on a local Ray."
+        ),
+        epilog=options_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--config", default=None, help="YAML config file (e.g. configs/local.yaml); defaults are built in")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=20 scaling.num_workers=1")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        validate_before_ray(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from raytrain_cpu.data import DataError
+
+    try:
+        summary = run(cfg)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_summary(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

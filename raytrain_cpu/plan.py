@@ -1,0 +1,621 @@
+"""Capacity planner: memory per rank, communication per step, and which c7i nodes to rent.
+
+    python -m raytrain_cpu.plan --model meta-llama/Meta-Llama-3-8B --world-size 4 --seq-len 1024 -c
+    python -m raytrain_cpu.plan --config configs/llama3-8b-c7i.yaml           # read it all from a run config
+    python -m raytrain_cpu.plan --model path/to/config.json --zero-stage 2 --json
+
+The memory model follows what DeepSpeed 0.19 actually allocates on a CPU node with bf16
+(2 bytes a parameter for the bf16 weights, 4 for the fp32 master copy, 4 + 4 for AdamW's
+moments, 2 for the bf16 gradient partition and 4 for the fp32 gradient the optimizer reads),
+divided over ranks as the ZeRO stage says, plus what training adds on top: ZeRO-3's
+transiently gathered layers and gradient bucket, activations (with or without activation
+checkpointing), the logits and AdamW's temporaries. A fixed per-process baseline (Python +
+torch + transformers + DeepSpeed + Ray imports and their allocator arenas) was measured on
+real runs, and ``benchmarks/calibrate_planner.py`` checks the whole model against measured
+peak RSS (``tests/test_plan.py`` holds those measurements: within 15%).
+
+Everything is in bytes internally and GiB (2**30) in what it reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+
+# ----------------------------------------------------------------------------- model shapes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few numbers of a Llama-architecture decoder that decide its memory."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    tie_word_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection under grouped-query attention."""
+        return self.num_kv_heads * self.head_dim
+
+    def layer_param_numels(self) -> list[int]:
+        """Element counts of one decoder layer's tensors (q, k, v, o, gate, up, down, 2 norms)."""
+        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_dim
+        return [h * h, h * kv, h * kv, h * h, h * i, h * i, i * h, h, h]
+
+    def param_numels(self) -> list[int]:
+        """Element counts of every parameter tensor, as DeepSpeed sees them."""
+        embed = self.vocab_size * self.hidden_size
+        heads = [] if self.tie_word_embeddings else [embed]
+        return [embed, *self.layer_param_numels() * self.num_layers, self.hidden_size, *heads]
+
+    @property
+    def layer_params(self) -> int:
+        return sum(self.layer_param_numels())
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.param_numels())
+
+
+def _shape(name: str, v: int, h: int, i: int, layers: int, heads: int, kv: int, tied: bool = False) -> ModelShape:
+    return ModelShape(name, v, h, i, layers, heads, kv, tied)
+
+
+_LLAMA3_8B = dict(v=128256, h=4096, i=14336, layers=32, heads=32, kv=8)
+_LLAMA3_70B = dict(v=128256, h=8192, i=28672, layers=80, heads=64, kv=8)
+_LLAMA2_7B = dict(v=32000, h=4096, i=11008, layers=32, heads=32, kv=32)
+_TINYLLAMA = dict(v=32000, h=2048, i=5632, layers=22, heads=32, kv=4)
+
+# Hub ids whose config.json we know, so planning needs no download (ids are matched
+# case-insensitively). 'tiny' is the project's default model with the bundled 2048-token
+# tokenizer (raytrain_cpu.config.TinyModelConfig defaults).
+KNOWN_SHAPES: dict[str, ModelShape] = {
+    s.name.lower(): s
+    for s in [
+        _shape("meta-llama/Meta-Llama-3-8B", **_LLAMA3_8B),
+        _shape("meta-llama/Meta-Llama-3-8B-Instruct", **_LLAMA3_8B),
+        _shape("meta-llama/Llama-3.1-8B", **_LLAMA3_8B),
+        _shape("meta-llama/Llama-3.1-8B-Instruct", **_LLAMA3_8B),
+        _shape("meta-llama/Meta-Llama-3-70B", **_LLAMA3_70B),
+        _shape("meta-llama/Llama-3.1-70B", **_LLAMA3_70B),
+        _shape("meta-llama/Llama-2-7b-hf", **_LLAMA2_7B),
+        _shape("TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T", **_TINYLLAMA),
+        _shape("TinyLlama/TinyLlama_v1.1", **_TINYLLAMA),
+        _shape("TinyLlama/TinyLlama-1.1B-Chat-v1.0", **_TINYLLAMA),
+        _shape("tiny", v=2048, h=64, i=176, layers=2, heads=4, kv=2),
+    ]
+}
+
+# The two models benchmarks/calibrate_planner.py measures (and tests/test_plan.py predicts):
+# the project's tiny default and a ~37M-parameter Llama with the same 2048-token vocabulary.
+CALIBRATION_SHAPES: dict[str, ModelShape] = {
+    "tiny": KNOWN_SHAPES["tiny"],
+    "llama-37m": _shape("llama-37m", v=2048, h=640, i=1728, layers=8, heads=10, kv=2),
+}
+CALIBRATION_MICRO_BATCH = 8  # configs/local.yaml
+CALIBRATION_SEQ_LEN = 256
+
+
+def shape_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelShape:
+    """A ModelShape from a Hugging Face config.json dict (Llama, Mistral, Qwen2 style keys)."""
+    heads = cfg["num_attention_heads"]
+    return ModelShape(
+        name=name or cfg.get("_name_or_path") or cfg.get("model_type", "model"),
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def resolve_shape(model: str) -> ModelShape:
+    """'tiny', a known hub id, a config.json file, or a directory holding one."""
+    known = KNOWN_SHAPES.get(model.lower())
+    if known:
+        return known
+    p = Path(model).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if p.is_file():
+        return shape_from_hf_config(json.loads(p.read_text()), name=model)
+    raise ValueError(
+        f"unknown model {model!r}: give a local config.json (or a directory with one), or one of "
+        f"{', '.join(s.name for s in KNOWN_SHAPES.values())}."
+    )
+
+
+# ----------------------------------------------------------------------------- calibrated constants
+
+# Resident memory of one Ray Train worker before the model exists: Python, torch, transformers,
+# DeepSpeed and Ray's core worker imported, the gloo process group up (measured: 0.48 GiB).
+BASELINE_BYTES = int(0.48 * GIB)
+# Fixed costs that do not grow with the model: from_pretrained's module objects and zero.Init
+# hooks (load), the DeepSpeed engine (initialize), autograd / oneDNN state of the first steps.
+LOAD_OVERHEAD_BYTES = int(0.035 * GIB)
+INIT_OVERHEAD_BYTES = int(0.04 * GIB)
+STEP_OVERHEAD_BYTES = int(0.03 * GIB)
+# glibc malloc does not hand freed activation memory back in reusable pieces: from the second
+# step on, the high-water mark of a step's transients is this many times their live size
+# (fitted on the calibration runs; jemalloc, preloaded on the cluster, fragments less, so on
+# the cluster the estimate errs on the safe side).
+FRAGMENTATION = 1.70
+
+
+def _act_bytes_per_token_layer(s: ModelShape) -> int:
+    """Activation bytes saved for backward per token per decoder layer (bf16, SDPA attention).
+
+    The two RMSNorms keep an fp32 copy of their input plus the bf16 output (6h each); q,
+    rotate_half(q), rotated q, the attention output and o_proj's input (2h each); k and its
+    rotary temporaries and v (2 kv_dim each); the SwiGLU MLP's gate, up, silu(gate) and their
+    product (2i each). Checked against autograd's saved tensors (within 10%).
+    """
+    return 26 * s.hidden_size + 8 * s.kv_dim + 8 * s.intermediate_size
+
+
+# Logits per token: the bf16 logits, their fp32 copy in the loss, log-softmax's fp32 output
+# and its fp32 gradient live together at the start of backward.
+LOGITS_BYTES_PER_VOCAB = 2 + 4 + 4 + 4
+# from_pretrained reads the checkpoint through mmap; the pages of the shard being loaded
+# count as resident (Hugging Face checkpoints are sharded at about 5 GB).
+CHECKPOINT_SHARD_BYTES = 5 * 10**9
+
+# DeepSpeed's ZeRO-3 defaults (what an unset zero_optimization gets).
+DS_REDUCE_BUCKET_SIZE = 500_000_000
+DS_PREFETCH_BUCKET_SIZE = 50_000_000
+DS_MAX_LIVE_PARAMETERS = 1_000_000_000
+DS_PARAM_PERSISTENCE_THRESHOLD = 100_000
+
+# ----------------------------------------------------------------------------- instances
+
+# (vCPUs, GiB, network Gbit/s) for the c7i family; m7i has 4 GiB per vCPU and r7i 8, at the
+# same sizes and network bandwidth.
+C7I_SIZES: dict[str, tuple[int, int, float]] = {
+    "c7i.8xlarge": (32, 64, 12.5),
+    "c7i.12xlarge": (48, 96, 18.75),
+    "c7i.16xlarge": (64, 128, 25.0),
+    "c7i.24xlarge": (96, 192, 37.5),
+    "c7i.48xlarge": (192, 384, 50.0),
+}
+GIB_PER_VCPU = {"c7i": 2, "m7i": 4, "r7i": 8}
+
+# What a node keeps for itself: OS, page cache, raylet / GCS / dashboard agent, Ray Data's
+# tokenize and prefetch actors. Ray's memory monitor kills workers above 95% of node memory,
+# so training plans to stay under 90%.
+NODE_RESERVE_BYTES = 4 * GIB
+NODE_USABLE_FRACTION = 0.90
+
+
+def instance_catalog(family: str = "c7i") -> dict[str, tuple[int, int, float]]:
+    """{instance type: (vCPUs, GiB, Gbit/s)} for c7i, m7i or r7i."""
+    per_vcpu = GIB_PER_VCPU[family]
+    return {f"{family}.{k.split('.')[1]}": (cpu, cpu * per_vcpu, net) for k, (cpu, _, net) in C7I_SIZES.items()}
+
+
+def usable_bytes(instance_gib: float) -> float:
+    return instance_gib * GIB * NODE_USABLE_FRACTION - NODE_RESERVE_BYTES
+
+
+# ----------------------------------------------------------------------------- the memory model
+
+
+def _bytes_per_param(dtype: str) -> int:
+    """Bytes of a weight (and of its gradient) in the training dtype."""
+    return 2 if dtype == "bf16" else 4
+
+
+def memory_breakdown(
+    shape: ModelShape,
+    world_size: int,
+    zero_stage: int = 3,
+    offload: str = "none",
+    micro_batch: int = 1,
+    seq_len: int = 1024,
+    activation_checkpointing: bool = False,
+    dtype: str = "bf16",
+    reduce_bucket_size: int = DS_REDUCE_BUCKET_SIZE,
+    prefetch_bucket_size: int = DS_PREFETCH_BUCKET_SIZE,
+    max_live_parameters: int = DS_MAX_LIVE_PARAMETERS,
+    param_persistence_threshold: int = DS_PARAM_PERSISTENCE_THRESHOLD,
+) -> dict[str, float]:
+    """Per-rank bytes of each component (not cumulative), named after where it comes from."""
+    P, W = shape.num_params, world_size
+    b = _bytes_per_param(dtype)
+    numels = shape.param_numels()
+
+    # ---- state that lives for the whole run
+    if zero_stage == 3:
+        # Tensors under the persistence threshold stay whole on every rank (norms, small layers).
+        persistent = sum(n for n in numels if n < param_persistence_threshold)
+        weights = b * ((P - persistent) / W + persistent)
+        grads = b * P / W  # grad_partitions_flat_buffer, in the training dtype
+    else:
+        weights = b * P  # ZeRO-1/2 keep the whole model on every rank
+        grads = b * P / W if zero_stage == 2 else b * P  # ZeRO-1 keeps whole gradients until the step
+    master = 4 * P / W  # fp32 partition the optimizer updates (a copy even in fp32 training)
+    master_grad = 4 * P / W  # its fp32 gradient
+    adam = 8 * P / W  # exp_avg + exp_avg_sq
+    adam_temp = 8 * P / W  # torch AdamW on CPU: sqrt(v) and its quotient are new tensors
+    if offload == "nvme":
+        # Master weights, moments and fp32 gradients live on disk; ~2 sub-groups of 1e8
+        # elements are swapped in at a time (set zero_optimization.sub_group_size=1e8).
+        swap = min(P / W, 2e8)
+        master, master_grad, adam, adam_temp = 4 * swap, 4 * swap, 8 * swap, 8 * min(P / W, 1e8)
+    # offload 'cpu' moves nothing on a CPU node: the states are in host memory either way.
+
+    # ---- transients
+    checkpoint_pages = min(b * P, CHECKPOINT_SHARD_BYTES)
+    tokens = micro_batch * seq_len
+    per_layer = _act_bytes_per_token_layer(shape) * tokens * b // 2
+    if activation_checkpointing:
+        # Each layer keeps only its input; backward recomputes one layer at a time.
+        activations = b * shape.hidden_size * tokens * shape.num_layers + per_layer
+    else:
+        activations = per_layer * shape.num_layers
+    logits = LOGITS_BYTES_PER_VOCAB * shape.vocab_size * tokens
+    if zero_stage == 3:
+        # The module running now plus the prefetched ones, gathered whole, and the bucket
+        # that collects whole gradients before the reduce-scatter.
+        largest_unit = max(shape.layer_params, shape.vocab_size * shape.hidden_size)
+        gathered = b * min(max_live_parameters, largest_unit + prefetch_bucket_size, P)
+        bucket = b * min(reduce_bucket_size, P)
+    else:
+        gathered = 0.0
+        bucket = b * min(reduce_bucket_size, P) if zero_stage == 2 else 0.0
+
+    return {
+        "baseline": BASELINE_BYTES,
+        "overheads": LOAD_OVERHEAD_BYTES + INIT_OVERHEAD_BYTES + STEP_OVERHEAD_BYTES,
+        "weights": weights,
+        "master": master,
+        "master_grad": master_grad,
+        "grads": grads,
+        "adam": adam,
+        "checkpoint_pages": checkpoint_pages,
+        "activations": activations,
+        "logits": logits,
+        "gathered_params": gathered,
+        "grad_bucket": bucket,
+        "adam_temp": adam_temp,
+    }
+
+
+def memory_stages(parts: dict[str, float]) -> dict[str, float]:
+    """Cumulative per-rank bytes at each stage of start-up, and the training peak.
+
+    after_load: sharded from_pretrained (weights partitioned under zero.Init, the checkpoint
+    shard being read still mapped).
+    after_master: deepspeed.initialize (fp32 master partition and gradient buffers; the
+    checkpoint is closed by then).
+    after_optimizer: the first optimizer step (AdamW's moments exist from here on).
+    peak: the worst moment of a step, from the second step on: the backward (activations,
+    logits, gathered layers and the gradient bucket, times allocator fragmentation) or the
+    optimizer step (AdamW's temporaries).
+    """
+    base = parts["baseline"] + LOAD_OVERHEAD_BYTES + parts["weights"]
+    after_load = base + parts["checkpoint_pages"]
+    after_master = base + INIT_OVERHEAD_BYTES + parts["master"] + parts["master_grad"] + parts["grads"]
+    after_optimizer = after_master + parts["adam"]
+    backward = parts["activations"] + parts["logits"] + parts["gathered_params"] + parts["grad_bucket"]
+    step = parts["adam_temp"] + parts["grad_bucket"]  # the bucket's pages stay touched
+    peak = after_optimizer + STEP_OVERHEAD_BYTES + max(FRAGMENTATION * backward, step)
+    peak = max(peak, after_load)
+    return {"after_load": after_load, "after_master": after_master, "after_optimizer": after_optimizer, "peak": peak}
+
+
+# ----------------------------------------------------------------------------- communication and compute
+
+
+def comm_bytes_per_step(
+    shape: ModelShape,
+    world_size: int,
+    zero_stage: int,
+    grad_accum_steps: int = 1,
+    dtype: str = "bf16",
+    param_persistence_threshold: int = DS_PARAM_PERSISTENCE_THRESHOLD,
+) -> float:
+    """Bytes each rank sends (and receives) per optimizer step, ring algorithms.
+
+    ZeRO-3 all-gathers the (non-persistent) parameters in forward and again in backward and
+    reduce-scatters the gradients, every micro batch: ~3x the model bytes. ZeRO-2 reduce-
+    scatters gradients every micro batch and all-gathers the updated parameters once; ZeRO-1
+    does both once per step: ~2x (an all-reduce).
+    """
+    W = world_size
+    if W <= 1:
+        return 0.0
+    w_bytes = g_bytes = _bytes_per_param(dtype)
+    P = shape.num_params
+    ring = (W - 1) / W
+    if zero_stage == 3:
+        gathered = sum(n for n in shape.param_numels() if n >= param_persistence_threshold)
+        per_micro = 2 * w_bytes * gathered * ring + g_bytes * P * ring
+        return per_micro * grad_accum_steps
+    if zero_stage == 2:
+        return (g_bytes * P * grad_accum_steps + w_bytes * P) * ring
+    return (g_bytes * P + w_bytes * P) * ring
+
+
+def train_flops_per_step(shape: ModelShape, tokens: int, activation_checkpointing: bool) -> float:
+    """Model FLOPs of forward + backward (6 per parameter per token, 8 when recomputing)."""
+    return (8 if activation_checkpointing else 6) * shape.num_params * tokens
+
+
+# ----------------------------------------------------------------------------- recommendation
+
+
+def _fits(peak_bytes: float, ranks_per_node: int, instance_gib: float) -> bool:
+    return peak_bytes * ranks_per_node <= usable_bytes(instance_gib)
+
+
+def recommend(
+    shape: ModelShape,
+    world_size: int,
+    ranks_per_node: int = 1,
+    max_workers: int = 512,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """Smallest c7i that holds `world_size` ranks, and the fewest nodes per c7i size.
+
+    A rank per node is the default (it gets every core); fewer, bigger nodes cut ZeRO traffic
+    per step only through world size, so the choice is memory first, then cores.
+    """
+    peak = memory_stages(memory_breakdown(shape, world_size, **kwargs))["peak"]
+    nodes = math.ceil(world_size / ranks_per_node)
+    chosen = None
+    for family in ("c7i", "m7i", "r7i"):
+        for name, (_, gib, _) in instance_catalog(family).items():
+            if _fits(peak, ranks_per_node, gib):
+                chosen = name
+                break
+        if chosen:
+            break
+
+    # For each c7i size, the fewest ranks (one per node) whose per-rank peak fits.
+    min_workers: dict[str, int | None] = {}
+    for name, (_, gib, _) in C7I_SIZES.items():
+        min_workers[name] = next(
+            (w for w in range(1, max_workers + 1) if _fits(_peak(shape, w, kwargs), 1, gib)),
+            None,
+        )
+
+    if chosen is None:
+        need = min_workers["c7i.48xlarge"]
+        note = (
+            f"{world_size} ranks do not fit any c7i/m7i/r7i node; use at least {need} c7i.48xlarge workers."
+            if need
+            else "does not fit even at the largest world size tried; enable offload or checkpointing."
+        )
+    elif chosen.startswith("c7i"):
+        note = f"{nodes} x {chosen} ({ranks_per_node} rank(s) per node)."
+        if chosen != "c7i.48xlarge":
+            note += " Bigger c7i sizes add cores (speed), not needed memory."
+    else:
+        note = f"{nodes} x {chosen}: needs more memory per vCPU than c7i has (m7i: 4 GiB/vCPU, r7i: 8)."
+    return {
+        "instance": chosen,
+        "nodes": nodes,
+        "ranks_per_node": ranks_per_node,
+        "min_workers_per_c7i_size": min_workers,
+        "note": note,
+    }
+
+
+def _peak(shape: ModelShape, world_size: int, kwargs: dict[str, Any]) -> float:
+    return memory_stages(memory_breakdown(shape, world_size, **kwargs))["peak"]
+
+
+# ----------------------------------------------------------------------------- public entry point
+
+
+def plan(
+    model_shape: ModelShape | str,
+    world_size: int,
+    zero_stage: int = 3,
+    offload: str = "none",
+    micro_batch: int = 1,
+    seq_len: int = 1024,
+    activation_checkpointing: bool = False,
+    dtype: str = "bf16",
+    grad_accum_steps: int = 1,
+    ranks_per_node: int = 1,
+) -> dict[str, Any]:
+    """The whole estimate as a JSON-able dict (what `--json` prints)."""
+    shape = resolve_shape(model_shape) if isinstance(model_shape, str) else model_shape
+    if zero_stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
+    if offload not in ("none", "cpu", "nvme"):
+        raise ValueError(f"offload must be none, cpu or nvme, got {offload!r}")
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"dtype must be bf16 or fp32, got {dtype!r}")
+    if min(world_size, micro_batch, seq_len, grad_accum_steps, ranks_per_node) < 1:
+        raise ValueError("world_size, micro_batch, seq_len, grad_accum_steps and ranks_per_node must be >= 1")
+
+    mem_kwargs = dict(
+        zero_stage=zero_stage,
+        offload=offload,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        activation_checkpointing=activation_checkpointing,
+        dtype=dtype,
+    )
+    parts = memory_breakdown(shape, world_size, **mem_kwargs)
+    stages = memory_stages(parts)
+    comm = comm_bytes_per_step(shape, world_size, zero_stage, grad_accum_steps, dtype)
+    rec = recommend(shape, world_size, ranks_per_node=ranks_per_node, **mem_kwargs)
+    net_gbps = C7I_SIZES.get(rec["instance"] or "", (0, 0, 50.0))[2]
+    tokens = micro_batch * seq_len * grad_accum_steps
+    # The same run at each ZeRO stage: ZeRO-3 gathers the model every micro batch, so when
+    # memory allows, a lower stage often moves far fewer bytes per step.
+    stages_compared = {
+        str(z): {
+            "peak_gib": memory_stages(memory_breakdown(shape, world_size, **(mem_kwargs | {"zero_stage": z})))["peak"]
+            / GIB,
+            "comm_gib_per_step": comm_bytes_per_step(shape, world_size, z, grad_accum_steps, dtype) / GIB,
+        }
+        for z in (1, 2, 3)
+    }
+    return {
+        "model": asdict(shape) | {"num_params": shape.num_params},
+        "inputs": dict(world_size=world_size, grad_accum_steps=grad_accum_steps, ranks_per_node=ranks_per_node)
+        | mem_kwargs,
+        "memory_gib": {k: v / GIB for k, v in stages.items()},
+        "components_gib": {k: v / GIB for k, v in parts.items()},
+        "comm_gib_per_step": comm / GIB,
+        # A lower bound: the recommended node's network at line rate, nothing overlapped.
+        "comm_seconds_per_step_min": comm * 8 / (net_gbps * 1e9) if comm else 0.0,
+        "train_tflop_per_rank_per_step": train_flops_per_step(shape, tokens, activation_checkpointing) / 1e12,
+        "zero_stages_compared": stages_compared,
+        "recommendation": rec,
+    }
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def inputs_from_run_config(path: str) -> dict[str, Any]:
+    """Planner inputs from a raytrain run config (YAML): model, world size, stage, batch, seq_len."""
+    from raytrain_cpu.config import load_config
+
+    cfg = load_config(path)
+    m = cfg.model
+    if m.is_tiny:
+        t = m.tiny
+        shape = ModelShape("tiny", 2048, t.hidden_size, t.intermediate_size, t.num_layers, t.num_heads, t.num_kv_heads)
+        shape = ModelShape(**{**asdict(shape), "tie_word_embeddings": t.tie_word_embeddings})
+    else:
+        shape = resolve_shape(m.name_or_path)
+    return dict(
+        model_shape=shape,
+        world_size=cfg.scaling.num_workers or 2,  # 0 = auto: 2 on one machine
+        zero_stage=cfg.deepspeed.zero_stage,
+        micro_batch=cfg.train.micro_batch_size,
+        seq_len=cfg.data.seq_len,
+        activation_checkpointing=m.activation_checkpointing,
+        dtype=m.dtype,
+        grad_accum_steps=cfg.train.grad_accum_steps,
+    )
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The human-readable report."""
+    m, i, mem = result["model"], result["inputs"], result["memory_gib"]
+    rec = result["recommendation"]
+    offload = "" if i["offload"] == "none" else f" + offload {i['offload']}"
+    lines = [
+        f"model       {m['name']}  ({m['num_params'] / 1e9:.3f} B params, {m['num_layers']} layers, "
+        f"hidden {m['hidden_size']}, vocab {m['vocab_size']})",
+        f"setup       {i['world_size']} ranks, ZeRO-{i['zero_stage']}{offload}, {i['dtype']}, micro batch "
+        f"{i['micro_batch']} x seq {i['seq_len']}, grad accum {i['grad_accum_steps']}, activation checkpointing "
+        f"{'on' if i['activation_checkpointing'] else 'off'}",
+        "",
+        "memory per rank (GiB, resident)",
+        f"  after sharded load        {mem['after_load']:10.2f}",
+        f"  after fp32 master         {mem['after_master']:10.2f}",
+        f"  after optimizer states    {mem['after_optimizer']:10.2f}",
+        f"  peak during training      {mem['peak']:10.2f}",
+        "  of which: " + ", ".join(f"{k} {v:.2f}" for k, v in result["components_gib"].items() if v >= 0.005),
+        "",
+        f"communication per rank per step   {result['comm_gib_per_step']:.2f} GiB "
+        f"(>= {result['comm_seconds_per_step_min']:.2f} s at the node's line rate)",
+        f"compute per rank per step         {result['train_tflop_per_rank_per_step']:.2f} TFLOP",
+        "",
+        "same run per ZeRO stage (peak GiB / comm GiB per step): "
+        + ", ".join(
+            f"ZeRO-{z} {v['peak_gib']:.1f} / {v['comm_gib_per_step']:.1f}"
+            for z, v in result["zero_stages_compared"].items()
+        ),
+        "",
+        f"recommendation    {rec['note']}",
+        "  fewest workers per c7i size: "
+        + ", ".join(f"{k.split('.')[1]} {v if v else '-'}" for k, v in rec["min_workers_per_c7i_size"].items()),
+    ]
+    if i["offload"] == "cpu":
+        lines.append("  note: offload to 'cpu' saves nothing on a CPU node (the states are in RAM either way).")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m raytrain_cpu.plan",
+        description="Estimate memory per rank, communication per step and the c7i nodes for a ZeRO run.",
+        epilog="Model: 'tiny', a known hub id (" + ", ".join(s.name for s in KNOWN_SHAPES.values()) + ") "
+        "or a local config.json. Flags override what --config says.",
+    )
+    p.add_argument("--config", help="a raytrain run config (YAML) to read model, workers and batch from")
+    p.add_argument("--model", help="'tiny', a known hub id, or a config.json path (or its directory)")
+    p.add_argument("--world-size", "-w", type=int, help="ranks (training workers); default 2 or from --config")
+    p.add_argument("--zero-stage", "-z", type=int, choices=(1, 2, 3))
+    p.add_argument("--offload", choices=("none", "cpu", "nvme"), help="optimizer offload (default none)")
+    p.add_argument("--micro-batch", "-b", type=int, help="blocks per rank per forward pass")
+    p.add_argument("--seq-len", "-s", type=int, help="tokens per block")
+    p.add_argument("--grad-accum", type=int, help="micro batches per optimizer step")
+    p.add_argument(
+        "--activation-checkpointing", "-c", action=argparse.BooleanOptionalAction, default=None, help="recompute"
+    )
+    p.add_argument("--dtype", choices=("bf16", "fp32"))
+    p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    inputs: dict[str, Any] = dict(
+        model_shape=None,
+        world_size=2,
+        zero_stage=3,
+        offload="none",
+        micro_batch=1,
+        seq_len=1024,
+        activation_checkpointing=False,
+        dtype="bf16",
+        grad_accum_steps=1,
+    )
+    try:
+        if args.config:
+            inputs |= inputs_from_run_config(args.config)
+        flags = dict(
+            world_size=args.world_size,
+            zero_stage=args.zero_stage,
+            offload=args.offload,
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+            activation_checkpointing=args.activation_checkpointing,
+            dtype=args.dtype,
+            grad_accum_steps=args.grad_accum,
+        )
+        inputs |= {k: v for k, v in flags.items() if v is not None}
+        if args.model:
+            inputs["model_shape"] = resolve_shape(args.model)
+        if inputs["model_shape"] is None:
+            raise ValueError("give --model or --config")
+        result = plan(**inputs, ranks_per_node=args.ranks_per_node)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""The per-worker training loop: config -> data -> model -> engine -> resume -> loop -> checkpoint.
+
+Ray Train runs `train_loop` once per worker with a plain dict. Ray has already created the
+gloo process group (TorchConfig(backend="gloo")); DeepSpeed reuses it rather than starting
+its own, so there is exactly one group and one timeout to reason about.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from raytrain_cpu import checkpoint as ckpt_io
+from raytrain_cpu.config import Config
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def lr_factor(step: int, cfg_train, max_steps: int | None = None) -> float:
+    """Multiplier of train.lr after `step` optimizer steps (LambdaLR convention)."""
+    total = max_steps or cfg_train.max_steps
+    warmup = min(cfg_train.warmup_steps, max(1, total // 10)) if cfg_train.warmup_steps else 0
+    floor = cfg_train.min_lr_ratio
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if cfg_train.schedule == "constant":
+        return 1.0
+    if cfg_train.schedule == "wsd":
+        decay_start = total - max(1, int(cfg_train.decay_fraction * total))
+        if step < decay_start:
+            return 1.0
+        t = (step - decay_start) / max(1, total - decay_start)
+        return 1.0 - (1.0 - floor) * min(1.0, t)
+    t = (step - warmup) / max(1, total - warmup)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
+
+
+def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config the engine and transformers' sharded loading both read."""
+    t, ds = cfg.train, cfg.deepspeed
+    zero: dict[str, Any] = {
+        "stage": ds.zero_stage,
+        "overlap_comm": ds.overlap_comm,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 5e7,
+    }
+    if ds.zero_stage == 3:
+        zero |= {
+            "stage3_param_persistence_threshold": ds.param_persistence_threshold,
+            "stage3_prefetch_bucket_size": 5e7,
+            "stage3_max_live_parameters": 1e9,
+            "stage3_gather_16bit_weights_on_model_save": False,
+        }
+    conf: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum_steps,
+        "train_batch_size": t.derive_global_batch(world_size),
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.model.dtype == "bf16"},
+        # torch_adam: DeepSpeed's fused CPU Adam would JIT-compile C++ on every worker.
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": t.lr,
+                "betas": list(t.betas),
+                "eps": t.eps,
+                "weight_decay": t.weight_decay,
+                "torch_adam": True,
+            },
+        },
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if ds.config_file:
+        extra = json.loads(Path(ds.config_file).read_text())
+        for k, v in extra.items():
+            if k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "optimizer", "bf16"):
+                continue  # owned by the raytrain config, so resume arithmetic stays right
+            conf[k] = conf[k] | v if isinstance(v, dict) and isinstance(conf.get(k), dict) else v
+    return conf
+
+
+def _param_groups(model, weight_decay: float) -> list[dict[str, Any]]:
+    """No weight decay on norms (1-D tensors); ZeRO-3 params keep their real shape in ds_shape."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        shape = getattr(p, "ds_shape", p.shape)
+        (decay if len(shape) >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _allreduce_sum(values: list[float]):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def evaluate(engine, shard, micro: int, max_batches: int) -> dict[str, float]:
+    """Token-weighted loss over every rank's eval blocks (sums, not an average of averages)."""
+    import torch
+
+    engine.eval()
+    loss_sum = tokens = 0.0
+    with torch.no_grad():
+        for i, batch in enumerate(shard.iter_torch_batches(batch_size=micro, dtypes=torch.long)):
+            if max_batches and i >= max_batches:
+                break
+            x = batch["input_ids"]
+            out = engine(input_ids=x, labels=x)
+            n = x.numel() - x.shape[0]  # targets per block: seq_len - 1
+            loss_sum += float(out.loss.detach()) * n
+            tokens += n
+    engine.train()
+    loss_sum, tokens = _allreduce_sum([loss_sum, tokens])
+    loss = loss_sum / max(tokens, 1.0)
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(tokens)}
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def train_loop(loop_config: dict[str, Any]) -> None:
+    # ---- config
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    cfg = Config.from_dict(loop_config["config"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    run_dir = Path(loop_config["run_dir"])
+    t = cfg.train
+    micro, accum = t.micro_batch_size, t.grad_accum_steps
+    global_batch = t.derive_global_batch(world)
+    seq_len = cfg.data.seq_len
+    torch.set_num_threads(loop_config["threads_per_worker"])
+    torch.set_num_interop_threads(1) if torch.get_num_interop_threads() != 1 else None
+    torch.manual_seed(t.seed + rank)
+    is_main = rank == 0
+    log = (lambda msg: print(f"[rank 0] {msg}", flush=True)) if is_main else (lambda msg: None)
+
+    # ---- data: this rank's blocks in their global order (built on the driver)
+    train_shard = ray.train.get_dataset_shard(f"train_rank{rank}")
+    eval_shard = ray.train.get_dataset_shard(f"eval_rank{rank}") if loop_config["has_eval"] else None
+
+    # ---- model: loaded straight into ZeRO-3 partitions
+    import deepspeed
+
+    from raytrain_cpu.model import load_sharded
+
+    # DeepSpeed's shared-memory all-reduce serves inference only, and would JIT-compile C++
+    # on every worker at start-up; training collectives go through gloo.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # reuses Ray's group
+    ds_config = deepspeed_config(cfg, world)
+    dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+    t_load = time.perf_counter()
+    model, hf_ds_config = load_sharded(loop_config["model_dir"], ds_config, dtype)
+    if cfg.model.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    load_s = time.perf_counter() - t_load
+
+    # ---- engine
+    max_steps = t.max_steps
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model,
+        model_parameters=_param_groups(model, t.weight_decay),
+        config=ds_config,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t, max_steps)),
+        dist_init_required=False,
+    )
+
+    # ---- resume from the checkpoint Ray hands back (never DeepSpeed's `latest`)
+    step, resumed_from = 0, None
+    restored = ray.train.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as d:
+            manifest = ckpt_io.load_into(engine, d)
+        if manifest["config_hash"] != loop_config["config_hash"]:
+            raise RuntimeError(
+                f"checkpoint {restored.path} was written with different model/data/batch settings "
+                f"(config hash {manifest['config_hash']} != {loop_config['config_hash']}); "
+                "resume with the original config or start a new run.name."
+            )
+        step = resumed_from = manifest["step"]
+        log(f"resumed from {restored.path} at step {step}")
+    if loop_config["start_position"] != step * global_batch:
+        raise RuntimeError(
+            f"the data stream starts at block position {loop_config['start_position']} but the checkpoint is at "
+            f"step {step} (position {step * global_batch}); the run directory's checkpoints are inconsistent."
+        )
+    block_log = open(run_dir / "block_ids" / f"rank{rank}.txt", "a") if loop_config["record_block_ids"] else None
+
+    # ---- loop
+    n_params = loop_config["n_params"]
+    tokens_per_step = global_batch * seq_len
+    batches = iter(
+        train_shard.iter_torch_batches(
+            batch_size=micro,
+            prefetch_batches=cfg.data.prefetch_batches,
+            dtypes=torch.long,
+            drop_last=False,
+        )
+    )
+    local0 = loop_config["start_position"] // world
+    expected_first = ((local0 // micro) * world + rank) * micro + local0 % micro
+    metrics_path = run_dir / "metrics.jsonl"
+    t_start = time.perf_counter()
+    window_t, window_tokens, window_wait = time.perf_counter(), 0, 0.0
+    total_wait = 0.0
+    last: dict[str, Any] = {}
+    eval_metrics: dict[str, Any] = {}
+    steps_this_attempt = 0
+    while step < max_steps:
+        step_losses = []
+        for _ in range(accum):
+            t_wait = time.perf_counter()
+            batch = next(batches)
+            wait = time.perf_counter() - t_wait
+            window_wait += wait
+            total_wait += wait
+            x = batch["input_ids"]
+            if expected_first is not None:  # the stream must start at the first unconsumed block
+                if int(batch["pos"][0]) != expected_first:
+                    raise RuntimeError(
+                        f"rank {rank}: data stream starts at position {int(batch['pos'][0])}, expected "
+                        f"{expected_first} after {step} steps; the data cache changed under the run."
+                    )
+                expected_first = None
+            if block_log is not None:
+                block_log.write("\n".join(map(str, batch["block_id"].tolist())) + "\n")
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            step_losses.append(float(loss.detach()))
+        step += 1
+        steps_this_attempt += 1
+        window_tokens += tokens_per_step
+        if not math.isfinite(step_losses[-1]):
+            raise FloatingPointError(f"loss is {step_losses[-1]} at step {step}; lower train.lr or check the data.")
+
+        # ---- log (every rank joins the all-reduce; rank 0 writes)
+        if step % t.log_every == 0 or step == max_steps:
+            loss_sum, = _allreduce_sum([sum(step_losses) / len(step_losses)])
+            dt = time.perf_counter() - window_t
+            grad_norm = engine.get_global_grad_norm()
+            last = {
+                "step": step,
+                "loss": loss_sum / world,
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                "tokens_seen": step * tokens_per_step,
+                "tokens_per_s": window_tokens / dt,
+                "data_wait_frac": window_wait / dt,
+                "time": time.time(),
+            }
+            if is_main:
+                _append_jsonl(metrics_path, last)
+                eta = (max_steps - step) * dt / max(1, window_tokens // tokens_per_step)
+                log(
+                    f"step {step}/{max_steps} loss {last['loss']:.4f} lr {last['lr']:.2e} "
+                    f"{last['tokens_per_s']:.0f} tok/s eta {eta:.0f}s"
+                )
+            window_t, window_tokens, window_wait = time.perf_counter(), 0, 0.0
+
+        # ---- eval
+        if eval_shard is not None and ((t.eval_every and step % t.eval_every == 0) or step == max_steps):
+            eval_metrics = evaluate(engine, eval_shard, micro, t.eval_batches)
+            if is_main:
+                _append_jsonl(metrics_path, {"step": step, **eval_metrics, "time": time.time()})
+                log(f"step {step} eval loss {eval_metrics['eval_loss']:.4f} ppl {eval_metrics['eval_perplexity']:.2f}")
+
+        # ---- checkpoint (every rank saves its shard; every rank reports)
+        if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == max_steps:
+            manifest = {
+                "step": step,
+                "world_size": world,
+                "global_batch": global_batch,
+                "blocks_consumed": step * global_batch,
+                "tokens_seen": step * tokens_per_step,
+                "config_hash": loop_config["config_hash"],
+                "time": time.time(),
+            }
+            local = ckpt_io.save_shard(engine, step, manifest, rank)
+            wall = time.perf_counter() - t_start
+            report = {
+                "step": step,
+                "loss": last.get("loss"),
+                "tokens_seen": step * tokens_per_step,
+                "train_wall_s": wall,
+                "tokens_per_s": steps_this_attempt * tokens_per_step / wall,
+                "data_wait_frac": total_wait / wall,
+                **eval_metrics,
+            }
+            if block_log is not None:
+                block_log.flush()
+            ckpt_io.report_checkpoint(report, local, step)
+
+    # ---- summary (rank 0 hands the figures to the driver through the last report)
+    if is_main:
+        summary = {
+            "steps": step,
+            "tokens_seen": step * tokens_per_step,
+            "final_loss": last.get("loss"),
+            "eval_loss": eval_metrics.get("eval_loss"),
+            "eval_perplexity": eval_metrics.get("eval_perplexity"),
+            "tokens_per_s": steps_this_attempt * tokens_per_step / max(time.perf_counter() - t_start, 1e-9),
+            "data_wait_frac": total_wait / max(time.perf_counter() - t_start, 1e-9),
+            "world_size": world,
+            "global_batch": global_batch,
+            "resumed_from_step": resumed_from,
+            "load_s": load_s,
+            "n_params": n_params,
+            "train_wall_s": time.perf_counter() - t_start,
+        }
+        (run_dir / ".worker_summary.json").write_text(json.dumps(summary, indent=2))
+    dist.barrier()
+    del hf_ds_config
