@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import os
+import re
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -324,9 +325,19 @@ class RunSettings:
     num_to_keep: int = 2
     """Checkpoints kept on storage (the newest ones)."""
     max_failures: int = 0
-    """Times Ray Train restarts the worker group after a failure; -1 retries forever."""
+    """Times Ray Train restarts the worker group after a failure (a worker or node lost); each restart
+    resumes from the latest checkpoint; -1 retries forever. Spot preemptions Ray announced are
+    retried without limit and not counted here."""
     gloo_timeout_s: int = 600
-    """Seconds a collective may wait on a peer before the attempt fails (Ray's default is 1800)."""
+    """Seconds a collective may wait on a peer before the attempt fails (Ray's default is 1800); also
+    bounds Ray Train's own barriers and worker health checks, so a dead or hung peer ends the
+    attempt within about this time."""
+    preemption_check_every: int = 1
+    """Ask Ray every this many steps whether a node of the run is being drained (a spot notice) and
+    checkpoint at once if so; 0 never asks. Each check is a small barrier across the workers."""
+    export_on_finish: bool = False
+    """When training ends, write <run dir>/export (a Hugging Face model: safetensors, config,
+    tokenizer) from the final checkpoint and check its logits against the trained model."""
 
     def __post_init__(self) -> None:
         _require(
@@ -338,10 +349,73 @@ class RunSettings:
         _require(self.num_to_keep >= 1, "run.num_to_keep", "must be >= 1.")
         _require(self.max_failures >= -1, "run.max_failures", "must be >= -1 (-1 = retry forever).")
         _require(self.gloo_timeout_s >= 10, "run.gloo_timeout_s", "must be at least 10 seconds.")
+        _require(self.preemption_check_every >= 0, "run.preemption_check_every", "must be >= 0 (0 = never).")
 
     @property
     def run_dir(self) -> Path:
         return Path(self.storage_path).expanduser().absolute() / self.name
+
+
+# ----------------------------------------------------------------------------- guards
+
+
+_INJECT = re.compile(r"^(spike@\d+(:[0-9.eE+-]+)?|nan@\d+)$")
+
+
+@dataclass
+class GuardConfig:
+    """Stability guards: loss spikes, gradient-norm spikes and non-finite losses."""
+
+    action: str = "log"
+    """What a loss spike or a gradient-norm spike does: 'log' (warn, count it in summary.json
+    and go on), 'skip' (drop that step's update on every rank; its data stays consumed) or
+    'stop' (end the run with a message naming the step). A non-finite loss or gradient is never
+    applied: it skips the step under 'log' and 'skip' and stops the run under 'stop'."""
+    loss_spike_factor: float = 2.0
+    """A step's loss (mean over ranks and micro batches) above this many times the running mean
+    of the last guards.loss_window steps is a spike; 0 disables the check."""
+    loss_window: int = 50
+    """Steps in the running mean of the loss; spikes are looked for once it holds
+    min(guards.loss_window, 10) steps (it starts empty after a resume)."""
+    max_grad_norm: float = 0.0
+    """A global gradient norm (before clipping) above this is a spike; 0 disables the check.
+    With guards.action=skip the norm is taken before the update (ZeRO-3 only: one extra pass
+    over each rank's gradient shard)."""
+    max_skips: int = 20
+    """Stop the run once more than this many steps have been skipped (spikes and non-finite
+    losses together, counted across resumes)."""
+    inject: str = ""
+    """Testing aid: 'spike@STEP[:FACTOR]' and/or 'nan@STEP', comma-separated, multiply rank
+    0's loss at that step by FACTOR (default 100) or by NaN; '' injects nothing."""
+
+    def __post_init__(self) -> None:
+        _choice(self.action, "guards.action", ("log", "skip", "stop"))
+        _require(
+            self.loss_spike_factor == 0 or self.loss_spike_factor > 1,
+            "guards.loss_spike_factor",
+            f"got {self.loss_spike_factor}; use a factor > 1 (e.g. 2) or 0 to disable.",
+        )
+        _require(self.loss_window >= 1, "guards.loss_window", "must be a positive number of steps.")
+        _require(self.max_grad_norm >= 0, "guards.max_grad_norm", "must be >= 0 (0 disables the check).")
+        _require(self.max_skips >= 0, "guards.max_skips", "must be >= 0.")
+        for item in filter(None, (x.strip() for x in self.inject.split(","))):
+            _require(bool(_INJECT.match(item)), "guards.inject", f"{item!r}: write spike@STEP[:FACTOR] or nan@STEP.")
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+@dataclass
+class MetricsConfig:
+    """Metric sinks besides metrics.jsonl, which is always written and is the source of truth."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files to <run dir>/tensorboard (from rank 0)."""
+    mlflow_tracking_uri: str = ""
+    """Also log to MLflow at this tracking URI (e.g. http://mlflow:5000 or sqlite:///fsx/mlflow.db);
+    needs the mlflow extra installed on every node; '' disables MLflow."""
+    mlflow_experiment: str = "raytrain_cpu"
+    """MLflow experiment the run is logged under (the MLflow run is named after run.name)."""
 
 
 # ----------------------------------------------------------------------------- root
@@ -363,6 +437,10 @@ class Config:
     """DeepSpeed."""
     run: RunSettings = field(default_factory=RunSettings)
     """Run directory, recovery."""
+    guards: GuardConfig = field(default_factory=GuardConfig)
+    """Stability guards."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Metric sinks."""
 
     def __post_init__(self) -> None:
         if self.model.is_tiny:
@@ -371,6 +449,15 @@ class Config:
                 "data.seq_len",
                 f"{self.data.seq_len} exceeds model.tiny.max_position_embeddings="
                 f"{self.model.tiny.max_position_embeddings}; lower seq_len or raise the other.",
+            )
+        if self.guards.action == "skip" and self.guards.max_grad_norm > 0:
+            # Skipping on the gradient norm reads each rank's gradient shard before the update,
+            # which DeepSpeed exposes for ZeRO-3 partitions only.
+            _require(
+                self.deepspeed.zero_stage == 3,
+                "guards.max_grad_norm",
+                "skipping steps on the gradient norm needs deepspeed.zero_stage=3; use guards.action=log "
+                "or stop, or guards.max_grad_norm=0.",
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -404,6 +491,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{key}: expected a number, got {value!r}.")
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

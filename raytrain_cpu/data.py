@@ -252,52 +252,65 @@ def _docs_from_texts(texts: list[str], spec: SourceSpec) -> list[str]:
     return [t for t in texts if t.strip()]
 
 
-def _documents_batch(batch: dict[str, np.ndarray], spec: SourceSpec) -> dict[str, list]:
-    docs, skipped, order = [], [], []
-    for path, raw, file_index in zip(batch["path"], batch["bytes"], batch["file_index"]):
+def _documents_batch(batch: dict[str, np.ndarray], spec: SourceSpec) -> dict[str, Any]:
+    docs, skipped = [], []
+    for path, raw in zip(batch["path"], batch["bytes"]):
         d, s = file_documents(str(path), bytes(raw), spec)
-        docs += d
-        order += [(int(file_index), i) for i in range(len(d))]
-        skipped += [s] + [0] * (len(d) - 1) if d else []
-        if not d and s:  # a file whose every row was skipped still reports its count
-            docs.append("")
-            order.append((int(file_index), -1))
-            skipped.append(s)
-    return {
-        "text": docs,
-        "skipped": np.asarray(skipped, dtype=np.int64),
-        "file_index": np.asarray([o[0] for o in order], dtype=np.int64),
-        "doc_index": np.asarray([o[1] for o in order], dtype=np.int64),
-    }
+        docs += d or [""]  # a file whose every row was skipped still reports its count
+        skipped += [s] + [0] * (max(len(d), 1) - 1)
+    return {"text": docs, "skipped": np.asarray(skipped, dtype=np.int64)}
 
 
 # ----------------------------------------------------------------------------- tokenize
 
 
 class Tokenize:
-    """Ray Data callable class: one tokenizer per actor, batched fast tokenization."""
+    """Ray Data callable class: one tokenizer per actor, batched fast tokenization.
 
-    def __init__(self, tokenizer_path: str, threads: int = 1):
+    Actors load the Rust `tokenizers` object straight from tokenizer.json (no transformers
+    import: actors start in a second, not ten).
+    """
+
+    def __init__(self, tokenizer_json: str, eos_id: int, threads: int = 1):
         # The Rust tokenizer would start a thread pool per actor; with one CPU per actor that
         # oversubscribes the cores, so parallelism comes from actors, not threads.
         os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
         os.environ["RAYON_NUM_THREADS"] = str(max(1, threads))
-        self.tok = load_tokenizer(tokenizer_path)
-        self.eos = self.tok.eos_token_id
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(tokenizer_json)
+        self.eos = eos_id
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         texts = [str(t) for t in batch["text"]]
         keep = [i for i, t in enumerate(texts) if t]
-        enc = self.tok([texts[i] for i in keep], add_special_tokens=False)["input_ids"] if keep else []
+        enc = self.tok.encode_batch([texts[i] for i in keep], add_special_tokens=False) if keep else []
         ids: list[np.ndarray] = [np.zeros(0, dtype=np.int32) for _ in texts]
         for i, e in zip(keep, enc):
-            ids[i] = np.asarray(e + [self.eos], dtype=np.int32)
-        return {
-            "ids": ids,
-            "skipped": batch["skipped"],
-            "file_index": batch["file_index"],
-            "doc_index": batch["doc_index"],
-        }
+            ids[i] = np.append(np.asarray(e.ids, dtype=np.int32), np.int32(self.eos))
+        return {"ids": ids, "skipped": batch["skipped"]}
+
+
+def materialize_tokenizer(path: str, cache: Path) -> tuple[str, int]:
+    """(tokenizer.json path, EOS id); a hub tokenizer is saved once under the cache directory."""
+    tok = load_tokenizer(path)
+    p = Path(path)
+    if not (p.is_dir() and (p / "tokenizer.json").is_file()):
+        p = cache / "tokenizers" / re.sub(r"[^A-Za-z0-9_.-]", "_", path)
+        if not (p / "tokenizer.json").is_file():
+            tok.save_pretrained(str(p))
+    return str(p / "tokenizer.json"), int(tok.eos_token_id)
+
+
+def _unwrap(e: BaseException) -> DataError | None:
+    """The DataError inside a Ray task failure, so the user sees our message, not a traceback."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, DataError):
+            return DataError(e.args[0] if e.args else str(e))
+        e = getattr(e, "cause", None) or e.__cause__
+    return None
 
 
 # ----------------------------------------------------------------------------- pack + cache
@@ -378,55 +391,55 @@ class _BlockWriter:
         return self.pending
 
 
-def _read_documents(spec: SourceSpec, cfg: DataConfig, tokenizer_path: str, actors: int):
+def _read_documents(spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int], actors: int):
     import ray
 
     ds = ray.data.read_binary_files(
         list(spec.paths), include_paths=True, filesystem=_filesystem(spec.filesystem), num_cpus=0
     )
-    index = {p: i for i, p in enumerate(spec.paths)}
-    index.update({p.split("://", 1)[-1]: i for i, p in enumerate(spec.paths)})
-
-    def add_index(batch: dict[str, np.ndarray]) -> dict[str, Any]:
-        batch["file_index"] = np.asarray([index.get(str(p), index.get(str(p).lstrip("/"), 0)) for p in batch["path"]], dtype=np.int64)
-        return batch
-
-    return (
-        ds.map_batches(add_index, batch_size=1)
-        .map_batches(_documents_batch, fn_kwargs={"spec": spec}, batch_size=1)
-        .map_batches(
-            Tokenize,
-            fn_constructor_kwargs={"tokenizer_path": tokenizer_path},
-            batch_size=cfg.tokenize_batch_size,
-            concurrency=actors,
-            num_cpus=1,
-        )
+    docs = ds.map_batches(_documents_batch, fn_kwargs={"spec": spec}, batch_size=1)
+    if len(spec.paths) < 2 * actors:
+        # Few big files (wikitext is one): split their documents into blocks, in order, so
+        # every tokenizer actor gets work. Many files already stream in parallel.
+        docs = docs.repartition(4 * actors, shuffle=False)
+    return docs.map_batches(
+        Tokenize,
+        fn_constructor_kwargs={"tokenizer_json": tokenizer[0], "eos_id": tokenizer[1]},
+        batch_size=cfg.tokenize_batch_size,
+        concurrency=actors,
+        num_cpus=1,
     )
 
 
-def _pack(spec: SourceSpec, cfg: DataConfig, tokenizer_path: str, actors: int, out: Path, holdout: Path | None) -> dict:
+def _pack(spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int], actors: int, out: Path, holdout: Path | None) -> dict:
     """Tokenizes in Ray Data, then packs in document order on the driver (a sequential concat)."""
     import ray
 
-    ds = _read_documents(spec, cfg, tokenizer_path, actors)
+    ds = _read_documents(spec, cfg, tokenizer, actors)
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # packing order = file order = document order
     writer = _BlockWriter(out, cfg.seq_len)
     eval_writer = _BlockWriter(holdout, cfg.seq_len) if holdout else None
     every = round(1 / cfg.eval_fraction) if holdout else 0
     docs = skipped = tokens = 0
-    for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-        skipped += int(batch["skipped"].sum())
-        for ids in batch["ids"]:
-            if len(ids) == 0:
-                continue
-            docs += 1
-            tokens += len(ids)
-            # Hold-out goes by document, so no article is split between train and eval.
-            if eval_writer is not None and docs % every == 0:
-                eval_writer.add(ids)
-            else:
-                writer.add(np.asarray(ids, dtype=np.int32))
+    try:
+        for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+            skipped += int(batch["skipped"].sum())
+            for ids in batch["ids"]:
+                if len(ids) == 0:
+                    continue
+                docs += 1
+                tokens += len(ids)
+                # Hold-out goes by document, so no article is split between train and eval.
+                if eval_writer is not None and docs % every == 0:
+                    eval_writer.add(ids)
+                else:
+                    writer.add(np.asarray(ids, dtype=np.int32))
+    except Exception as e:
+        err = _unwrap(e)
+        if err is None:
+            raise
+        raise err from None
     dropped = writer.close() + (eval_writer.close() if eval_writer else 0)
     if docs == 0:
         raise DataError(
@@ -452,21 +465,30 @@ def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
     key = cache_key(cfg, train, evals, tokenizer_path)
     final = cache_root(cfg) / key
     if (final / "meta.json").is_file() and not force:
+        log(f"[data] using the cached blocks in {final}")
         return final
     t0 = time.perf_counter()
     cpus = int(ray.cluster_resources().get("CPU", 1))
     actors = cfg.data.tokenize_actors or max(1, cpus)
     tmp = final.parent / f".{key}.tmp-{uuid.uuid4().hex[:8]}"
+    tokenizer = materialize_tokenizer(tokenizer_path, cache_root(cfg))
     try:
         log(f"[data] preparing {train.kind} source ({len(train.paths)} files) -> {final}")
-        stats = _pack(train, cfg.data, tokenizer_path, actors, tmp / "train", None if evals else tmp / "eval")
+        log(f"[data] 1/{2 if evals else 1} tokenizing the training text with {actors} actors ...")
+        stats = _pack(train, cfg.data, tokenizer, actors, tmp / "train", None if evals else tmp / "eval")
+        log(
+            f"[data] tokenized {stats['documents']:,} docs, {stats['tokens']:,} tokens -> {stats['blocks']:,} "
+            f"blocks in {time.perf_counter() - t0:.1f}s"
+        )
         if stats["blocks"] == 0:
             raise DataError(
                 f"the training text gives {stats['tokens']} tokens, less than one block of data.seq_len="
                 f"{cfg.data.seq_len}; lower data.seq_len or add text."
             )
         if evals:
-            estats = _pack(evals, cfg.data, tokenizer_path, actors, tmp / "eval", None)
+            log("[data] 2/2 tokenizing the evaluation text ...")
+            estats = _pack(evals, cfg.data, tokenizer, actors, tmp / "eval", None)
+            log(f"[data] tokenized {estats['documents']:,} eval docs -> {estats['blocks']:,} blocks")
             stats["eval_blocks"] = estats["blocks"]
             stats["eval_tokens"] = estats["tokens"]
             stats["skipped_rows"] += estats["skipped_rows"]
@@ -528,12 +550,12 @@ def _cache_file(path: str) -> np.ndarray:
 class StreamPlan:
     """Which blocks rank `rank` trains on, in which order.
 
-    The global stream visits every block once per epoch (`global_order`); global step s
-    consumes positions [s*G, (s+1)*G) with G = micro x accum x W; within a step, micro batch k
-    of rank r holds positions s*G + (k*W + r)*m ... + m. So rank r's i-th block sits at
-    position ((i // m) * W + r) * m + i % m, and a run resumed after `start` consumed
-    positions (a multiple of G) continues with rank-local index start / W: the first block not
-    yet consumed, none repeated, none skipped.
+    The global stream visits every block once per epoch (`global_order`); the run (or the
+    resumed part of it) consumes positions [start, end) in steps of G = micro x accum x W;
+    within a step, micro batch k of rank r holds positions (k*W + r)*m ... + m past the
+    step's first. So rank r's i-th block sits at start + ((i // m) * W + r) * m + i % m: a
+    resumed run continues with the first block not yet consumed, none repeated, none skipped,
+    even when the number of workers changed.
     """
 
     train_dir: str
@@ -548,15 +570,14 @@ class StreamPlan:
 
     @property
     def local_range(self) -> tuple[int, int]:
-        return self.start // self.world_size, self.end // self.world_size
+        return 0, (self.end - self.start) // self.world_size
 
     def positions(self, local: np.ndarray) -> np.ndarray:
         m, w = self.micro, self.world_size
-        return ((local // m) * w + self.rank) * m + local % m
+        return self.start + ((local // m) * w + self.rank) * m + local % m
 
     def fetch(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        local = batch["id"].astype(np.int64) + self.local_range[0]
-        pos = self.positions(local)
+        pos = self.positions(batch["id"].astype(np.int64))
         epoch, within = np.divmod(pos, self.n_blocks)
         block_id = np.empty_like(pos)
         for e in np.unique(epoch):

@@ -124,21 +124,22 @@ def derive_scaling(cfg: Config) -> dict[str, Any]:
 
 
 def newest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
-    """The manifest of the newest checkpoint with one, as Ray Train will hand it back on resume."""
-    snapshot = run_dir / "checkpoint_manager_snapshot.json"
-    if snapshot.is_file():
-        try:
-            state = json.loads(snapshot.read_text())
-            latest = state.get("latest_checkpoint_result") or {}
-            path = (latest.get("checkpoint") or {}).get("path")
-            if path and (Path(path) / "manifest.json").is_file():
-                return {**json.loads((Path(path) / "manifest.json").read_text()), "path": path}
-        except (ValueError, AttributeError):
-            pass
-    found = []
-    for m in run_dir.glob("checkpoint_*/manifest.json"):
-        found.append({**json.loads(m.read_text()), "path": str(m.parent)})
-    return max(found, key=lambda m: m["step"]) if found else None
+    """The manifest (+ "path") of the checkpoint Ray Train will hand back on resume, verified.
+
+    Only Ray's snapshot counts: a checkpoint directory it does not list was never reported (a
+    crash between writing and reporting) and is not resumed from. When the snapshot's latest
+    checkpoint is missing, incomplete or unreadable this fails loudly instead of starting over.
+    """
+    from raytrain_cpu.checkpoint import CheckpointError, latest_reported, verify_checkpoint
+
+    try:
+        path = latest_reported(run_dir)
+        return None if path is None else {**verify_checkpoint(path), "path": str(path)}
+    except CheckpointError as e:
+        raise ConfigError(
+            f"run.name: {e}. Ray Train would resume run {run_dir.name!r} from it; restore the files, or start a "
+            "new run.name (python -m raytrain_cpu.export turns an older, complete checkpoint into a model to start from)."
+        ) from None
 
 
 # ----------------------------------------------------------------------------- run
@@ -168,13 +169,14 @@ def run(cfg: Config) -> dict[str, Any]:
 
     from raytrain_cpu.checkpoint import config_hash
     from raytrain_cpu.data import prepare, read_meta
+    from raytrain_cpu.metrics import count_events, read_metrics
     from raytrain_cpu.model import count_parameters, write_tiny_model
     from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
     from raytrain_cpu.train import train_loop
 
     t0 = time.perf_counter()
     run_dir = cfg.run.run_dir
-    ray_env = {"TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu"}
+    ray_env = {"TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
     os.environ.update(ray_env)
     if not ray.is_initialized():
         ray.init(
@@ -187,6 +189,15 @@ def run(cfg: Config) -> dict[str, Any]:
         )
     # Helper processes (e.g. Ray Train's placement-group cleaner) find this cluster, not another.
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    # One progress line from rank 0 instead of Ray Data's bars and per-operator logs (which it
+    # writes every few seconds when stdout is not a terminal). Set before any dataset exists:
+    # a dataset keeps a copy of the context it was built with, also on the workers.
+    from ray.data import DataContext
+
+    data_ctx = DataContext.get_current()
+    data_ctx.enable_progress_bars = False
+    data_ctx.print_on_execution_start = False
+    data_ctx.execution_options.preserve_order = True  # each rank's blocks arrive in plan order
     sizing = derive_scaling(cfg)
     world = sizing["num_workers"]
     global_batch = cfg.train.derive_global_batch(world)  # ConfigError names the fix
@@ -227,11 +238,9 @@ def run(cfg: Config) -> dict[str, Any]:
     if latest and latest["step"] >= cfg.train.max_steps:
         print(f"[raytrain] {latest['path']} is already at step {latest['step']} >= train.max_steps; nothing to do.")
     if latest and latest["world_size"] != world:
-        raise ConfigError(
-            f"scaling.num_workers: the run's latest checkpoint ({latest['path']}) has {latest['world_size']} ZeRO "
-            f"shards but this run has {world} workers. Resume with scaling.num_workers={latest['world_size']}, "
-            "or convert the checkpoint with DeepSpeed's ds_to_universal.py and start a new run.name."
-        )
+        from raytrain_cpu.checkpoint import world_size_remedy
+
+        raise ConfigError(f"scaling.num_workers: {world_size_remedy(latest['path'], latest['world_size'], world)}")
     start = start_step * global_batch
     datasets = build_datasets(cache, meta, cfg, world, start)
 
@@ -247,12 +256,11 @@ def run(cfg: Config) -> dict[str, Any]:
         "record_block_ids": cfg.train.record_block_ids,
         "n_params": n_params,
     }
-    from ray.data import DataContext
-
-    data_ctx = DataContext.get_current()
-    data_ctx.execution_options.preserve_order = True  # each rank's blocks arrive in plan order
-    data_ctx.enable_progress_bars = False  # one progress line from rank 0, not a bar per operator
-    data_ctx.print_on_execution_start = False
+    # A dead or hung peer ends the attempt within run.gloo_timeout_s wherever the others wait for it:
+    # in a gloo collective (TorchConfig below), in Ray Train's own barriers (report, preemption
+    # checks) or in the controller's health check of a worker that stopped answering.
+    os.environ["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] = str(cfg.run.gloo_timeout_s)
+    os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(cfg.run.gloo_timeout_s)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config=loop_config,
@@ -267,7 +275,9 @@ def run(cfg: Config) -> dict[str, Any]:
             name=cfg.run.name,
             storage_path=str(run_dir.parent),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.num_to_keep),
-            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            # Restarts resume from the latest reported checkpoint; announced preemptions (spot
+            # notices) have their own, unlimited budget.
+            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures, max_preemption_failures=-1),
             worker_runtime_env={"env_vars": ray_env},
         ),
         datasets=datasets,
@@ -286,6 +296,8 @@ def run(cfg: Config) -> dict[str, Any]:
         "padding_tokens": meta["padding_tokens"],
         "skipped_rows": meta["skipped_rows"],
         "scaling": sizing,
+        # From metrics.jsonl rather than the worker: it spans every attempt of a resumed run.
+        "guard_events": count_events(read_metrics(run_dir)),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -303,9 +315,20 @@ def print_summary(s: dict[str, Any]) -> None:
         f"tokens/s         {s['tokens_per_s']:,.0f} on {s['world_size']} workers\n"
         f"wall time        {s['wall_s']:.0f}s\n"
         f"checkpoint       {s['checkpoint_path']}\n"
-        f"run directory    {s['run_dir']} (metrics.jsonl, summary.json)\n",
+        f"run directory    {s['run_dir']} (metrics.jsonl, summary.json)\n"
+        f"guards           {_guard_line(s)}\n"
+        f"report           python -m raytrain_cpu.report {s['run_dir']}\n",
         flush=True,
     )
+    if s.get("guard_stop"):
+        print(f"error: the run stopped early at step {s['steps']}: {s['guard_stop']}", file=sys.stderr, flush=True)
+
+
+def _guard_line(s: dict[str, Any]) -> str:
+    g = s.get("guard_events") or {}
+    if not any(g.values()):
+        return "no loss spikes, gradient-norm spikes or non-finite losses"
+    return ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in g.items()) + " (event rows in metrics.jsonl)"
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -342,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_summary(summary)
-    return 0
+    return 3 if summary.get("guard_stop") else 0
 
 
 if __name__ == "__main__":

@@ -10,11 +10,16 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from raytrain_cpu import checkpoint as ckpt_io
+from raytrain_cpu import export as export_io
+from raytrain_cpu import metrics as obs
 from raytrain_cpu.config import Config
+from raytrain_cpu.guards import StabilityGuard
+from raytrain_cpu.tokenizer import resolve_tokenizer_path
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -104,9 +109,11 @@ def _allreduce_sum(values: list[float]):
     return t.tolist()
 
 
-def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+def _optimizer_step(engine) -> int | None:
+    """Adam's step counter as restored into the optimizer (proves its state came back)."""
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    steps = [int(st["step"]) for st in inner.state.values() if "step" in st]
+    return max(steps) if steps else None
 
 
 def evaluate(engine, shard, micro: int, max_batches: int) -> dict[str, float]:
@@ -151,7 +158,9 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     torch.set_num_interop_threads(1) if torch.get_num_interop_threads() != 1 else None
     torch.manual_seed(t.seed + rank)
     is_main = rank == 0
-    log = (lambda msg: print(f"[rank 0] {msg}", flush=True)) if is_main else (lambda msg: None)
+    log = (lambda msg: obs.console(f"[rank 0] {msg}")) if is_main else (lambda msg: None)
+    # torch 2.13 warns on every DeepSpeed all-gather / reduce-scatter, from every rank: a flood, not news.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
     # ---- data: this rank's blocks in their global order (built on the driver)
     train_shard = ray.train.get_dataset_shard(f"train_rank{rank}")
@@ -169,10 +178,12 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     ds_config = deepspeed_config(cfg, world)
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     t_load = time.perf_counter()
+    log(f"[load] loading {loop_config['model_dir']} into ZeRO-{cfg.deepspeed.zero_stage} shards on {world} ranks")
     model, hf_ds_config = load_sharded(loop_config["model_dir"], ds_config, dtype)
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     load_s = time.perf_counter() - t_load
+    log(f"[load] sharded load done in {load_s:.1f}s; rank 0 holds {obs.process_memory()['rss'] / obs.GIB:.2f} GiB")
 
     # ---- engine
     max_steps = t.max_steps
@@ -185,24 +196,20 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     )
 
     # ---- resume from the checkpoint Ray hands back (never DeepSpeed's `latest`)
-    step, resumed_from = 0, None
+    # Checkpoints live in Ray's experiment directory (the run dir) so they can be reported in place.
+    ckpt_root = Path(ctx.get_storage().experiment_fs_path)
+    step, resumed_from, last_ckpt = 0, None, None
     restored = ray.train.get_checkpoint()
     if restored is not None:
-        with restored.as_directory() as d:
-            manifest = ckpt_io.load_into(engine, d)
-        if manifest["config_hash"] != loop_config["config_hash"]:
-            raise RuntimeError(
-                f"checkpoint {restored.path} was written with different model/data/batch settings "
-                f"(config hash {manifest['config_hash']} != {loop_config['config_hash']}); "
-                "resume with the original config or start a new run.name."
-            )
+        with restored.as_directory() as d:  # shared storage: the directory itself, not a copy
+            # Verified against its manifest first; incomplete or foreign checkpoints fail loudly.
+            manifest = ckpt_io.load_into(engine, d, rank, world, loop_config["config_hash"])
         step = resumed_from = manifest["step"]
-        log(f"resumed from {restored.path} at step {step}")
-    if loop_config["start_position"] != step * global_batch:
-        raise RuntimeError(
-            f"the data stream starts at block position {loop_config['start_position']} but the checkpoint is at "
-            f"step {step} (position {step * global_batch}); the run directory's checkpoints are inconsistent."
-        )
+        last_ckpt = Path(restored.path)
+        log(f"resumed from {restored.path} at step {step} (optimizer at step {_optimizer_step(engine)})")
+    # After a restart inside this driver run, Ray replays each rank's stream from the driver's start.
+    skip_batches = ckpt_io.batches_to_skip(loop_config["start_position"], step, global_batch, accum)
+    opt_step_at_resume = _optimizer_step(engine) if resumed_from is not None else None
     block_log = open(run_dir / "block_ids" / f"rank{rank}.txt", "a") if loop_config["record_block_ids"] else None
 
     # ---- loop
@@ -216,18 +223,31 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             drop_last=False,
         )
     )
-    local0 = loop_config["start_position"] // world
-    expected_first = ((local0 // micro) * world + rank) * micro + local0 % micro
-    metrics_path = run_dir / "metrics.jsonl"
+    for _ in range(skip_batches):
+        next(batches)
+    expected_first = step * global_batch + rank * micro  # see data.StreamPlan
     t_start = time.perf_counter()
     window_t, window_tokens, window_wait = time.perf_counter(), 0, 0.0
     total_wait = 0.0
     last: dict[str, Any] = {}
     eval_metrics: dict[str, Any] = {}
     steps_this_attempt = 0
+    # Observability: rank 0 writes the sinks; every rank runs the guard (its decisions come
+    # from all-reduced values, so all ranks skip or stop together).
+    sink = obs.MetricsSink.for_run(cfg, run_dir, resume_step=step, log=log) if is_main else None
+
+    def on_guard_event(event) -> None:
+        if sink is not None:
+            sink.write({**event.row(), "time": time.time()})
+            log(event.message())
+
+    guard = StabilityGuard(cfg.guards, _allreduce_sum, world, rank, cfg.deepspeed.zero_stage, on_event=on_guard_event)
+    progress = obs.Progress(max_steps, start_step=step)
+    peak_flops = loop_config.get("peak_flops")  # per worker; MFU is logged only when it is known
+    preemption_check, saved_on_notice = cfg.run.preemption_check_every, False
     while step < max_steps:
         step_losses = []
-        for _ in range(accum):
+        for micro_i in range(accum):
             t_wait = time.perf_counter()
             batch = next(batches)
             wait = time.perf_counter() - t_wait
@@ -244,58 +264,81 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             if block_log is not None:
                 block_log.write("\n".join(map(str, batch["block_id"].tolist())) + "\n")
             loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
             step_losses.append(float(loss.detach()))
+            last_micro = micro_i == accum - 1
+            # The guard all-reduces the step's loss on the last micro batch and may poison it
+            # (skip: NaN gradients make DeepSpeed drop the update on every rank).
+            loss = guard.before_backward(step + 1, step_losses, loss, last_micro)
+            engine.backward(loss)
+            if last_micro:
+                guard.before_step(step + 1, engine)
+            engine.step()
         step += 1
         steps_this_attempt += 1
         window_tokens += tokens_per_step
-        if not math.isfinite(step_losses[-1]):
-            raise FloatingPointError(f"loss is {step_losses[-1]} at step {step}; lower train.lr or check the data.")
+        guard.after_step(step, engine, scheduler)
 
-        # ---- log (every rank joins the all-reduce; rank 0 writes)
-        if step % t.log_every == 0 or step == max_steps:
-            loss_sum, = _allreduce_sum([sum(step_losses) / len(step_losses)])
+        # ---- log (every rank joins the all-reduces; rank 0 writes)
+        if step % t.log_every == 0 or step == max_steps or guard.stop_reason:
             dt = time.perf_counter() - window_t
             grad_norm = engine.get_global_grad_norm()
+            mem = obs.process_memory()
+            mem_max, peak_max = obs.allreduce_max([mem["rss"], mem["hwm"]])
             last = {
                 "step": step,
-                "loss": loss_sum / world,
+                "loss": guard.step_loss,
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "tokens_seen": step * tokens_per_step,
                 "tokens_per_s": window_tokens / dt,
                 "data_wait_frac": window_wait / dt,
                 "time": time.time(),
+                "mem_rss_rank0_gib": mem["rss"] / obs.GIB,
+                "mem_rss_max_gib": mem_max / obs.GIB,
+                "mem_peak_max_gib": peak_max / obs.GIB,
+                "skipped_steps": engine.skipped_steps,
             }
-            if is_main:
-                _append_jsonl(metrics_path, last)
-                eta = (max_steps - step) * dt / max(1, window_tokens // tokens_per_step)
-                log(
-                    f"step {step}/{max_steps} loss {last['loss']:.4f} lr {last['lr']:.2e} "
-                    f"{last['tokens_per_s']:.0f} tok/s eta {eta:.0f}s"
-                )
+            mfu = obs.mfu(last["tokens_per_s"], n_params, seq_len, peak_flops and peak_flops * world)
+            if mfu is not None:
+                last["mfu"] = mfu
+            if sink is not None:
+                sink.write(last)
+                log(progress.line(last, progress.update(step)))
             window_t, window_tokens, window_wait = time.perf_counter(), 0, 0.0
+        if guard.stop_reason:
+            log(f"stopping: {guard.stop_reason}")
+            break  # every rank reaches this at the same step: the decision was all-reduced
 
         # ---- eval
         if eval_shard is not None and ((t.eval_every and step % t.eval_every == 0) or step == max_steps):
             eval_metrics = evaluate(engine, eval_shard, micro, t.eval_batches)
-            if is_main:
-                _append_jsonl(metrics_path, {"step": step, **eval_metrics, "time": time.time()})
+            if sink is not None:
+                sink.write({"step": step, **eval_metrics, "time": time.time()})
                 log(f"step {step} eval loss {eval_metrics['eval_loss']:.4f} ppl {eval_metrics['eval_perplexity']:.2f}")
 
-        # ---- checkpoint (every rank saves its shard; every rank reports)
-        if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == max_steps:
+        # ---- checkpoint: periodic, final, or at once on a spot notice (every rank saves and reports)
+        reason = "final" if step == max_steps else "periodic" if t.checkpoint_every and step % t.checkpoint_every == 0 else None
+        if reason is None and preemption_check and step % preemption_check == 0 and not saved_on_notice:
+            # A barrier across workers: Ray's answer for rank 0 becomes every rank's answer.
+            notice = ray.train.get_preemption_info()
+            if notice is not None:
+                reason, saved_on_notice = "preemption", True
+                log(f"spot notice: nodes {notice.preempted_node_ids} go at {notice.deadline_ms} ms; checkpointing now")
+        if reason:
             manifest = {
                 "step": step,
+                "reason": reason,
                 "world_size": world,
                 "global_batch": global_batch,
                 "blocks_consumed": step * global_batch,
                 "tokens_seen": step * tokens_per_step,
                 "config_hash": loop_config["config_hash"],
+                "zero_stage": cfg.deepspeed.zero_stage,
+                "dtype": cfg.model.dtype,
+                "model_dir": loop_config["model_dir"],
+                "tokenizer": resolve_tokenizer_path(cfg.model.tokenizer, loop_config["model_dir"]),
                 "time": time.time(),
             }
-            local = ckpt_io.save_shard(engine, step, manifest, rank)
             wall = time.perf_counter() - t_start
             report = {
                 "step": step,
@@ -308,7 +351,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             }
             if block_log is not None:
                 block_log.flush()
-            ckpt_io.report_checkpoint(report, local, step)
+            last_ckpt = ckpt_io.save_and_report(engine, ckpt_root, step, manifest, report, rank, world, last_ckpt)
+
+    # ---- the trained model's logits on its last batch, to check the export against (every rank: ZeRO-3)
+    export_probe = export_io.probe_logits(engine, x) if cfg.run.export_on_finish and steps_this_attempt else None
 
     # ---- summary (rank 0 hands the figures to the driver through the last report)
     if is_main:
@@ -323,10 +369,19 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             "world_size": world,
             "global_batch": global_batch,
             "resumed_from_step": resumed_from,
+            "optimizer_step_at_resume": opt_step_at_resume,
             "load_s": load_s,
             "n_params": n_params,
             "train_wall_s": time.perf_counter() - t_start,
+            "guard_events_this_attempt": guard.counts,
+            "skipped_steps": engine.skipped_steps,  # DeepSpeed's count, kept across resumes
+            "guard_stop": guard.stop_reason,
         }
         (run_dir / ".worker_summary.json").write_text(json.dumps(summary, indent=2))
+    if sink is not None:
+        sink.close(finished=guard.stop_reason is None)
     dist.barrier()
     del hf_ds_config
+    if is_main and cfg.run.export_on_finish and last_ckpt is not None:
+        del engine, model  # free this rank's shard before consolidating the whole model
+        export_io.export_on_finish(last_ckpt, run_dir, export_probe if last_ckpt.name.endswith(f"_{step:06d}") else None, log)

@@ -1,0 +1,62 @@
+"""Shared fixtures: one local Ray for the whole session, and a tiny-run config factory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+
+# Small and quick: ~0.35M parameters, 64-token blocks, a handful of steps.
+FAST = [
+    "data.seq_len=64",
+    "train.micro_batch_size=4",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=4",
+    "train.warmup_steps=2",
+]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray started once (starting Ray costs ~10 s here); run() reuses it."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            runtime_env={
+                "env_vars": {
+                    "TOKENIZERS_PARALLELISM": "false",
+                    "DS_ACCELERATOR": "cpu",
+                    "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
+                }
+            },
+            logging_level="WARNING",
+        )
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory):
+    """One data cache for the session: packing the bundled text once saves ~20 s a test."""
+    return str(tmp_path_factory.mktemp("data_cache"))
+
+
+@pytest.fixture
+def make_config(tmp_path, shared_cache):
+    """make_config(*overrides) -> Config of a fast tiny run in a fresh storage dir."""
+    from raytrain_cpu.config import load_config
+
+    def make(*overrides: str, storage: str | None = None):
+        base = [f"run.storage_path={storage or tmp_path / 'runs'}", f"data.cache_dir={shared_cache}", *FAST]
+        return load_config(None, [*base, *overrides])
+
+    return make

@@ -1,0 +1,139 @@
+"""Config parsing, overrides and every validation error, all before Ray starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raytrain_cpu.config import Config, ConfigError, describe_options, load_config
+from raytrain_cpu.main import check_storage, validate_before_ray
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_equal_local_yaml():
+    assert load_config(ROOT / "configs/local.yaml") == Config()
+
+
+def test_cluster_config_loads():
+    cfg = load_config(ROOT / "configs/llama3-8b-c7i.yaml")
+    assert cfg.model.name_or_path == "meta-llama/Meta-Llama-3-8B"
+    assert cfg.data.source == "hub" and cfg.data.hub_config == "wikitext-2-raw-v1"
+    assert cfg.run.storage_path.startswith("/fsx")
+
+
+def test_overrides_are_typed():
+    cfg = load_config(
+        ROOT / "configs/local.yaml",
+        [
+            "train.max_steps=20",
+            "scaling.num_workers=1",
+            "train.lr=1e-3",
+            "train.betas=[0.8, 0.9]",
+            "model.activation_checkpointing=true",
+        ],
+    )
+    assert cfg.train.max_steps == 20 and cfg.scaling.num_workers == 1
+    assert cfg.train.lr == pytest.approx(1e-3) and cfg.train.betas == [0.8, 0.9]
+    assert cfg.model.activation_checkpointing is True
+
+
+def test_round_trip_through_plain_dict():
+    cfg = load_config(None, ["train.max_steps=7", "scaling.resources_per_worker={c7i_48xl: 1}"])
+    assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "hint"),
+    [
+        (["train.max_stepz=3"], "train.max_stepz", "valid keys"),
+        (["bogus.x=1"], "bogus", "valid keys"),
+        (["train.max_steps=abc"], "train.max_steps", "integer"),
+        (["train.lr=fast"], "train.lr", "number"),
+        (["model.activation_checkpointing=maybe"], "model.activation_checkpointing", "true or false"),
+        (["train.max_steps=0"], "train.max_steps", "positive"),
+        (["train.lr=-1"], "train.lr", "> 0"),
+        (["train.schedule=linear"], "train.schedule", "cosine"),
+        (["model.dtype=fp16"], "model.dtype", "bf16"),
+        (["model.tiny.num_heads=3"], "model.tiny.num_heads", "divide"),
+        (["data.seq_len=4096"], "data.seq_len", "max_position_embeddings"),
+        (["data.source=parquet"], "data.path", "data.path="),
+        (["data.bad_rows=ignore"], "data.bad_rows", "skip"),
+        (["train.global_batch_size=12"], "train.global_batch_size", "multiple"),
+        (["deepspeed.zero_stage=4"], "deepspeed.zero_stage", "1, 2, 3"),
+        (["deepspeed.config_file=/nope.json"], "deepspeed.config_file", "does not exist"),
+        (["run.name=a/b"], "run.name", "plain directory"),
+        (["train.betas=[0.9]"], "train.betas", "two numbers"),
+        (["train"], "train", "section.key=value"),
+        (["train=3"], "train", "section"),
+    ],
+)
+def test_validation_names_key_and_fix(overrides, key, hint):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value).startswith(key) or key in str(e.value)
+    assert hint in str(e.value)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="--config.*does not exist"):
+        load_config("/no/such.yaml")
+
+
+def test_batch_must_divide_world_size():
+    cfg = load_config(None, ["train.micro_batch_size=4", "train.global_batch_size=8"])
+    assert cfg.train.derive_global_batch(2) == 8
+    with pytest.raises(ConfigError, match=r"train.global_batch_size.*3 workers.*global_batch_size=12"):
+        cfg.train.derive_global_batch(3)
+
+
+def test_missing_model_path_fails_before_ray(tmp_path):
+    cfg = load_config(None, [f"model.name_or_path={tmp_path}/nope", f"run.storage_path={tmp_path}/runs"])
+    with pytest.raises(ConfigError, match="model.name_or_path.*does not exist"):
+        validate_before_ray(cfg)
+    (tmp_path / "empty").mkdir()
+    cfg = load_config(None, [f"model.name_or_path={tmp_path}/empty", f"run.storage_path={tmp_path}/runs"])
+    with pytest.raises(ConfigError, match="no config.json"):
+        validate_before_ray(cfg)
+
+
+def test_unwritable_storage_fails_and_writes_nothing(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="run.storage_path.*is a file"):
+        check_storage(blocker / "runs" / "name")
+    with pytest.raises(ConfigError, match="run.storage_path: cannot write"):
+        check_storage(Path("/proc/raytrain_cpu_runs/name"))
+    check_storage(tmp_path / "new" / "deeper")
+    assert not (tmp_path / "new").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_help_lists_every_option():
+    out = subprocess.run(
+        [sys.executable, "-m", "raytrain_cpu.main", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for key, _, doc in describe_options():
+        assert key in out, key
+        assert doc, f"{key} has no docstring"
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["train.micro_batch_size=x"], "train.micro_batch_size: expected an integer"),
+        (["model.name_or_path=/no/such/model"], "model.name_or_path"),
+        (["run.storage_path=/proc/nope"], "run.storage_path"),
+        (["data.source=text", "data.path=/no/such/file.txt"], "does not exist"),
+    ],
+)
+def test_cli_bad_input_exits_before_ray(args, needle, tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "raytrain_cpu.main", *args], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
+    assert r.returncode == 2
+    assert needle in r.stderr and "error:" in r.stderr
+    assert "Started a local Ray instance" not in r.stderr + r.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing half-written

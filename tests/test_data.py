@@ -1,0 +1,175 @@
+"""Data: documents, bad rows, packing, the stream arithmetic behind exact resume, the cache."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from raytrain_cpu.data import (
+    DataError,
+    SourceSpec,
+    StreamPlan,
+    _BlockWriter,
+    _group_wikitext,
+    file_documents,
+    global_order,
+)
+
+WIKI = "\n = Alpha = \n\n Alpha is a letter .\n\n = = History = = \n\n It is old .\n = Beta = \n\n Beta too .\n\n"
+
+
+def spec(kind="text", bad="error", column="text", wikitext=True):
+    return SourceSpec(kind, ("x",), column, wikitext, bad)
+
+
+def test_wikitext_articles_blank_lines_dropped():
+    docs = _group_wikitext(WIKI.split("\n"))
+    assert len(docs) == 2  # the sub-heading stays inside its article
+    assert docs[0].startswith("= Alpha =") and "= = History = =" in docs[0] and "It is old" in docs[0]
+    assert docs[1] == "= Beta =\nBeta too ."
+    assert all("\n\n" not in d for d in docs)
+
+
+def test_non_utf8_names_file_line_and_fix(tmp_path):
+    raw = b"ok line\nsecond \xff\xfe bad\nthird\n"
+    with pytest.raises(DataError, match=r"f.txt, line 2, column 8: not valid UTF-8.*data.bad_rows=skip"):
+        file_documents("f.txt", raw, spec())
+    docs, skipped = file_documents("f.txt", raw, spec(bad="skip"))
+    assert skipped == 1 and "third" in docs[0] and "bad" not in docs[0]
+
+
+def test_jsonl_missing_field_and_bad_json():
+    raw = b'{"text": "a b"}\n{"body": "c"}\n'
+    with pytest.raises(DataError, match=r"d.jsonl, line 2: no 'text' field.*data.text_column"):
+        file_documents("d.jsonl", raw, spec("jsonl", wikitext=False))
+    with pytest.raises(DataError, match=r"line 1: not valid JSON"):
+        file_documents("d.jsonl", b"{oops\n", spec("jsonl", wikitext=False))
+    docs, skipped = file_documents("d.jsonl", raw + b"{oops\n", spec("jsonl", bad="skip", wikitext=False))
+    assert docs == ["a b"] and skipped == 2
+
+
+def test_parquet_missing_column_and_null_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"content": ["x", None, "y"]}), path)
+    with pytest.raises(DataError, match=r"p.parquet: no column 'text' \(columns: \['content'\]\)"):
+        file_documents(str(path), path.read_bytes(), spec("parquet", wikitext=False))
+    with pytest.raises(DataError, match=r"p.parquet, row 1: column 'content' is missing"):
+        file_documents(str(path), path.read_bytes(), spec("parquet", column="content", wikitext=False))
+    docs, skipped = file_documents(
+        str(path), path.read_bytes(), spec("parquet", bad="skip", column="content", wikitext=False)
+    )
+    assert docs == ["x", "y"] and skipped == 1
+
+
+def test_packing_has_no_padding_and_keeps_every_token(tmp_path):
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 100, size=n).astype(np.int32) for n in rng.integers(1, 40, size=200)]
+    w = _BlockWriter(tmp_path / "train", seq_len=16)
+    for d in docs:
+        w.add(np.append(d, 0).astype(np.int32))  # 0 = EOS between documents
+    tail = w.close()
+    table = pq.read_table(tmp_path / "train")
+    blocks = np.stack(table.column("input_ids").to_pylist())
+    stream = np.concatenate([np.append(d, 0) for d in docs])
+    assert blocks.shape[1] == 16 and tail == len(stream) % 16
+    np.testing.assert_array_equal(blocks.reshape(-1), stream[: blocks.size])  # order kept, nothing padded
+    assert table.column("block_id").to_pylist() == list(range(len(blocks)))
+
+
+def test_labels_shift_across_packed_block():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+    x = torch.randint(0, 50, (2, 12))
+    out = m(input_ids=x, labels=x)
+    manual = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 50), x[:, 1:].reshape(-1))
+    torch.testing.assert_close(out.loss, manual)
+
+
+def test_global_order_is_seeded_permutation_with_windows():
+    a = global_order(1000, 7, 0, 64)
+    assert sorted(a.tolist()) == list(range(1000))
+    np.testing.assert_array_equal(a, global_order(1000, 7, 0, 64))
+    assert not np.array_equal(a, global_order(1000, 7, 1, 64)) and not np.array_equal(a, global_order(1000, 8, 0, 64))
+    # windowed: each run of 64 consecutive positions comes from one window of 64 block ids
+    first = a[:64] if a[0] // 64 != 15 else a[: 1000 - 960]
+    assert len(set((first // 64).tolist())) == 1
+
+
+def _plan_positions(n, micro, world, start, end):
+    out = []
+    for r in range(world):
+        p = StreamPlan("unused", n, 1, 64, micro, world, r, start, end)
+        lo, hi = p.local_range
+        out.append(p.positions(np.arange(lo, hi)))
+    return out
+
+
+@pytest.mark.parametrize(("micro", "world", "accum"), [(4, 2, 1), (2, 3, 2), (8, 1, 3)])
+def test_ranks_disjoint_and_resume_is_exact(micro, world, accum):
+    G, steps, stop = micro * world * accum, 10, 4
+    full = _plan_positions(500, micro, world, 0, steps * G)
+    allpos = np.concatenate(full)
+    assert sorted(allpos.tolist()) == list(range(steps * G))  # disjoint, nothing missing
+    first = _plan_positions(500, micro, world, 0, stop * G)
+    rest = _plan_positions(500, micro, world, stop * G, steps * G)
+    for r in range(world):
+        np.testing.assert_array_equal(np.concatenate([first[r], rest[r]]), full[r])
+    # each global step holds exactly the next G positions
+    for s in range(steps):
+        step_pos = np.concatenate([f[s * micro * accum : (s + 1) * micro * accum] for f in full])
+        assert sorted(step_pos.tolist()) == list(range(s * G, (s + 1) * G))
+
+
+def test_resume_with_other_world_size_continues_at_same_block():
+    micro, stop = 4, 3
+    before = np.concatenate(_plan_positions(100, micro, 2, 0, stop * 8))
+    after = np.concatenate(_plan_positions(100, micro, 4, stop * 8, stop * 8 + 5 * 16))
+    assert set(before.tolist()).isdisjoint(after.tolist())
+    assert sorted(np.concatenate([before, after]).tolist()) == list(range(stop * 8 + 5 * 16))
+
+
+@pytest.mark.slow
+def test_prepare_cache_keyed_reused_and_bad_sources(ray_session, tmp_path, make_config):
+    from raytrain_cpu.data import prepare, read_meta
+
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(WIKI.encode() * 40 + b" = Gamma = \n bad \xff line\n ok line .\n")
+    base = [f"data.cache_dir={tmp_path / 'cache'}", "data.source=text", f"data.path={text}", "data.seq_len=16"]
+    with pytest.raises(DataError, match=r"corpus.txt, line \d+, column \d+: not valid UTF-8"):
+        prepare(make_config(*base))
+    assert not list((tmp_path / "cache").glob("*/meta.json"))  # nothing half-written
+    cfg = make_config(*base, "data.bad_rows=skip")
+    cache = prepare(cfg)
+    meta = read_meta(cache)
+    assert meta["skipped_rows"] == 1 and meta["padding_tokens"] == 0 and meta["blocks"] > 0
+    assert meta["eval_blocks"] > 0  # held out, by document
+    mtime = (cache / "meta.json").stat().st_mtime
+    assert prepare(cfg) == cache and (cache / "meta.json").stat().st_mtime == mtime  # reused, not rebuilt
+    assert prepare(make_config(*base, "data.bad_rows=skip", "data.seq_len=32")) != cache  # keyed by seq_len
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n   \n")
+    with pytest.raises(DataError, match="holds no text"):
+        prepare(make_config(f"data.cache_dir={tmp_path / 'cache'}", "data.source=text", f"data.path={empty}"))
+    jl = tmp_path / "docs.jsonl"
+    jl.write_text("\n".join(json.dumps({"body": "hello world " * 20}) for _ in range(30)))
+    with pytest.raises(DataError, match=r"docs.jsonl, line 1: no 'text' field"):
+        prepare(make_config(f"data.cache_dir={tmp_path / 'cache'}", "data.source=jsonl", f"data.path={jl}"))

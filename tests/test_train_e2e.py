@@ -1,0 +1,128 @@
+"""The real entry point end to end on a tiny Llama: 2 workers, ZeRO-3, gloo, bf16; then resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_path):
+    from raytrain_cpu.data import global_order, read_meta
+    from raytrain_cpu.main import run
+    from raytrain_cpu.train import lr_factor
+
+    overrides = ["scaling.num_workers=2", "train.checkpoint_every=6", "train.record_block_ids=true",
+                 "train.eval_every=6", "train.lr=1e-2", "run.num_to_keep=2"]
+    cfg = make_config(*overrides, "train.max_steps=12")
+    first = run(make_config(*overrides, "train.max_steps=6"))
+
+    # ---- the first leg: loss falls, outputs written, both ranks' shards in the checkpoint
+    run_dir = cfg.run.run_dir
+    steps = [m for m in _metrics(run_dir) if "loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, 7))
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, steps
+    for m in steps:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_seen", "tokens_per_s"} <= set(m)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("steps", "tokens_seen", "final_loss", "eval_loss", "eval_perplexity", "tokens_per_s", "wall_s",
+                "world_size", "resumed_from_step", "checkpoint_path"):
+        assert key in summary, key
+    assert summary == {**summary, "steps": 6, "world_size": 2, "resumed_from_step": None}
+    assert summary["eval_perplexity"] == pytest.approx(np.exp(summary["eval_loss"]))
+    assert first["checkpoint_path"] == str(run_dir / "checkpoint_000006")
+    ds_files = sorted(p.name for p in (run_dir / "checkpoint_000006" / "ds").iterdir())
+    for r in (0, 1):
+        assert f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" in ds_files
+        assert f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" in ds_files
+    assert (run_dir / "config.yaml").is_file()
+
+    # ---- resume: the same command with more steps continues at step 7
+    second = run(cfg)
+    assert second["resumed_from_step"] == 6 and second["steps"] == 12
+    assert second["optimizer_step_at_resume"] == 6  # Adam's state came back, not a fresh optimizer
+    steps = [m for m in _metrics(run_dir) if "loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, 13))
+    for m in steps[6:]:  # the LR schedule continues where it stopped
+        assert m["lr"] == pytest.approx(cfg.train.lr * lr_factor(m["step"], cfg.train, 12), rel=1e-6)
+    assert steps[-1]["loss"] < steps[6]["loss"] + 0.2
+
+    # ---- the data continued exactly: every block once, in the seeded order, none skipped
+    trained = []
+    for r in (0, 1):
+        trained += [int(x) for x in (run_dir / "block_ids" / f"rank{r}.txt").read_text().split()]
+    meta = read_meta(Path(summary["data_cache"]))
+    expected = global_order(meta["blocks"], cfg.train.seed, 0, cfg.data.shuffle_window)[: 12 * 8]
+    assert len(trained) == 12 * 8 and sorted(trained) == sorted(expected.tolist())
+    assert len(set(trained)) == len(trained)
+    kept = sorted(p.name for p in run_dir.glob("checkpoint_0*"))
+    assert kept == ["checkpoint_000006", "checkpoint_000012"]
+
+
+def test_world_size_one(ray_session, make_config):
+    from raytrain_cpu.main import run
+
+    s = run(make_config("scaling.num_workers=1", "train.max_steps=3", "run.name=ws1"))
+    assert s["world_size"] == 1 and s["steps"] == 3 and s["global_batch"] == 4
+    ds_files = [p.name for p in (Path(s["checkpoint_path"]) / "ds").iterdir()]
+    assert "zero_pp_rank_0_mp_rank_00_model_states.pt" in ds_files
+    assert not any("rank_1" in f for f in ds_files)
+
+
+def _check_sharded_load(loop_config: dict) -> None:
+    import deepspeed
+    import ray.train
+    import torch
+    from safetensors.torch import load_file
+
+    from raytrain_cpu.config import Config
+    from raytrain_cpu.model import load_sharded
+    from raytrain_cpu.train import deepspeed_config
+
+    world = ray.train.get_context().get_world_size()
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    cfg = Config.from_dict(loop_config["config"])
+    model, hf_ds = load_sharded(loop_config["model_dir"], deepspeed_config(cfg, world), torch.bfloat16)
+    params = dict(model.named_parameters())
+    total = sum(p.ds_numel for p in params.values())
+    resident = sum(p.ds_tensor.numel() for p in params.values())
+    assert all(p.numel() == 0 for p in params.values()), "a parameter is materialised whole on this rank"
+    assert resident <= total / world + 64 * len(params), (resident, total)
+    assert resident >= total / world
+    reference = load_file(str(Path(loop_config["model_dir"]) / "model.safetensors"))
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        for name, p in params.items():
+            assert torch.equal(p.data, reference[name].to(p.dtype)), name
+    ray.train.report({"resident": resident, "total": total})
+    del hf_ds
+
+
+def test_sharded_loading_is_exact_and_partitioned(ray_session, make_config, tmp_path):
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain_cpu.model import write_tiny_model
+    from raytrain_cpu.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
+
+    cfg = make_config()
+    model_dir = write_tiny_model(cfg, load_tokenizer(str(BUNDLED_TOKENIZER)), tmp_path / "model")
+    trainer = TorchTrainer(
+        _check_sharded_load,
+        train_loop_config={"config": cfg.to_dict(), "model_dir": str(model_dir)},
+        torch_config=TorchConfig(backend="gloo", timeout_s=120),
+        scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+        run_config=ray.train.RunConfig(storage_path=str(tmp_path / "runs"), name="load",
+                                       worker_runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}}),
+    )
+    result = trainer.fit()
+    assert result.error is None
+    assert result.metrics["resident"] <= result.metrics["total"] / 2 + 64 * 20
