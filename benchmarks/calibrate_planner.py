@@ -1,19 +1,21 @@
 """Measure peak RSS per rank of real ZeRO training, to calibrate ``raytrain_cpu.plan``.
 
-Spawns ``--world-size`` processes (gloo on 127.0.0.1), and in each one does what a Ray Train
-worker of this project does: load a Llama with ``from_pretrained`` under ZeRO-3's
-``zero.Init`` (so each rank only ever holds its shard), ``deepspeed.initialize`` with AdamW and
-bf16, then a few optimizer steps on random tokens. Each rank records its resident set size
+Starts ``--world-size`` Ray Train workers (or plain processes, gloo on 127.0.0.1), and in each
+one does what a worker of this project does: load a Llama with ``from_pretrained`` under
+ZeRO-3's ``zero.Init`` (so each rank only ever holds its shard), ``deepspeed.initialize`` with
+the project's DeepSpeed config (``raytrain_cpu.train.deepspeed_config``: torch AdamW, bf16),
+then a few optimizer steps on random tokens. Each rank records its resident set size
 (VmRSS) after every stage of start-up and its high-water mark (VmHWM); rank-wise maxima are
 written, with the planner's prediction for the same case next to them, to
 ``benchmarks/results/planner_calibration.json``.
 
-    python benchmarks/calibrate_planner.py                  # both calibration sizes
-    python benchmarks/calibrate_planner.py --sizes tiny     # one size
-    python benchmarks/calibrate_planner.py --no-write       # print only
+    python benchmarks/calibrate_planner.py                          # every case in plan.CALIBRATION_CASES
+    python benchmarks/calibrate_planner.py --case llama-37m:8:ac    # one case (model:micro_batch[:ac])
+    python benchmarks/calibrate_planner.py --no-write --launcher mp # print only; plain processes
 
-The case shapes live in ``raytrain_cpu.plan.CALIBRATION_SHAPES`` so the planner's unit tests
-predict exactly the models measured here. Keep it small: each rank gets one thread.
+The cases live in ``raytrain_cpu.plan`` (CALIBRATION_SHAPES, CALIBRATION_CASES) so the planner's
+unit tests predict exactly what is measured here. Keep it small: each rank gets one thread.
+HfDeepSpeedConfig needs ``accelerate`` installed.
 """
 
 from __future__ import annotations
@@ -65,17 +67,17 @@ def _hwm_gib() -> float:
 # ----------------------------------------------------------------------------- one rank
 
 
-def _ds_config(micro_batch: int, zero_stage: int) -> dict[str, Any]:
-    # The DeepSpeed defaults for everything not named, like a plain project config would get.
-    return {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": zero_stage},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+def _ds_config(micro_batch: int, zero_stage: int, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config the project's training loop would use for this case."""
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.train import deepspeed_config
+
+    overrides = [
+        f"train.micro_batch_size={micro_batch}",
+        "train.grad_accum_steps=1",
+        f"deepspeed.zero_stage={zero_stage}",
+    ]
+    return deepspeed_config(load_config(None, overrides), world_size)
 
 
 def _rank_main(rank: int, world_size: int, port: int, case: dict[str, Any], out_dir: str) -> None:
@@ -109,7 +111,7 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")  # reuses the initialised group
     points["process_group"] = _rss_gib()
 
-    ds_config = _ds_config(case["micro_batch"], case["zero_stage"])
+    ds_config = _ds_config(case["micro_batch"], case["zero_stage"], torch.distributed.get_world_size())
     model_dir = case["model_dir"]
     hf_config = AutoConfig.from_pretrained(model_dir)  # before zero.Init is switched on
     dschf = transformers.integrations.HfDeepSpeedConfig(ds_config)  # noqa: F841  (keep alive: enables zero.Init)
@@ -225,14 +227,6 @@ def measure(
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
 
     measured = {k: max(r["rss_gib"][k] for r in ranks) for k in ranks[0]["rss_gib"]}
-    predicted = plan.plan(
-        shape,
-        world_size=world_size,
-        zero_stage=3,
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        activation_checkpointing=ac,
-    )["memory_gib"]
     # Per step, the high-water mark reached by the end of forward / backward / optimizer step.
     hwm = [
         {ph: round(max(r["phases"][i][ph][1] for r in ranks), 4) for ph in ("fwd", "bwd", "step")} for i in range(steps)
@@ -250,8 +244,6 @@ def measure(
         "activation_checkpointing": ac,
         "steps": steps,
         "measured_rss_gib": {k: round(v, 4) for k, v in measured.items()},
-        "predicted_gib": {k: round(v, 4) for k, v in predicted.items()},
-        "peak_ratio_predicted_over_measured": round(predicted["peak"] / measured["peak"], 4),
         "hwm_by_phase_gib": hwm,
         "median_step_s": round(sorted(ranks[0]["step_s"])[len(ranks[0]["step_s"]) // 2], 3),
         "final_loss": round(ranks[0]["loss"], 4),
@@ -262,30 +254,65 @@ def measure(
 # ----------------------------------------------------------------------------- CLI
 
 
+def add_prediction(case: dict[str, Any]) -> dict[str, Any]:
+    """The planner's estimate for a measured case, and predicted / measured peak."""
+    predicted = plan.plan(
+        plan.CALIBRATION_SHAPES[case["model"]],
+        world_size=case["world_size"],
+        zero_stage=case["zero_stage"],
+        micro_batch=case["micro_batch"],
+        seq_len=case["seq_len"],
+        activation_checkpointing=case["activation_checkpointing"],
+    )["memory_gib"]
+    case["predicted_gib"] = {k: round(v, 4) for k, v in predicted.items()}
+    case["peak_ratio_predicted_over_measured"] = round(predicted["peak"] / case["measured_rss_gib"]["peak"], 4)
+    return case
+
+
+def _parse_case(text: str) -> tuple[str, int, bool]:
+    """'llama-37m:8' or 'llama-37m:8:ac' -> (model, micro batch, activation checkpointing)."""
+    name, mb, *rest = text.split(":")
+    if name not in plan.CALIBRATION_SHAPES or rest not in ([], ["ac"]):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use MODEL:MICRO_BATCH[:ac], MODEL in {list(plan.CALIBRATION_SHAPES)}"
+        )
+    return name, int(mb), rest == ["ac"]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", nargs="+", default=list(plan.CALIBRATION_SHAPES), choices=list(plan.CALIBRATION_SHAPES))
+    p.add_argument(
+        "--case",
+        action="append",
+        type=_parse_case,
+        help="MODEL:MICRO_BATCH[:ac] (repeatable); default: plan.CALIBRATION_CASES",
+    )
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--micro-batch", type=int, default=plan.CALIBRATION_MICRO_BATCH)
     p.add_argument("--seq-len", type=int, default=plan.CALIBRATION_SEQ_LEN)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--launcher", choices=("mp", "ray"), default="mp", help="torch.multiprocessing or Ray Train workers")
+    p.add_argument("--steps", type=int, default=6, help="the high-water mark settles after ~4 steps")
+    p.add_argument("--launcher", choices=("ray", "mp"), default="ray", help="Ray Train or torch.multiprocessing")
     p.add_argument("--no-write", action="store_true", help=f"print only; do not rewrite {RESULTS.name}")
+    p.add_argument(
+        "--repredict", action="store_true", help=f"measure nothing: refresh the predictions in {RESULTS.name}"
+    )
     args = p.parse_args(argv)
 
+    if args.repredict:
+        doc = json.loads(RESULTS.read_text())
+        for case in doc["cases"]:
+            add_prediction(case)
+            measured, predicted = case["measured_rss_gib"]["peak"], case["predicted_gib"]["peak"]
+            name = f"{case['model']} mb{case['micro_batch']}{' ac' if case['activation_checkpointing'] else ''}"
+            print(
+                f"{name:18} peak measured {measured:.3f} GiB, predicted {predicted:.3f} GiB (x{predicted / measured:.3f})"
+            )
+        RESULTS.write_text(json.dumps(doc, indent=2) + "\n")
+        return
+
     cases = []
-    for name in args.sizes:
-        print(f"measuring {name} ...", flush=True)
-        r = measure(
-            name,
-            args.world_size,
-            args.micro_batch,
-            args.seq_len,
-            args.steps,
-            args.activation_checkpointing,
-            args.launcher,
-        )
+    for name, micro_batch, ac in args.case or plan.CALIBRATION_CASES:
+        print(f"measuring {name}, micro batch {micro_batch}, activation checkpointing {ac} ...", flush=True)
+        r = add_prediction(measure(name, args.world_size, micro_batch, args.seq_len, args.steps, ac, args.launcher))
         print(json.dumps(r, indent=2), flush=True)
         cases.append(r)
 
@@ -296,11 +323,15 @@ def main(argv: list[str] | None = None) -> None:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         doc = {
             "what": "peak RSS per rank (VmHWM, max over ranks) of ZeRO-3 bf16 training, measured vs raytrain_cpu.plan",
+            "command": " ".join(
+                ["python benchmarks/calibrate_planner.py", *(argv if argv is not None else sys.argv[1:])]
+            ),
             "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
             "versions": {
                 "torch": torch.__version__,
                 "deepspeed": deepspeed.__version__,
                 "transformers": transformers.__version__,
+                "ray": importlib.import_module("ray").__version__,
             },
             "cases": cases,
         }

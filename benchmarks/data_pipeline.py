@@ -43,15 +43,30 @@ def bench_ray(files: list[str], cpus: int, work: Path) -> dict:
 
     from raytrain_cpu.data import prepare, read_meta
 
-    cfg = load_config(None, ["data.source=text", f"data.path={work / 'corpus'}", f"data.cache_dir={work / 'ray_cache'}",
-                             f"data.tokenize_actors={cpus}", f"run.storage_path={work / 'runs'}", "data.seq_len=512"])
+    cfg = load_config(
+        None,
+        [
+            "data.source=text",
+            f"data.path={work / 'corpus'}",
+            f"data.cache_dir={work / 'ray_cache'}",
+            f"data.tokenize_actors={cpus}",
+            f"run.storage_path={work / 'runs'}",
+            "data.seq_len=512",
+        ],
+    )
     t0 = time.perf_counter()
     meta = read_meta(prepare(cfg, log=lambda m: None))
     wall = time.perf_counter() - t0
     ray.shutdown()
-    return {"tokens": meta["tokens"], "wall_s": wall, "tokens_per_s": meta["tokens"] / wall, "blocks": meta["blocks"],
-            "eval_blocks": meta["eval_blocks"], "padding_tokens": meta["padding_tokens"],
-            "dropped_tail_tokens": meta["dropped_tail_tokens"]}
+    return {
+        "tokens": meta["tokens"],
+        "wall_s": wall,
+        "tokens_per_s": meta["tokens"] / wall,
+        "blocks": meta["blocks"],
+        "eval_blocks": meta["eval_blocks"],
+        "padding_tokens": meta["padding_tokens"],
+        "dropped_tail_tokens": meta["dropped_tail_tokens"],
+    }
 
 
 def bench_datasets(files: list[str], cpus: int, work: Path) -> dict:
@@ -64,7 +79,9 @@ def bench_datasets(files: list[str], cpus: int, work: Path) -> dict:
     t0 = time.perf_counter()
     ds = datasets.load_dataset("text", data_files=files, split="train", cache_dir=str(work / "hf_cache"))
     ds = ds.filter(lambda b: [bool(t.strip()) for t in b["text"]], batched=True, num_proc=cpus)
-    ds = ds.map(lambda b: tok(b["text"], add_special_tokens=False), batched=True, num_proc=cpus, remove_columns=["text"])
+    ds = ds.map(
+        lambda b: tok(b["text"], add_special_tokens=False), batched=True, num_proc=cpus, remove_columns=["text"]
+    )
     tokens = sum(len(x) for x in ds["input_ids"])
     wall = time.perf_counter() - t0
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
@@ -77,15 +94,27 @@ def seed_recipe_padding(max_length: int = 512) -> dict:
     tok = AutoTokenizer.from_pretrained(str(BUNDLED_TOKENIZER))
     lines = (BUNDLED_WIKITEXT / "test.txt").read_text().split("\n")
     lengths = [min(len(ids), max_length) for ids in tok(lines, add_special_tokens=False)["input_ids"]]
-    return {"samples": len(lines), "useful_tokens": sum(lengths), "trained_tokens": len(lines) * max_length,
-            "efficiency": sum(lengths) / (len(lines) * max_length)}
+    return {
+        "samples": len(lines),
+        "useful_tokens": sum(lengths),
+        "trained_tokens": len(lines) * max_length,
+        "efficiency": sum(lengths) / (len(lines) * max_length),
+    }
 
 
 def data_stall(steps: int, work: Path) -> dict:
     from raytrain_cpu.main import run
 
-    cfg = load_config(None, [f"train.max_steps={steps}", f"run.storage_path={work / 'runs'}", "train.eval_every=0",
-                             f"data.cache_dir={work / 'stall_cache'}", "train.checkpoint_every=0"])
+    cfg = load_config(
+        None,
+        [
+            f"train.max_steps={steps}",
+            f"run.storage_path={work / 'runs'}",
+            "train.eval_every=0",
+            f"data.cache_dir={work / 'stall_cache'}",
+            "train.checkpoint_every=0",
+        ],
+    )
     s = run(cfg)
     return {"steps": steps, "data_wait_frac": s["data_wait_frac"], "tokens_per_s": s["tokens_per_s"]}
 

@@ -1,27 +1,55 @@
-"""Checkpoints: every rank saves its DeepSpeed shard, all ranks report it to Ray Train.
+"""Checkpoints that are whole or absent: written to staging, verified, renamed, then reported.
 
-Layout of one Ray checkpoint directory (the files of all ranks land in the same one):
+One checkpoint is a directory in the run directory, registered with Ray Train:
 
     checkpoint_000100/
-      manifest.json                      step, world size, data position, config hash (rank 0)
-      ds/zero_pp_rank_{r}_mp_rank_00_model_states.pt     (each rank)
-      ds/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt (each rank)
+      manifest.json      step, world size, data position, config hash, size + sha256 of every file
+      ds/zero_pp_rank_{r}_mp_rank_00_model_states.pt        rank r's ZeRO-3 model-state shard
+      ds/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt   rank r's fp32 master weights + Adam moments
+      rng/rank{r}.pt     rank r's torch / numpy / python RNG state
 
-Resume loads the checkpoint Ray hands back (`ray.train.get_checkpoint()`), always with an
-explicit tag, never DeepSpeed's implicit `latest` file.
+Saving (`save_and_report`; every rank calls it at the same steps):
+
+1. rank 0 empties `<run dir>/.staging/`; barrier.
+2. every rank writes its DeepSpeed shard and RNG state into `.staging/checkpoint_000100/` and
+   hashes its own files (the ranks hash in parallel).
+3. rank 0 gathers the file lists, checks that every rank's model and optimizer shards and RNG
+   file are there with the size their writer saw (which also proves the storage is shared),
+   writes manifest.json last and renames the directory to `checkpoint_000100` (atomic).
+4. rank 0 broadcasts success or its error; every rank then reports the directory to Ray Train
+   where it lies (CheckpointUploadMode.NO_UPLOAD: nothing is copied), or raises that error.
+
+A crash before step 4 leaves Ray's latest checkpoint as it was: a staging directory is never
+reported (the next save clears it), and a renamed but unreported directory is not in Ray's
+snapshot, so neither Ray nor the driver resumes from it. A rank that fails to write (storage
+full or read-only) raises at once with the reason; Ray then ends the attempt.
+
+Loading (`load_into`) takes the directory Ray hands back, checks it against its manifest, and
+loads it with an explicit DeepSpeed tag: DeepSpeed's `latest` file is never written or read.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import pickle
+import random
 import shutil
-import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 DS_TAG = "ds"
 MANIFEST = "manifest.json"
+STAGING = ".staging"
+SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of the reported checkpoints
+FORMAT = 2
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that can't be written, or one that is incomplete or unreadable."""
 
 
 def config_hash(config_dict: dict[str, Any]) -> str:
@@ -35,42 +63,355 @@ def checkpoint_dir_name(step: int) -> str:
     return f"checkpoint_{step:06d}"
 
 
-def save_shard(engine, step: int, manifest: dict[str, Any], rank: int) -> Path:
-    """Writes this rank's shard (and, on rank 0, the manifest) into a fresh local directory.
+def world_size_remedy(path: str | Path, saved: int, now: int) -> str:
+    """The error text for resuming a ZeRO checkpoint on a different number of workers."""
+    return (
+        f"checkpoint {path} holds ZeRO shards for {saved} workers but this run has {now}. Resume with "
+        f"scaling.num_workers={saved} (and the same micro_batch_size / grad_accum_steps), or export it to a "
+        f"Hugging Face model (python -m raytrain_cpu.export {path} <dir>) and start a new run.name with "
+        "model.name_or_path=<dir> (the optimizer state then starts fresh)."
+    )
 
-    Every rank must call this at the same steps: DeepSpeed's save has collectives inside.
+
+# ----------------------------------------------------------------------------- file helpers
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_json_durably(path: Path, obj: Any) -> None:
+    """Writes, fsyncs and renames into place, so the file is whole or absent."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _storage_state(path: Path) -> str:
+    """'read-only', 'N MiB free' or '' for the filesystem holding `path` (for error messages)."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return ""
+    if st.f_flag & os.ST_RDONLY:
+        return "the filesystem is read-only"
+    return f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free on that filesystem"
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The OSError behind an exception, if any (torch.save wraps write failures in RuntimeError)."""
+    for _ in range(10):
+        if e is None or isinstance(e, OSError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _describe_write_error(e: BaseException, where: Path) -> str:
+    os_error = _os_error(e)
+    if os_error is not None and os_error.errno == errno.ENOSPC:
+        what = "the storage is full (ENOSPC)"
+    elif os_error is not None and os_error.errno == errno.EROFS:
+        what = "the storage is read-only (EROFS)"
+    else:
+        what = f"{type(e).__name__}: {e}"
+    state = _storage_state(where)
+    return f"{what}{f'; {state}' if state else ''}"
+
+
+# ----------------------------------------------------------------------------- RNG state
+
+
+def rng_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def _rng_file(ckpt_dir: Path, rank: int) -> Path:
+    return ckpt_dir / "rng" / f"rank{rank}.pt"
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def _all_gather(obj: Any, world: int) -> list[Any]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj: Any) -> Any:
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def _own_files(engine, staging: Path, rank: int) -> list[Path]:
+    """The files this rank wrote: its DeepSpeed shards (by DeepSpeed's own naming) and RNG file."""
+    own = [_rng_file(staging, rank)]
+    if engine.save_non_zero_checkpoint:
+        own.append(Path(engine._get_ckpt_name(str(staging), DS_TAG)))
+    if engine.save_zero_checkpoint:
+        own.append(Path(engine._get_zero_ckpt_name(str(staging), DS_TAG)))
+    return own
+
+
+def _write_rank(engine, staging: Path, step: int, rank: int) -> dict[str, dict[str, Any]]:
+    """Step 2: this rank's shard + RNG state; returns {relative path: {size, sha256, rank}}."""
+    engine.save_checkpoint(str(staging), tag=DS_TAG, client_state={"step": step}, save_latest=False)
+    rng = _rng_file(staging, rank)
+    rng.parent.mkdir(parents=True, exist_ok=True)
+    with open(rng, "wb") as f:
+        pickle.dump(rng_state(), f)
+    files = {}
+    for p in _own_files(engine, staging, rank):
+        if not p.is_file():
+            raise CheckpointError(f"rank {rank}: DeepSpeed reported success but {p} was not written")
+        files[str(p.relative_to(staging))] = {"size": p.stat().st_size, "sha256": _sha256(p), "rank": rank}
+    return files
+
+
+def _check_staged(staging: Path, per_rank: list[dict[str, dict[str, Any]]], zero_stage: int) -> dict[str, Any]:
+    """Step 3 (rank 0): every rank's shards are present with the size their writer saw."""
+    files: dict[str, Any] = {}
+    for rank, own in enumerate(per_rank):
+        kinds = {k for rel in own for k in ("optim_states", "model_states", "rng/") if k in rel}
+        needed = {"optim_states", "rng/"} | ({"model_states"} if zero_stage == 3 or rank == 0 else set())
+        if needed - kinds:
+            raise CheckpointError(f"rank {rank} wrote no {', '.join(sorted(needed - kinds))} file into {staging}")
+        files.update(own)
+    for rel, meta in files.items():
+        p = staging / rel
+        size = p.stat().st_size if p.is_file() else None
+        if size != meta["size"]:
+            raise CheckpointError(
+                f"{p}: rank {meta['rank']} wrote {meta['size']} bytes but rank 0 sees "
+                f"{'no file' if size is None else f'{size} bytes'}; is run.storage_path shared by all nodes?"
+            )
+    return files
+
+
+def write_checkpoint(
+    engine, ckpt_root: Path, step: int, manifest: dict[str, Any], rank: int, world: int, previous: Path | None = None
+) -> Path:
+    """Steps 1-3 of the save; returns the finished directory on every rank, or raises CheckpointError.
+
+    `previous` (the checkpoint resumed from or last written) only names what stays intact in errors.
     """
-    local = Path(tempfile.mkdtemp(prefix=f"raytrain_ckpt_{step}_r{rank}_"))
-    engine.save_checkpoint(str(local), tag=DS_TAG, client_state={"step": step}, save_latest=False)
+    import torch.distributed as dist
+
+    ckpt_root = Path(ckpt_root)
+    name = checkpoint_dir_name(step)
+    staging, final = ckpt_root / STAGING / name, ckpt_root / name
+    intact = f"checkpoint {step} was not reported; {f'{previous} is intact and stays the latest' if previous else 'no earlier checkpoint exists'}"
+
+    # 1. a clean staging directory (a crashed attempt may have left one behind)
     if rank == 0:
-        (local / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return local
+        try:
+            shutil.rmtree(ckpt_root / STAGING, ignore_errors=True)
+            staging.mkdir(parents=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot create {staging}: {_describe_write_error(e, staging)}; {intact}") from e
+    dist.barrier()
+
+    # 2. every rank writes and hashes its own files; a failure here ends the attempt from this rank
+    try:
+        own = _write_rank(engine, staging, step, rank)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(
+            f"rank {rank} could not write checkpoint {step} to {staging}: {_describe_write_error(e, staging)}; {intact}"
+        ) from e
+    per_rank = _all_gather(own, world)
+
+    # 3. rank 0 verifies, writes the manifest last and renames; everyone learns the outcome
+    error = None
+    if rank == 0:
+        try:
+            files = _check_staged(staging, per_rank, engine.zero_optimization_stage())
+            _write_json_durably(staging / MANIFEST, {**manifest, "format": FORMAT, "ds_tag": DS_TAG, "files": files})
+            _fsync_dir(staging)
+            if final.exists():  # written by a crashed attempt but never reported: not Ray's latest
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            _fsync_dir(ckpt_root)
+        except Exception as e:
+            error = f"checkpoint {step} failed verification: {e}; {intact}"
+            if isinstance(e, OSError):
+                error = f"checkpoint {step} could not be finished in {ckpt_root}: {_describe_write_error(e, staging)}; {intact}"
+            shutil.rmtree(staging, ignore_errors=True)
+    error = _broadcast(error)
+    if error:
+        raise CheckpointError(error)
+    return final
 
 
-def report_checkpoint(metrics: dict[str, Any], local: Path, step: int) -> None:
+def report_checkpoint(metrics: dict[str, Any], final: Path) -> None:
+    """Step 4: every rank reports the finished directory to Ray Train, in place (no copy)."""
     import ray.train
+    from ray.train import CheckpointUploadMode
 
-    ckpt = ray.train.Checkpoint.from_directory(str(local))
-    ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=checkpoint_dir_name(step))
-    shutil.rmtree(local, ignore_errors=True)
+    ray.train.report(
+        metrics,
+        checkpoint=ray.train.Checkpoint.from_directory(str(final)),
+        checkpoint_dir_name=final.name,
+        checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+    )
+
+
+def save_and_report(
+    engine,
+    ckpt_root: Path,
+    step: int,
+    manifest: dict[str, Any],
+    metrics: dict[str, Any],
+    rank: int,
+    world: int,
+    previous: Path | None = None,
+) -> Path:
+    """The whole save: write, verify, rename, report. Every rank must call it at the same steps."""
+    final = write_checkpoint(engine, ckpt_root, step, manifest, rank, world, previous)
+    report_checkpoint(metrics, final)
+    return final
+
+
+# ----------------------------------------------------------------------------- finding and checking
+
+
+def latest_reported(run_dir: Path) -> Path | None:
+    """The checkpoint Ray Train will hand back on resume: the latest one in its snapshot."""
+    snapshot = Path(run_dir) / SNAPSHOT
+    if not snapshot.is_file():
+        return None
+    try:
+        latest = json.loads(snapshot.read_text()).get("latest_checkpoint_result")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{snapshot} is unreadable ({e}); Ray Train can't tell which checkpoint to resume from"
+        ) from e
+    if not latest:
+        return None
+    return Path(run_dir) / latest["checkpoint_dir_name"]
 
 
 def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
     path = Path(ckpt_dir) / MANIFEST
     if not path.is_file():
-        raise RuntimeError(
-            f"checkpoint {ckpt_dir} has no {MANIFEST}: it is incomplete or not a raytrain_cpu checkpoint. "
-            "Delete it (or pick another run.name) to start over."
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} has no {MANIFEST}: it is incomplete or not a raytrain_cpu checkpoint"
+            + ("" if Path(ckpt_dir).is_dir() else " (the directory does not exist)")
         )
-    return json.loads(path.read_text())
-
-
-def load_into(engine, ckpt_dir: str | Path) -> dict[str, Any]:
-    """Restores model, optimizer and LR-scheduler state; returns the manifest."""
-    manifest = read_manifest(ckpt_dir)
-    path, client = engine.load_checkpoint(
-        str(ckpt_dir), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
-    if path is None:
-        raise RuntimeError(f"DeepSpeed could not load the shards in {ckpt_dir}/{DS_TAG}; the checkpoint is unreadable.")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path} is unreadable: {e}") from e
+    if manifest.get("format") != FORMAT or "files" not in manifest:
+        raise CheckpointError(f"{path} has no file list (format {manifest.get('format')}, expected {FORMAT})")
     return manifest
+
+
+def verify_checkpoint(
+    ckpt_dir: str | Path, *, world_size: int | None = None, hash_ranks: Collection[int] | bool = ()
+) -> dict[str, Any]:
+    """Checks a checkpoint against its manifest and returns the manifest.
+
+    Every listed file must exist with its recorded size; the sha256 of the files of `hash_ranks`
+    (True: all) is recomputed. Raises CheckpointError naming the first problem.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    manifest = read_manifest(ckpt_dir)
+    if world_size is not None and manifest["world_size"] != world_size:
+        raise CheckpointError(world_size_remedy(ckpt_dir, manifest["world_size"], world_size))
+    for rel, meta in manifest["files"].items():
+        p = ckpt_dir / rel
+        if not p.is_file():
+            raise CheckpointError(f"checkpoint {ckpt_dir} is incomplete: {rel} (rank {meta['rank']}) is missing")
+        if p.stat().st_size != meta["size"]:
+            raise CheckpointError(
+                f"checkpoint {ckpt_dir} is damaged: {rel} has {p.stat().st_size} bytes, the manifest says {meta['size']}"
+            )
+        if (hash_ranks is True or meta["rank"] in (hash_ranks or ())) and _sha256(p) != meta["sha256"]:
+            raise CheckpointError(f"checkpoint {ckpt_dir} is damaged: {rel} does not match its sha256")
+    return manifest
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_into(engine, ckpt_dir: str | Path, rank: int, world: int, expected_config_hash: str) -> dict[str, Any]:
+    """Restores model, optimizer, LR scheduler and this rank's RNG state; returns the manifest.
+
+    Fails loudly (CheckpointError) when the checkpoint is incomplete, damaged, written for a
+    different world size or config, or unreadable by DeepSpeed; it never starts from scratch.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    manifest = verify_checkpoint(ckpt_dir, world_size=world, hash_ranks=[rank])
+    if manifest["config_hash"] != expected_config_hash:
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} was written with different model/data/batch settings (config hash "
+            f"{manifest['config_hash']} != {expected_config_hash}); resume with the original config or "
+            "start a new run.name."
+        )
+    try:
+        path, _ = engine.load_checkpoint(
+            str(ckpt_dir), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+    except Exception as e:
+        raise CheckpointError(f"DeepSpeed could not load {ckpt_dir}/{DS_TAG}: {type(e).__name__}: {e}") from e
+    if path is None:
+        raise CheckpointError(
+            f"DeepSpeed could not load the shards in {ckpt_dir}/{DS_TAG}; the checkpoint is unreadable."
+        )
+    with open(_rng_file(ckpt_dir, rank), "rb") as f:
+        set_rng_state(pickle.load(f))  # our own file, verified against its sha256 above
+    return manifest
+
+
+def batches_to_skip(start_position: int, step: int, global_batch: int, accum: int) -> int:
+    """Micro batches a rank skips when Ray restarts the workers inside one driver run.
+
+    Each rank's stream begins where the driver planned (`start_position`, the checkpoint it saw
+    at start-up); after an in-run restart Ray hands back a later checkpoint, so the blocks
+    between the two are skipped (each step takes `accum` micro batches from every rank).
+    """
+    resumed_position = step * global_batch
+    if start_position > resumed_position or (resumed_position - start_position) % global_batch:
+        raise CheckpointError(
+            f"the data stream starts at block position {start_position} but the checkpoint is at step {step} "
+            f"(position {resumed_position}); the run directory's checkpoints are inconsistent."
+        )
+    return (resumed_position - start_position) // global_batch * accum

@@ -85,13 +85,21 @@ class ModelConfig:
     """'bundled' (a 2048-token BPE trained on wikitext, shipped with the package), '' (the
     model's own tokenizer), a local directory or a hub id."""
     dtype: str = "bf16"
-    """Training precision: 'bf16' (DeepSpeed bf16, fp32 master weights) or 'fp32'."""
+    """Training precision: 'bf16' (DeepSpeed bf16, fp32 master weights), 'fp32', or 'auto':
+    the workers time bf16 and fp32 GEMMs at the model's shapes at start-up and take bf16 only
+    where it is faster (AMX or AVX-512 BF16 CPUs), else fp32 with a warning. With 'bf16' the
+    same probe warns when bf16 measures slower. A resumed run keeps its checkpoint's dtype."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory (costs ~1/3 more compute)."""
+    compile: bool = False
+    """torch.compile the model (inductor) through DeepSpeed; the first steps compile for minutes."""
+    compile_cache_dir: str = ""
+    """Persistent inductor cache shared by all workers and runs; '' means
+    <run.storage_path>/inductor_cache."""
 
     def __post_init__(self) -> None:
         _require(bool(self.name_or_path), "model.name_or_path", "must not be empty; use 'tiny'.")
-        _choice(self.dtype, "model.dtype", ("bf16", "fp32"))
+        _choice(self.dtype, "model.dtype", ("auto", "bf16", "fp32"))
 
     @property
     def is_tiny(self) -> bool:
@@ -206,6 +214,10 @@ class TrainConfig:
     record_block_ids: bool = False
     """Append the id of every block each rank trains on to <run dir>/block_ids/rank<r>.txt
     (an audit trail of the data order; the resume tests count them)."""
+    profile_breakdown: bool = False
+    """Also time the collectives (all-gather, reduce-scatter, all-reduce) in the training thread,
+    so summary.json's step-time breakdown shows communication; forward, backward, optimizer
+    step and data wait are always timed."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every"):
@@ -265,9 +277,16 @@ class ScalingConfig:
     """torch intra-op threads per worker; 0 uses the physical cores behind the worker's CPUs."""
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     """Extra Ray resources each worker needs, e.g. {c7i_worker: 1}, to land on given nodes."""
+    pin_cores: bool = False
+    """Pin each worker's threads to its own physical cores (split by local rank; one socket
+    per rank on multi-socket nodes). Pays on a dedicated node; hurts on a shared one."""
+    allocator: str = "auto"
+    """malloc of the training workers: 'auto' preloads jemalloc, else tcmalloc, when the
+    library is installed (apt-get install libjemalloc2); 'jemalloc', 'tcmalloc' or 'system'."""
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= 0, "scaling.num_workers", "must be >= 0 (0 = auto).")
+        _choice(self.allocator, "scaling.allocator", ("auto", "jemalloc", "tcmalloc", "system"))
         _require(self.cpus_per_worker >= 0, "scaling.cpus_per_worker", "must be >= 0 (0 = auto).")
         _require(self.data_cpus >= 0, "scaling.data_cpus", "must be >= 0 (0 = auto).")
         _require(self.threads_per_worker >= 0, "scaling.threads_per_worker", "must be >= 0 (0 = auto).")
@@ -590,9 +609,14 @@ def _field_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name):
-            if isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str):
-                docs[a.target.id] = " ".join(b.value.value.split())
+        is_field = isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+        if (
+            is_field
+            and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant)
+            and isinstance(b.value.value, str)
+        ):
+            docs[a.target.id] = " ".join(b.value.value.split())
     return docs
 
 

@@ -63,7 +63,12 @@ class SourceSpec:
     filesystem: str = "local"  # local | s3 | hf
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "paths": list(self.paths), "text_column": self.text_column, "wikitext": self.wikitext}
+        return {
+            "kind": self.kind,
+            "paths": list(self.paths),
+            "text_column": self.text_column,
+            "wikitext": self.wikitext,
+        }
 
 
 def _expand_local(path: str, kind: str, key: str) -> tuple[str, ...]:
@@ -126,12 +131,21 @@ def source_specs(cfg: DataConfig) -> tuple[SourceSpec, SourceSpec | None]:
         return mk(cfg.train_split), (mk(cfg.eval_split) if cfg.eval_split else None)
     expand = _expand_s3 if cfg.path.startswith("s3://") else _expand_local
     fs = "s3" if cfg.path.startswith("s3://") else "local"
-    train = SourceSpec(cfg.source, expand(cfg.path, cfg.source, "data.path"), cfg.text_column, cfg.source == "text", cfg.bad_rows, fs)
+    train = SourceSpec(
+        cfg.source, expand(cfg.path, cfg.source, "data.path"), cfg.text_column, cfg.source == "text", cfg.bad_rows, fs
+    )
     evals = None
     if cfg.eval_path:
         efs = "s3" if cfg.eval_path.startswith("s3://") else "local"
         eexpand = _expand_s3 if efs == "s3" else _expand_local
-        evals = SourceSpec(cfg.source, eexpand(cfg.eval_path, cfg.source, "data.eval_path"), cfg.text_column, cfg.source == "text", cfg.bad_rows, efs)
+        evals = SourceSpec(
+            cfg.source,
+            eexpand(cfg.eval_path, cfg.source, "data.eval_path"),
+            cfg.text_column,
+            cfg.source == "text",
+            cfg.bad_rows,
+            efs,
+        )
     return train, evals
 
 
@@ -180,7 +194,9 @@ def _group_wikitext(lines: list[str]) -> list[str]:
     return ["\n".join(d) for d in docs]
 
 
-def _records_text(records: list[Any], column: str, path: str, first_row: int, bad_rows: str, what: str) -> tuple[list[str], int]:
+def _records_text(
+    records: list[Any], column: str, path: str, first_row: int, bad_rows: str, what: str
+) -> tuple[list[str], int]:
     texts, skipped = [], 0
     for i, value in enumerate(records):
         if isinstance(value, str):
@@ -214,7 +230,9 @@ def file_documents(path: str, raw: bytes, spec: SourceSpec) -> tuple[list[str], 
                 if spec.bad_rows == "skip":
                     skipped += 1
                     continue
-                raise DataError(f"{path}, line {n}: not valid JSON ({e.msg}). Fix it, or set data.bad_rows=skip.") from None
+                raise DataError(
+                    f"{path}, line {n}: not valid JSON ({e.msg}). Fix it, or set data.bad_rows=skip."
+                ) from None
             if not isinstance(obj, dict) or spec.text_column not in obj:
                 if spec.bad_rows == "skip":
                     skipped += 1
@@ -242,7 +260,9 @@ def file_documents(path: str, raw: bytes, spec: SourceSpec) -> tuple[list[str], 
             f"{path}: no column {spec.text_column!r} (columns: {table.column_names}). "
             "Set data.text_column to the column holding the text."
         )
-    texts, skipped = _records_text(table.column(spec.text_column).to_pylist(), spec.text_column, path, 0, spec.bad_rows, "row")
+    texts, skipped = _records_text(
+        table.column(spec.text_column).to_pylist(), spec.text_column, path, 0, spec.bad_rows, "row"
+    )
     return _docs_from_texts(texts, spec), skipped
 
 
@@ -335,7 +355,9 @@ def cache_key(cfg: Config, train: SourceSpec, evals: SourceSpec | None, tokenize
     payload = {
         "format": CACHE_FORMAT,
         "train": [_file_fingerprint(p, train.filesystem) for p in train.paths] + [train.text_column, train.wikitext],
-        "eval": ([_file_fingerprint(p, evals.filesystem) for p in evals.paths] + [evals.text_column]) if evals else d.eval_fraction,
+        "eval": ([_file_fingerprint(p, evals.filesystem) for p in evals.paths] + [evals.text_column])
+        if evals
+        else d.eval_fraction,
         "tokenizer": _tokenizer_fingerprint(tokenizer_path),
         "seq_len": d.seq_len,
         "bad_rows": d.bad_rows,
@@ -344,7 +366,11 @@ def cache_key(cfg: Config, train: SourceSpec, evals: SourceSpec | None, tokenize
 
 
 def cache_root(cfg: Config) -> Path:
-    return Path(cfg.data.cache_dir).expanduser().absolute() if cfg.data.cache_dir else cfg.run.run_dir.parent / "data_cache"
+    return (
+        Path(cfg.data.cache_dir).expanduser().absolute()
+        if cfg.data.cache_dir
+        else cfg.run.run_dir.parent / "data_cache"
+    )
 
 
 class _BlockWriter:
@@ -397,7 +423,9 @@ def _read_documents(spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int
     ds = ray.data.read_binary_files(
         list(spec.paths), include_paths=True, filesystem=_filesystem(spec.filesystem), num_cpus=0
     )
-    docs = ds.map_batches(_documents_batch, fn_kwargs={"spec": spec}, batch_size=1)
+    # Splitting files into documents is light next to tokenizing; taking no CPU reservation
+    # keeps it from waiting on the tokenizer actors, which hold every CPU (else: deadlock).
+    docs = ds.map_batches(_documents_batch, fn_kwargs={"spec": spec}, batch_size=1, num_cpus=0)
     if len(spec.paths) < 2 * actors:
         # Few big files (wikitext is one): split their documents into blocks, in order, so
         # every tokenizer actor gets work. Many files already stream in parallel.
@@ -411,7 +439,9 @@ def _read_documents(spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int
     )
 
 
-def _pack(spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int], actors: int, out: Path, holdout: Path | None) -> dict:
+def _pack(
+    spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int], actors: int, out: Path, holdout: Path | None
+) -> dict:
     """Tokenizes in Ray Data, then packs in document order on the driver (a sequential concat)."""
     import ray
 
@@ -499,7 +529,9 @@ def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
             "seq_len": cfg.data.seq_len,
             "tokenizer": tokenizer_path,
             "train_source": train.describe(),
-            "eval_source": evals.describe() if evals else f"held out: every {round(1 / cfg.data.eval_fraction)}th document",
+            "eval_source": evals.describe()
+            if evals
+            else f"held out: every {round(1 / cfg.data.eval_fraction)}th document",
             **stats,
             "padding_tokens": 0,
             "prepare_wall_s": round(wall, 3),
@@ -512,7 +544,9 @@ def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    log(f"[data] {stats['blocks']} train / {stats['eval_blocks']} eval blocks of {cfg.data.seq_len} tokens in {wall:.1f}s")
+    log(
+        f"[data] {stats['blocks']} train / {stats['eval_blocks']} eval blocks of {cfg.data.seq_len} tokens in {wall:.1f}s"
+    )
     return final
 
 
@@ -651,7 +685,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     meta = read_meta(cache)
-    print(json.dumps({"cache": str(cache), **{k: meta[k] for k in ("blocks", "eval_blocks", "tokens", "skipped_rows", "tokens_per_s")}}, indent=2))
+    print(
+        json.dumps(
+            {
+                "cache": str(cache),
+                **{k: meta[k] for k in ("blocks", "eval_blocks", "tokens", "skipped_rows", "tokens_per_s")},
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -52,7 +52,9 @@ def validate_before_ray(cfg: Config) -> None:
     if cfg.model.tokenizer not in ("bundled", ""):
         p = Path(cfg.model.tokenizer).expanduser()
         if cfg.model.tokenizer.startswith((".", "/", "~")) and not p.is_dir():
-            raise ConfigError(f"model.tokenizer: {cfg.model.tokenizer!r} does not exist; use 'bundled', '' or a tokenizer directory.")
+            raise ConfigError(
+                f"model.tokenizer: {cfg.model.tokenizer!r} does not exist; use 'bundled', '' or a tokenizer directory."
+            )
     check_storage(cfg.run.run_dir)
     if cfg.data.source != "hub":
         try:
@@ -66,34 +68,54 @@ def validate_before_ray(cfg: Config) -> None:
 
 def physical_cores() -> int:
     """Physical cores of this machine (vCPUs / threads per core)."""
+    from raytrain_cpu.cpu import cpu_features
+
+    return cpu_features().physical_cores
+
+
+def worker_node_cpu(nodes: list[dict[str, Any]]):
+    """CpuFeatures of the nodes the workers land on (assumed alike): this machine's when it is
+    the only node with CPUs, else read on the first such node by a zero-CPU Ray task (the head
+    node often is another instance type)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from raytrain_cpu.cpu import cpu_features
+
+    here = ray.get_runtime_context().get_node_id()
+    if len(nodes) == 1 and nodes[0]["NodeID"] == here:
+        return cpu_features()
+    probe = ray.remote(num_cpus=0)(cpu_features).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[0]["NodeID"], soft=False)
+    )
     try:
-        cores = set()
-        block: dict[str, str] = {}
-        for line in Path("/proc/cpuinfo").read_text().splitlines() + [""]:
-            if not line.strip():
-                if "core id" in block:
-                    cores.add((block.get("physical id", "0"), block["core id"]))
-                block = {}
-            elif ":" in line:
-                k, v = line.split(":", 1)
-                block[k.strip()] = v.strip()
-        return max(1, len(cores)) if cores else os.cpu_count() or 1
-    except OSError:
-        return os.cpu_count() or 1
+        return ray.get(probe.remote(), timeout=120)
+    except (ray.exceptions.RayError, TimeoutError):
+        return cpu_features()  # a guess from the driver's node beats failing the run
 
 
 def derive_scaling(cfg: Config) -> dict[str, Any]:
-    """Worker count, CPUs and threads per worker from what Ray reports (config wins when set)."""
+    """Worker count, CPUs and threads per worker from what Ray reports (config wins when set).
+
+    Defaults: one rank per socket of each node (2 on a single-socket machine, for the demo);
+    intra-op threads = the physical cores behind a worker's Ray CPUs (Ray counts vCPUs).
+    """
     import ray
+
+    from raytrain_cpu.cpu import default_workers_per_node, threads_per_worker
 
     nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0]
     cpus_per_node = min(n["Resources"]["CPU"] for n in nodes)
+    feats = worker_node_cpu(nodes)
     s = cfg.scaling
     data_cpus = s.data_cpus or (1.0 if cpus_per_node <= 16 else 2.0)
+    per_socket = default_workers_per_node(feats.sockets)
     if s.num_workers:
         workers = s.num_workers
+    elif len(nodes) > 1:
+        workers = len(nodes) * per_socket
     else:
-        workers = len(nodes) if len(nodes) > 1 else (2 if cpus_per_node >= 2 else 1)
+        workers = max(per_socket, 2 if cpus_per_node >= 2 else 1)
     workers_per_node = max(1, -(-workers // len(nodes)))
     free = cpus_per_node - data_cpus
     if s.cpus_per_worker:
@@ -106,18 +128,35 @@ def derive_scaling(cfg: Config) -> dict[str, Any]:
             f"scaling.cpus_per_worker: {workers_per_node} workers x {cpus} CPUs don't fit a node with "
             f"{cpus_per_node:g} CPUs; lower scaling.cpus_per_worker or scaling.num_workers."
         )
-    vcpus_per_core = max(1, (os.cpu_count() or 1) // physical_cores())
-    threads = s.threads_per_worker or max(1, int(max(cpus, 1) // vcpus_per_core) if cpus >= 1 else 1)
-    if len(nodes) == 1 and not s.threads_per_worker:
-        threads = max(1, min(threads, physical_cores() // workers_per_node))
+    threads = s.threads_per_worker or threads_per_worker(
+        cpus, feats.threads_per_core, feats.physical_cores, workers_per_node
+    )
     return {
         "num_workers": workers,
         "cpus_per_worker": cpus,
         "threads_per_worker": threads,
+        "workers_per_node": workers_per_node,
         "data_cpus": data_cpus,
         "nodes": len(nodes),
         "cpus_per_node": cpus_per_node,
+        "node_cpu": feats.to_dict(),
     }
+
+
+def worker_env(cfg: Config, workers_per_node: int) -> dict[str, str]:
+    """Env vars the training workers must have at process start (set by Ray's runtime env).
+
+    The allocator has to be preloaded before the process starts. OMP_PROC_BIND is turned off
+    when ranks share a node: libgomp binds at import time to the node's first cores, the same
+    ones for every rank (the cluster images set it for one rank per node); placement then
+    comes from scaling.pin_cores instead.
+    """
+    from raytrain_cpu.cpu import preload_env
+
+    env = preload_env(cfg.scaling.allocator)
+    if workers_per_node > 1:
+        env["OMP_PROC_BIND"] = "false"
+    return env
 
 
 # ----------------------------------------------------------------------------- checkpoints on disk
@@ -152,8 +191,15 @@ def build_datasets(cache: Path, meta: dict, cfg: Config, world: int, start: int)
     out = {}
     for r in range(world):
         plan = StreamPlan(
-            str(Path(cache) / "train"), meta["blocks"], cfg.train.seed, cfg.data.shuffle_window,
-            cfg.train.micro_batch_size, world, r, start, end,
+            str(Path(cache) / "train"),
+            meta["blocks"],
+            cfg.train.seed,
+            cfg.data.shuffle_window,
+            cfg.train.micro_batch_size,
+            world,
+            r,
+            start,
+            end,
         )
         out[f"train_rank{r}"] = train_stream(cache, plan)
         if meta["eval_blocks"] >= world:
@@ -203,7 +249,8 @@ def run(cfg: Config) -> dict[str, Any]:
     global_batch = cfg.train.derive_global_batch(world)  # ConfigError names the fix
     print(
         f"[raytrain] {world} workers x {sizing['cpus_per_worker']} CPUs ({sizing['threads_per_worker']} threads), "
-        f"global batch {global_batch} blocks, run dir {run_dir}",
+        f"global batch {global_batch} blocks, run dir {run_dir}; nodes: {sizing['node_cpu']['model_name']} "
+        f"({sizing['node_cpu']['best_isa']})",
         flush=True,
     )
 
@@ -212,7 +259,10 @@ def run(cfg: Config) -> dict[str, Any]:
     meta = read_meta(cache)
     needed = cfg.train.max_steps * global_batch
     if needed > meta["blocks"]:
-        print(f"[raytrain] {needed} blocks needed, {meta['blocks']} in the data: {needed / meta['blocks']:.1f} epochs", flush=True)
+        print(
+            f"[raytrain] {needed} blocks needed, {meta['blocks']} in the data: {needed / meta['blocks']:.1f} epochs",
+            flush=True,
+        )
 
     # ---- model
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -225,7 +275,11 @@ def run(cfg: Config) -> dict[str, Any]:
             from huggingface_hub import snapshot_download
 
             # Download once to shared storage so every worker reads the same files.
-            model_dir = snapshot_download(model_dir, cache_dir=str(run_dir.parent / "hf_cache"), allow_patterns=["*.json", "*.safetensors", "tokenizer*"])
+            model_dir = snapshot_download(
+                model_dir,
+                cache_dir=str(run_dir.parent / "hf_cache"),
+                allow_patterns=["*.json", "*.safetensors", "tokenizer*"],
+            )
     n_params = count_parameters(model_dir)
 
     # ---- resolved config and resume position
@@ -278,7 +332,7 @@ def run(cfg: Config) -> dict[str, Any]:
             # Restarts resume from the latest reported checkpoint; announced preemptions (spot
             # notices) have their own, unlimited budget.
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures, max_preemption_failures=-1),
-            worker_runtime_env={"env_vars": ray_env},
+            worker_runtime_env={"env_vars": {**ray_env, **worker_env(cfg, sizing["workers_per_node"])}},
         ),
         datasets=datasets,
         dataset_config=ray.train.DataConfig(datasets_to_split=[]),
@@ -345,7 +399,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--config", default=None, help="YAML config file (e.g. configs/local.yaml); defaults are built in")
-    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=20 scaling.num_workers=1")
+    ap.add_argument(
+        "overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=20 scaling.num_workers=1"
+    )
     return ap.parse_args(argv)
 
 

@@ -114,4 +114,6 @@ def load_sharded(model_dir: str, ds_config: dict[str, Any], dtype):
 
 def model_summary(model_dir: str) -> dict[str, Any]:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return {k: cfg.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")}
+    return {
+        k: cfg.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    }

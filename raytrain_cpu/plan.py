@@ -1,20 +1,19 @@
 """Capacity planner: memory per rank, communication per step, and which c7i nodes to rent.
 
     python -m raytrain_cpu.plan --model meta-llama/Meta-Llama-3-8B --world-size 4 --seq-len 1024 -c
-    python -m raytrain_cpu.plan --config configs/llama3-8b-c7i.yaml           # read it all from a run config
+    python -m raytrain_cpu.plan --config configs/llama3-8b-c7i.yaml      # everything from a run config
     python -m raytrain_cpu.plan --model path/to/config.json --zero-stage 2 --json
 
-The memory model follows what DeepSpeed 0.19 actually allocates on a CPU node with bf16
-(2 bytes a parameter for the bf16 weights, 4 for the fp32 master copy, 4 + 4 for AdamW's
-moments, 2 for the bf16 gradient partition and 4 for the fp32 gradient the optimizer reads),
-divided over ranks as the ZeRO stage says, plus what training adds on top: ZeRO-3's
-transiently gathered layers and gradient bucket, activations (with or without activation
-checkpointing), the logits and AdamW's temporaries. A fixed per-process baseline (Python +
-torch + transformers + DeepSpeed + Ray imports and their allocator arenas) was measured on
-real runs, and ``benchmarks/calibrate_planner.py`` checks the whole model against measured
-peak RSS (``tests/test_plan.py`` holds those measurements: within 15%).
+Memory follows what DeepSpeed 0.19 allocates on a CPU node: per parameter 2 bytes of bf16
+weights, 4 of fp32 master copy, 4 of fp32 gradient for the optimizer, 8 of AdamW moments and 2
+of bf16 gradient partition, divided over the ranks as the ZeRO stage says; then what a step
+adds on top: activations (with or without activation checkpointing), logits, ZeRO-3's
+gathered layers and gradient bucket, AdamW's temporaries. The per-process baseline, the fixed
+overheads and glibc's fragmentation of freed activation memory were measured on real ZeRO-3
+runs (``benchmarks/calibrate_planner.py``); ``tests/test_plan.py`` keeps the estimate within
+15% of the measured peak RSS per rank.
 
-Everything is in bytes internally and GiB (2**30) in what it reports.
+Bytes internally, GiB (2**30) in what it reports.
 """
 
 from __future__ import annotations
@@ -109,8 +108,15 @@ CALIBRATION_SHAPES: dict[str, ModelShape] = {
     "tiny": KNOWN_SHAPES["tiny"],
     "llama-37m": _shape("llama-37m", v=2048, h=640, i=1728, layers=8, heads=10, kv=2),
 }
-CALIBRATION_MICRO_BATCH = 8  # configs/local.yaml
-CALIBRATION_SEQ_LEN = 256
+CALIBRATION_SEQ_LEN = 256  # configs/local.yaml
+# (model, micro batch, activation checkpointing), 2 ranks, ZeRO-3, bf16. The first two fit the
+# fixed overheads and FRAGMENTATION below; the other two are held out to check the fit.
+CALIBRATION_CASES: list[tuple[str, int, bool]] = [
+    ("tiny", 8, False),
+    ("llama-37m", 8, False),
+    ("llama-37m", 8, True),
+    ("llama-37m", 2, False),
+]
 
 
 def shape_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelShape:
@@ -150,15 +156,16 @@ def resolve_shape(model: str) -> ModelShape:
 # DeepSpeed and Ray's core worker imported, the gloo process group up (measured: 0.48 GiB).
 BASELINE_BYTES = int(0.48 * GIB)
 # Fixed costs that do not grow with the model: from_pretrained's module objects and zero.Init
-# hooks (load), the DeepSpeed engine (initialize), autograd / oneDNN state of the first steps.
+# hooks (load), the DeepSpeed engine (initialize), autograd / oneDNN state of a step.
 LOAD_OVERHEAD_BYTES = int(0.035 * GIB)
 INIT_OVERHEAD_BYTES = int(0.04 * GIB)
-STEP_OVERHEAD_BYTES = int(0.03 * GIB)
-# glibc malloc does not hand freed activation memory back in reusable pieces: from the second
-# step on, the high-water mark of a step's transients is this many times their live size
-# (fitted on the calibration runs; jemalloc, preloaded on the cluster, fragments less, so on
-# the cluster the estimate errs on the safe side).
-FRAGMENTATION = 1.70
+STEP_OVERHEAD_BYTES = int(0.025 * GIB)
+# glibc malloc keeps the memory of freed activations in pieces it cannot always reuse: from
+# the second step on, a step's transients cost this many times their live size. Fitted, with
+# STEP_OVERHEAD_BYTES, on two calibration runs (tiny and llama-37m at micro batch 8) and
+# checked on two held out ones (activation checkpointing; micro batch 2). jemalloc, preloaded
+# on the cluster, fragments less, so there the estimate errs on the safe side.
+FRAGMENTATION = 1.63
 
 
 def _act_bytes_per_token_layer(s: ModelShape) -> int:
@@ -179,11 +186,12 @@ LOGITS_BYTES_PER_VOCAB = 2 + 4 + 4 + 4
 # count as resident (Hugging Face checkpoints are sharded at about 5 GB).
 CHECKPOINT_SHARD_BYTES = 5 * 10**9
 
-# DeepSpeed's ZeRO-3 defaults (what an unset zero_optimization gets).
-DS_REDUCE_BUCKET_SIZE = 500_000_000
+# ZeRO settings as raytrain_cpu.train.deepspeed_config writes them (tests/test_plan.py checks);
+# the persistence threshold is deepspeed.param_persistence_threshold's default.
+DS_REDUCE_BUCKET_SIZE = 50_000_000
 DS_PREFETCH_BUCKET_SIZE = 50_000_000
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000
-DS_PARAM_PERSISTENCE_THRESHOLD = 100_000
+DS_PARAM_PERSISTENCE_THRESHOLD = 10_000
 
 # ----------------------------------------------------------------------------- instances
 
@@ -307,17 +315,16 @@ def memory_stages(parts: dict[str, float]) -> dict[str, float]:
     after_master: deepspeed.initialize (fp32 master partition and gradient buffers; the
     checkpoint is closed by then).
     after_optimizer: the first optimizer step (AdamW's moments exist from here on).
-    peak: the worst moment of a step, from the second step on: the backward (activations,
-    logits, gathered layers and the gradient bucket, times allocator fragmentation) or the
-    optimizer step (AdamW's temporaries).
+    peak: the high-water mark from the second step on: the backward's transients (activations,
+    logits, ZeRO-3's gathered layers and gradient bucket) times the allocator's fragmentation,
+    plus AdamW's temporaries, which are large fresh allocations on top of that heap.
     """
     base = parts["baseline"] + LOAD_OVERHEAD_BYTES + parts["weights"]
     after_load = base + parts["checkpoint_pages"]
     after_master = base + INIT_OVERHEAD_BYTES + parts["master"] + parts["master_grad"] + parts["grads"]
     after_optimizer = after_master + parts["adam"]
     backward = parts["activations"] + parts["logits"] + parts["gathered_params"] + parts["grad_bucket"]
-    step = parts["adam_temp"] + parts["grad_bucket"]  # the bucket's pages stay touched
-    peak = after_optimizer + STEP_OVERHEAD_BYTES + max(FRAGMENTATION * backward, step)
+    peak = after_optimizer + STEP_OVERHEAD_BYTES + FRAGMENTATION * backward + parts["adam_temp"]
     peak = max(peak, after_load)
     return {"after_load": after_load, "after_master": after_master, "after_optimizer": after_optimizer, "peak": peak}
 
@@ -363,6 +370,10 @@ def train_flops_per_step(shape: ModelShape, tokens: int, activation_checkpointin
 # ----------------------------------------------------------------------------- recommendation
 
 
+def _peak(shape: ModelShape, world_size: int, mem_kwargs: dict[str, Any]) -> float:
+    return memory_stages(memory_breakdown(shape, world_size, **mem_kwargs))["peak"]
+
+
 def _fits(peak_bytes: float, ranks_per_node: int, instance_gib: float) -> bool:
     return peak_bytes * ranks_per_node <= usable_bytes(instance_gib)
 
@@ -372,38 +383,30 @@ def recommend(
     world_size: int,
     ranks_per_node: int = 1,
     max_workers: int = 512,
-    **kwargs: Any,
+    **mem_kwargs: Any,
 ) -> dict[str, Any]:
-    """Smallest c7i that holds `world_size` ranks, and the fewest nodes per c7i size.
+    """The smallest node that holds `world_size` ranks, and the fewest workers per c7i size.
 
-    A rank per node is the default (it gets every core); fewer, bigger nodes cut ZeRO traffic
-    per step only through world size, so the choice is memory first, then cores.
+    Memory decides the smallest node that works; a bigger c7i only adds cores (and network),
+    which is what makes a step faster. c7i first (2 GiB/vCPU), then m7i (4) and r7i (8).
     """
-    peak = memory_stages(memory_breakdown(shape, world_size, **kwargs))["peak"]
+    peak = _peak(shape, world_size, mem_kwargs)
     nodes = math.ceil(world_size / ranks_per_node)
-    chosen = None
-    for family in ("c7i", "m7i", "r7i"):
-        for name, (_, gib, _) in instance_catalog(family).items():
-            if _fits(peak, ranks_per_node, gib):
-                chosen = name
-                break
-        if chosen:
-            break
+    candidates = [(name, gib) for fam in ("c7i", "m7i", "r7i") for name, (_, gib, _) in instance_catalog(fam).items()]
+    chosen = next((name for name, gib in candidates if _fits(peak, ranks_per_node, gib)), None)
 
-    # For each c7i size, the fewest ranks (one per node) whose per-rank peak fits.
-    min_workers: dict[str, int | None] = {}
-    for name, (_, gib, _) in C7I_SIZES.items():
-        min_workers[name] = next(
-            (w for w in range(1, max_workers + 1) if _fits(_peak(shape, w, kwargs), 1, gib)),
-            None,
-        )
+    # ZeRO-3 shards with the world size, so more, smaller nodes can replace fewer, bigger ones.
+    min_workers = {
+        name: next((w for w in range(1, max_workers + 1) if _fits(_peak(shape, w, mem_kwargs), 1, gib)), None)
+        for name, (_, gib, _) in C7I_SIZES.items()
+    }
 
     if chosen is None:
         need = min_workers["c7i.48xlarge"]
         note = (
             f"{world_size} ranks do not fit any c7i/m7i/r7i node; use at least {need} c7i.48xlarge workers."
             if need
-            else "does not fit even at the largest world size tried; enable offload or checkpointing."
+            else "does not fit at any world size tried; use ZeRO-3, activation checkpointing or offload nvme."
         )
     elif chosen.startswith("c7i"):
         note = f"{nodes} x {chosen} ({ranks_per_node} rank(s) per node)."
@@ -420,10 +423,6 @@ def recommend(
     }
 
 
-def _peak(shape: ModelShape, world_size: int, kwargs: dict[str, Any]) -> float:
-    return memory_stages(memory_breakdown(shape, world_size, **kwargs))["peak"]
-
-
 # ----------------------------------------------------------------------------- public entry point
 
 
@@ -438,8 +437,13 @@ def plan(
     dtype: str = "bf16",
     grad_accum_steps: int = 1,
     ranks_per_node: int = 1,
+    instance: str | None = None,
 ) -> dict[str, Any]:
-    """The whole estimate as a JSON-able dict (what `--json` prints)."""
+    """The whole estimate as a JSON-able dict (what `--json` prints).
+
+    `instance` (e.g. 'c7i.48xlarge') checks the fit on that node and times the communication
+    at its network rate; without it, the recommended node is used.
+    """
     shape = resolve_shape(model_shape) if isinstance(model_shape, str) else model_shape
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
@@ -462,14 +466,19 @@ def plan(
     stages = memory_stages(parts)
     comm = comm_bytes_per_step(shape, world_size, zero_stage, grad_accum_steps, dtype)
     rec = recommend(shape, world_size, ranks_per_node=ranks_per_node, **mem_kwargs)
-    net_gbps = C7I_SIZES.get(rec["instance"] or "", (0, 0, 50.0))[2]
+    node = instance or rec["instance"] or "c7i.48xlarge"
+    family, _, size = node.partition(".")
+    if family not in GIB_PER_VCPU or f"c7i.{size}" not in C7I_SIZES:
+        raise ValueError(f"instance {node!r}: use a c7i, m7i or r7i size from 8xlarge to 48xlarge")
+    net_gbps = C7I_SIZES[f"c7i.{size}"][2]  # m7i and r7i have c7i's network at each size
+    if instance:
+        rec["fits_instance"] = _fits(stages["peak"], ranks_per_node, instance_catalog(family)[node][1])
     tokens = micro_batch * seq_len * grad_accum_steps
     # The same run at each ZeRO stage: ZeRO-3 gathers the model every micro batch, so when
     # memory allows, a lower stage often moves far fewer bytes per step.
     stages_compared = {
         str(z): {
-            "peak_gib": memory_stages(memory_breakdown(shape, world_size, **(mem_kwargs | {"zero_stage": z})))["peak"]
-            / GIB,
+            "peak_gib": _peak(shape, world_size, mem_kwargs | {"zero_stage": z}) / GIB,
             "comm_gib_per_step": comm_bytes_per_step(shape, world_size, z, grad_accum_steps, dtype) / GIB,
         }
         for z in (1, 2, 3)
@@ -481,7 +490,8 @@ def plan(
         "memory_gib": {k: v / GIB for k, v in stages.items()},
         "components_gib": {k: v / GIB for k, v in parts.items()},
         "comm_gib_per_step": comm / GIB,
-        # A lower bound: the recommended node's network at line rate, nothing overlapped.
+        "network_node": node,
+        # A lower bound: the node's network at line rate, nothing overlapped.
         "comm_seconds_per_step_min": comm * 8 / (net_gbps * 1e9) if comm else 0.0,
         "train_tflop_per_rank_per_step": train_flops_per_step(shape, tokens, activation_checkpointing) / 1e12,
         "zero_stages_compared": stages_compared,
@@ -516,13 +526,20 @@ def inputs_from_run_config(path: str) -> dict[str, Any]:
     )
 
 
+def _count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return str(int(n))
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The human-readable report."""
     m, i, mem = result["model"], result["inputs"], result["memory_gib"]
     rec = result["recommendation"]
     offload = "" if i["offload"] == "none" else f" + offload {i['offload']}"
     lines = [
-        f"model       {m['name']}  ({m['num_params'] / 1e9:.3f} B params, {m['num_layers']} layers, "
+        f"model       {m['name']}  ({_count(m['num_params'])} params, {m['num_layers']} layers, "
         f"hidden {m['hidden_size']}, vocab {m['vocab_size']})",
         f"setup       {i['world_size']} ranks, ZeRO-{i['zero_stage']}{offload}, {i['dtype']}, micro batch "
         f"{i['micro_batch']} x seq {i['seq_len']}, grad accum {i['grad_accum_steps']}, activation checkpointing "
@@ -535,9 +552,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"  peak during training      {mem['peak']:10.2f}",
         "  of which: " + ", ".join(f"{k} {v:.2f}" for k, v in result["components_gib"].items() if v >= 0.005),
         "",
-        f"communication per rank per step   {result['comm_gib_per_step']:.2f} GiB "
-        f"(>= {result['comm_seconds_per_step_min']:.2f} s at the node's line rate)",
-        f"compute per rank per step         {result['train_tflop_per_rank_per_step']:.2f} TFLOP",
+        f"communication per rank per step   {result['comm_gib_per_step']:.3g} GiB "
+        f"(>= {result['comm_seconds_per_step_min']:.2f} s at {result['network_node']}'s line rate)",
+        f"compute per rank per step         {result['train_tflop_per_rank_per_step']:.3g} TFLOP",
         "",
         "same run per ZeRO stage (peak GiB / comm GiB per step): "
         + ", ".join(
@@ -549,6 +566,9 @@ def format_table(result: dict[str, Any]) -> str:
         "  fewest workers per c7i size: "
         + ", ".join(f"{k.split('.')[1]} {v if v else '-'}" for k, v in rec["min_workers_per_c7i_size"].items()),
     ]
+    if "fits_instance" in rec:
+        verdict = "fits" if rec["fits_instance"] else "does NOT fit"
+        lines.append(f"  on {result['network_node']}: {verdict} ({i['ranks_per_node']} rank(s) per node)")
     if i["offload"] == "cpu":
         lines.append("  note: offload to 'cpu' saves nothing on a CPU node (the states are in RAM either way).")
     return "\n".join(lines)
@@ -574,6 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", choices=("bf16", "fp32"))
     p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--instance", help="check the fit on this node and time the traffic at its network rate")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return p
 
@@ -609,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
             inputs["model_shape"] = resolve_shape(args.model)
         if inputs["model_shape"] is None:
             raise ValueError("give --model or --config")
-        result = plan(**inputs, ranks_per_node=args.ranks_per_node)
+        result = plan(**inputs, ranks_per_node=args.ranks_per_node, instance=args.instance)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

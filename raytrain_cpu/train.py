@@ -83,7 +83,13 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     if ds.config_file:
         extra = json.loads(Path(ds.config_file).read_text())
         for k, v in extra.items():
-            if k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "optimizer", "bf16"):
+            if k in (
+                "train_micro_batch_size_per_gpu",
+                "gradient_accumulation_steps",
+                "train_batch_size",
+                "optimizer",
+                "bf16",
+            ):
                 continue  # owned by the raytrain config, so resume arithmetic stays right
             conf[k] = conf[k] | v if isinstance(v, dict) and isinstance(conf.get(k), dict) else v
     return conf
@@ -154,13 +160,35 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     micro, accum = t.micro_batch_size, t.grad_accum_steps
     global_batch = t.derive_global_batch(world)
     seq_len = cfg.data.seq_len
-    torch.set_num_threads(loop_config["threads_per_worker"])
-    torch.set_num_interop_threads(1) if torch.get_num_interop_threads() != 1 else None
     torch.manual_seed(t.seed + rank)
     is_main = rank == 0
     log = (lambda msg: obs.console(f"[rank 0] {msg}")) if is_main else (lambda msg: None)
     # torch 2.13 warns on every DeepSpeed all-gather / reduce-scatter, from every rank: a flood, not news.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+    # ---- CPU: threads on the physical cores this worker owns, and the dtype this CPU runs fastest
+    from raytrain_cpu import cpu
+
+    # A resumed run keeps its checkpoint's dtype (an unreadable checkpoint fails in the resume section).
+    restored = ray.train.get_checkpoint()
+    manifest_path = Path(restored.path) / ckpt_io.MANIFEST if restored is not None else None
+    resumed_dtype = (
+        json.loads(manifest_path.read_text()).get("dtype") if manifest_path and manifest_path.is_file() else None
+    )
+    cpu_setup = cpu.setup_worker(
+        cfg.model.dtype,
+        loop_config["model_dir"],
+        micro * seq_len,
+        loop_config["threads_per_worker"],
+        ctx.get_local_rank(),
+        ctx.get_local_world_size(),
+        cfg.scaling.pin_cores,
+        agree=lambda v: [x / world for x in _allreduce_sum(v)],  # every rank takes the same decision
+        resumed_dtype=resumed_dtype,
+    )
+    cfg.model.dtype = cpu_setup["dtype"]["dtype"]  # the DeepSpeed config, load dtype and manifests follow
+    loop_config["peak_flops"] = loop_config.get("peak_flops") or cpu_setup["dtype"]["peak_flops_per_s"]
+    obs.console(cpu.describe_setup(rank, cpu_setup))
 
     # ---- data: this rank's blocks in their global order (built on the driver)
     train_shard = ray.train.get_dataset_shard(f"train_rank{rank}")
@@ -179,7 +207,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     t_load = time.perf_counter()
     log(f"[load] loading {loop_config['model_dir']} into ZeRO-{cfg.deepspeed.zero_stage} shards on {world} ranks")
+    cpu.reset_peak_rss()  # so the peak below is the loading's own
     model, hf_ds_config = load_sharded(loop_config["model_dir"], ds_config, dtype)
+    # Every rank's loading peak, gathered with a one-hot sum (summary.json: cpu.load_peak_rss_bytes).
+    load_peaks = _allreduce_sum([float(cpu.peak_rss_bytes()) if r == rank else 0.0 for r in range(world)])
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     load_s = time.perf_counter() - t_load
@@ -194,6 +225,11 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t, max_steps)),
         dist_init_required=False,
     )
+    # from_pretrained hands back a model in eval mode: without this, dropout and activation
+    # checkpointing stay off until the first evaluation switches the model back.
+    engine.train()
+    if cfg.model.compile:
+        cpu.compile_engine(engine, cfg.model.compile_cache_dir or str(run_dir.parent / "inductor_cache"))
 
     # ---- resume from the checkpoint Ray hands back (never DeepSpeed's `latest`)
     # Checkpoints live in Ray's experiment directory (the run dir) so they can be reported in place.
@@ -210,7 +246,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     # After a restart inside this driver run, Ray replays each rank's stream from the driver's start.
     skip_batches = ckpt_io.batches_to_skip(loop_config["start_position"], step, global_batch, accum)
     opt_step_at_resume = _optimizer_step(engine) if resumed_from is not None else None
-    block_log = open(run_dir / "block_ids" / f"rank{rank}.txt", "a") if loop_config["record_block_ids"] else None
+    # Kept open for the whole loop (flushed at each checkpoint), hence no `with`.
+    block_log = open(run_dir / "block_ids" / f"rank{rank}.txt", "a") if loop_config["record_block_ids"] else None  # noqa: SIM115
 
     # ---- loop
     n_params = loop_config["n_params"]
@@ -229,6 +266,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     t_start = time.perf_counter()
     window_t, window_tokens, window_wait = time.perf_counter(), 0, 0.0
     total_wait = 0.0
+    first_batch_wait = None
     last: dict[str, Any] = {}
     eval_metrics: dict[str, Any] = {}
     steps_this_attempt = 0
@@ -245,14 +283,23 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     progress = obs.Progress(max_steps, start_step=step)
     peak_flops = loop_config.get("peak_flops")  # per worker; MFU is logged only when it is known
     preemption_check, saved_on_notice = cfg.run.preemption_check_every, False
+    # Step-time breakdown (summary.json: step_breakdown); collectives only with train.profile_breakdown.
+    clock = cpu.StepClock(cpu.CommTimer().install() if t.profile_breakdown else None)
     while step < max_steps:
+        clock.start_step()
         step_losses = []
         for micro_i in range(accum):
             t_wait = time.perf_counter()
             batch = next(batches)
             wait = time.perf_counter() - t_wait
+            if first_batch_wait is None:
+                # The first batch waits for the Ray Data pipeline to start: reported on its own,
+                # so data_wait_frac measures the steady-state stall.
+                first_batch_wait, wait = wait, 0.0
+                t_start += first_batch_wait
             window_wait += wait
             total_wait += wait
+            clock.add("data_wait", wait)
             x = batch["input_ids"]
             if expected_first is not None:  # the stream must start at the first unconsumed block
                 if int(batch["pos"][0]) != expected_first:
@@ -263,20 +310,27 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 expected_first = None
             if block_log is not None:
                 block_log.write("\n".join(map(str, batch["block_id"].tolist())) + "\n")
+            t_phase = time.perf_counter()
             loss = engine(input_ids=x, labels=x).loss
             step_losses.append(float(loss.detach()))
+            clock.add("forward", time.perf_counter() - t_phase)
             last_micro = micro_i == accum - 1
             # The guard all-reduces the step's loss on the last micro batch and may poison it
             # (skip: NaN gradients make DeepSpeed drop the update on every rank).
             loss = guard.before_backward(step + 1, step_losses, loss, last_micro)
+            t_phase = time.perf_counter()
             engine.backward(loss)
+            clock.add("backward", time.perf_counter() - t_phase)
             if last_micro:
                 guard.before_step(step + 1, engine)
+            t_phase = time.perf_counter()
             engine.step()
+            clock.add("optimizer_step", time.perf_counter() - t_phase)
         step += 1
         steps_this_attempt += 1
         window_tokens += tokens_per_step
         guard.after_step(step, engine, scheduler)
+        clock.end_step()
 
         # ---- log (every rank joins the all-reduces; rank 0 writes)
         if step % t.log_every == 0 or step == max_steps or guard.stop_reason:
@@ -317,7 +371,13 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 log(f"step {step} eval loss {eval_metrics['eval_loss']:.4f} ppl {eval_metrics['eval_perplexity']:.2f}")
 
         # ---- checkpoint: periodic, final, or at once on a spot notice (every rank saves and reports)
-        reason = "final" if step == max_steps else "periodic" if t.checkpoint_every and step % t.checkpoint_every == 0 else None
+        reason = (
+            "final"
+            if step == max_steps
+            else "periodic"
+            if t.checkpoint_every and step % t.checkpoint_every == 0
+            else None
+        )
         if reason is None and preemption_check and step % preemption_check == 0 and not saved_on_notice:
             # A barrier across workers: Ray's answer for rank 0 becomes every rank's answer.
             notice = ray.train.get_preemption_info()
@@ -356,6 +416,14 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     # ---- the trained model's logits on its last batch, to check the export against (every rank: ZeRO-3)
     export_probe = export_io.probe_logits(engine, x) if cfg.run.export_on_finish and steps_this_attempt else None
 
+    # ---- step-time breakdown, averaged over ranks (every rank joins the all-reduce)
+    breakdown = clock.summary()
+    if clock.comm is not None:
+        clock.comm.uninstall()
+    keys = [k for k, v in breakdown.items() if isinstance(v, float)]
+    breakdown |= dict(zip(keys, (v / world for v in _allreduce_sum([breakdown[k] for k in keys])), strict=True))
+    breakdown["tokens_per_s"] = tokens_per_step / breakdown["step_wall_s"] if breakdown["steps"] else None
+
     # ---- summary (rank 0 hands the figures to the driver through the last report)
     if is_main:
         summary = {
@@ -366,6 +434,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             "eval_perplexity": eval_metrics.get("eval_perplexity"),
             "tokens_per_s": steps_this_attempt * tokens_per_step / max(time.perf_counter() - t_start, 1e-9),
             "data_wait_frac": total_wait / max(time.perf_counter() - t_start, 1e-9),
+            "first_batch_wait_s": first_batch_wait,
             "world_size": world,
             "global_batch": global_batch,
             "resumed_from_step": resumed_from,
@@ -376,6 +445,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             "guard_events_this_attempt": guard.counts,
             "skipped_steps": engine.skipped_steps,  # DeepSpeed's count, kept across resumes
             "guard_stop": guard.stop_reason,
+            "step_breakdown": breakdown,  # seconds per optimizer step after the first, mean over ranks
+            "cpu": {**cpu_setup, "load_peak_rss_bytes": load_peaks},
         }
         (run_dir / ".worker_summary.json").write_text(json.dumps(summary, indent=2))
     if sink is not None:
@@ -384,4 +455,6 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     del hf_ds_config
     if is_main and cfg.run.export_on_finish and last_ckpt is not None:
         del engine, model  # free this rank's shard before consolidating the whole model
-        export_io.export_on_finish(last_ckpt, run_dir, export_probe if last_ckpt.name.endswith(f"_{step:06d}") else None, log)
+        export_io.export_on_finish(
+            last_ckpt, run_dir, export_probe if last_ckpt.name.endswith(f"_{step:06d}") else None, log
+        )

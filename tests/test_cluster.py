@@ -89,7 +89,9 @@ def test_node_types_head_spot_and_on_demand(cluster):
     workers = {k: v for k, v in types.items() if k != cluster["head_node_type"]}
     instance_types = {v["node_config"]["InstanceType"] for v in workers.values()}
     assert {"c7i.8xlarge", "c7i.48xlarge"} <= instance_types
-    spot = [v for v in workers.values() if v["node_config"].get("InstanceMarketOptions", {}).get("MarketType") == "spot"]
+    spot = [
+        v for v in workers.values() if v["node_config"].get("InstanceMarketOptions", {}).get("MarketType") == "spot"
+    ]
     on_demand = [v for v in workers.values() if "InstanceMarketOptions" not in v["node_config"]]
     assert spot and on_demand
     for name, t in workers.items():
@@ -316,7 +318,8 @@ def _pod_specs(raycluster: dict[str, Any]) -> list[dict[str, Any]]:
 
 def test_eks_manifests_parse_with_expected_kinds(eks_docs):
     kinds = _kinds(eks_docs)
-    assert {"RayCluster", "NodePool", "EC2NodeClass", "StorageClass", "PersistentVolumeClaim", "Namespace"} <= set(kinds)
+    expected = {"RayCluster", "NodePool", "EC2NodeClass", "StorageClass", "PersistentVolumeClaim", "Namespace"}
+    assert expected <= set(kinds)
     for d in eks_docs:
         assert d["apiVersion"] and d["metadata"]["name"]
     assert kinds["RayCluster"][0]["apiVersion"] == "ray.io/v1"
@@ -345,7 +348,9 @@ def test_eks_fsx_volume_through_the_csi_driver(eks_docs):
     assert pvc["spec"]["storageClassName"] == sc["metadata"]["name"]
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     for pod in _pod_specs(kinds["RayCluster"][0]):
-        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v
+        }
         (container,) = pod["containers"]
         fsx = [m for m in container["volumeMounts"] if claims.get(m["name"]) == pvc["metadata"]["name"]]
         assert fsx and fsx[0]["mountPath"] == "/fsx"

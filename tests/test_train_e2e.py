@@ -20,8 +20,14 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
     from raytrain_cpu.main import run
     from raytrain_cpu.train import lr_factor
 
-    overrides = ["scaling.num_workers=2", "train.checkpoint_every=6", "train.record_block_ids=true",
-                 "train.eval_every=6", "train.lr=1e-2", "run.num_to_keep=2"]
+    overrides = [
+        "scaling.num_workers=2",
+        "train.checkpoint_every=6",
+        "train.record_block_ids=true",
+        "train.eval_every=6",
+        "train.lr=1e-2",
+        "run.num_to_keep=2",
+    ]
     cfg = make_config(*overrides, "train.max_steps=12")
     first = run(make_config(*overrides, "train.max_steps=6"))
 
@@ -33,8 +39,18 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
     for m in steps:
         assert {"step", "loss", "lr", "grad_norm", "tokens_seen", "tokens_per_s"} <= set(m)
     summary = json.loads((run_dir / "summary.json").read_text())
-    for key in ("steps", "tokens_seen", "final_loss", "eval_loss", "eval_perplexity", "tokens_per_s", "wall_s",
-                "world_size", "resumed_from_step", "checkpoint_path"):
+    for key in (
+        "steps",
+        "tokens_seen",
+        "final_loss",
+        "eval_loss",
+        "eval_perplexity",
+        "tokens_per_s",
+        "wall_s",
+        "world_size",
+        "resumed_from_step",
+        "checkpoint_path",
+    ):
         assert key in summary, key
     assert summary == {**summary, "steps": 6, "world_size": 2, "resumed_from_step": None}
     assert summary["eval_perplexity"] == pytest.approx(np.exp(summary["eval_loss"]))
@@ -120,8 +136,9 @@ def test_sharded_loading_is_exact_and_partitioned(ray_session, make_config, tmp_
         train_loop_config={"config": cfg.to_dict(), "model_dir": str(model_dir)},
         torch_config=TorchConfig(backend="gloo", timeout_s=120),
         scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
-        run_config=ray.train.RunConfig(storage_path=str(tmp_path / "runs"), name="load",
-                                       worker_runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}}),
+        run_config=ray.train.RunConfig(
+            storage_path=str(tmp_path / "runs"), name="load", worker_runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}}
+        ),
     )
     result = trainer.fit()
     assert result.error is None

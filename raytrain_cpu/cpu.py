@@ -1,0 +1,783 @@
+"""Know the CPU and place work on it: features, GEMM probes, dtype choice, threads, allocator.
+
+Everything here runs on a training worker (or the driver, for the node it sits on) and is
+cheap: reading /proc and /sys, plus a sub-second GEMM probe. The pure helpers (parsing,
+placement arithmetic, FLOP counting) take their inputs as arguments so the unit tests can
+feed them the topology of machines we don't have, such as a two-socket c7i.48xlarge.
+
+Why each piece exists:
+
+* **features**: bf16 is fast only with AMX (`amx_bf16`, Sapphire Rapids and later) or at
+  least AVX-512 BF16; elsewhere it is emulated and slower than fp32. Hyperthreads share a
+  core's matrix units, so threads should follow physical cores, not Ray's vCPU count.
+* **probe**: flags say what the CPU can do, not what oneDNN/MKL make of it in this VM at
+  these shapes, so the dtype decision is measured (`choose_dtype`).
+* **placement**: one intra-op thread per owned physical core, one inter-op thread, and
+  optional pinning of the whole worker process to its cores (on a two-socket node: one
+  socket per rank, so memory stays NUMA-local).
+* **allocator**: glibc malloc returns freed activations to the OS and faults them back in
+  on every step; jemalloc/tcmalloc keep them. They must be preloaded before the worker
+  starts, so the driver puts them in the workers' LD_PRELOAD (`preload_env`).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# ----------------------------------------------------------------------------- features
+
+# Flags from /proc/cpuinfo that change what runs fast, strongest first.
+ISA_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx512_vnni", "avx2", "fma")
+
+
+@dataclass
+class CpuFeatures:
+    """What a node's CPUs offer (logged once per worker, recorded in summary.json)."""
+
+    model_name: str = ""
+    vendor: str = ""
+    flags: dict[str, bool] = field(default_factory=dict)
+    """The ISA_FLAGS present (amx_bf16, avx512_bf16, avx512f, avx2, ...)."""
+    sockets: int = 1
+    physical_cores: int = 1
+    vcpus: int = 1
+    threads_per_core: int = 1
+    numa_nodes: int = 1
+    numa_cpus: list[list[int]] = field(default_factory=list)
+    """vCPU ids of each NUMA node."""
+    cores: list[list[int]] = field(default_factory=list)
+    """Each physical core as [socket, core id, vCPU ids...], ordered by socket then core."""
+    allowed_cpus: list[int] = field(default_factory=list)
+    """vCPUs this process may run on (sched_getaffinity)."""
+
+    @property
+    def best_isa(self) -> str:
+        """The strongest matrix ISA: 'amx_bf16', 'avx512_bf16', 'avx512f', 'avx2' or 'baseline'."""
+        for name in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"):
+            if self.flags.get(name):
+                return name
+        return "baseline"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["best_isa"] = self.best_isa
+        d.pop("cores")  # one row per core is noise in a summary; the counts say it
+        return d
+
+    def describe(self) -> str:
+        isa = ", ".join(k for k, v in self.flags.items() if v) or "no AVX"
+        return (
+            f"{self.model_name or 'unknown CPU'}: {self.sockets} socket(s), {self.physical_cores} physical cores, "
+            f"{self.vcpus} vCPUs ({self.threads_per_core} per core), {self.numa_nodes} NUMA node(s); {isa}"
+        )
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the format of /sys cpulist files)."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def parse_cpuinfo(text: str) -> tuple[dict[str, str], list[tuple[int, int, int]]]:
+    """/proc/cpuinfo -> (first processor's fields, [(vCPU, socket, core id), ...]).
+
+    Hypervisors sometimes omit 'physical id'/'core id'; then every vCPU counts as a core
+    of socket 0, which is the safe reading (no thread count gets halved by mistake).
+    """
+    first: dict[str, str] = {}
+    cpus: list[tuple[int, int, int]] = []
+    block: dict[str, str] = {}
+    for line in text.splitlines() + [""]:
+        if line.strip():
+            key, _, value = line.partition(":")
+            block[key.strip()] = value.strip()
+            continue
+        if "processor" in block:
+            cpu = int(block["processor"])
+            cpus.append((cpu, int(block.get("physical id", 0)), int(block.get("core id", cpu))))
+            first = first or dict(block)
+        block = {}
+    return first, cpus
+
+
+def summarize_topology(
+    cpus: Sequence[tuple[int, int, int]],
+    numa: dict[int, list[int]],
+    flags: Iterable[str],
+    model_name: str = "",
+    vendor: str = "",
+) -> CpuFeatures:
+    """Counts and core groups from (vCPU, socket, core) triples and the NUMA map."""
+    by_core: dict[tuple[int, int], list[int]] = {}
+    for cpu, socket, core in cpus:
+        by_core.setdefault((socket, core), []).append(cpu)
+    cores = [[s, c, *sorted(v)] for (s, c), v in sorted(by_core.items())]
+    flag_set = set(flags)
+    vcpus = max(1, len(cpus))
+    physical = max(1, len(by_core))
+    numa_cpus = [sorted(v) for _, v in sorted(numa.items())] or [sorted(c for c, _, _ in cpus)]
+    return CpuFeatures(
+        model_name=model_name,
+        vendor=vendor,
+        flags={f: f in flag_set for f in ISA_FLAGS},
+        sockets=max(1, len({s for _, s, _ in cpus})),
+        physical_cores=physical,
+        vcpus=vcpus,
+        threads_per_core=max(1, vcpus // physical),
+        numa_nodes=max(1, len(numa_cpus)),
+        numa_cpus=numa_cpus,
+        cores=cores,
+    )
+
+
+def _sysfs_topology(root: str) -> list[tuple[int, int, int]]:
+    """(vCPU, socket, core) from /sys/devices/system/cpu/cpu*/topology; [] when absent."""
+    out = []
+    for d in glob.glob(os.path.join(root, "cpu[0-9]*")):
+        topo = Path(d) / "topology"
+        try:
+            socket = int((topo / "physical_package_id").read_text())
+            core = int((topo / "core_id").read_text())
+        except (OSError, ValueError):
+            return []
+        out.append((int(Path(d).name[3:]), socket, core))
+    return sorted(out)
+
+
+def _numa_map(root: str) -> dict[int, list[int]]:
+    nodes = {}
+    for d in glob.glob(os.path.join(root, "node[0-9]*")):
+        try:
+            nodes[int(Path(d).name[4:])] = parse_cpulist((Path(d) / "cpulist").read_text())
+        except (OSError, ValueError):
+            continue
+    return {n: c for n, c in nodes.items() if c}
+
+
+def cpu_features(
+    cpuinfo: str = "/proc/cpuinfo",
+    cpu_root: str = "/sys/devices/system/cpu",
+    node_root: str = "/sys/devices/system/node",
+) -> CpuFeatures:
+    """This machine's CPU features and topology (lscpu's view, without lscpu)."""
+    try:
+        first, cpus = parse_cpuinfo(Path(cpuinfo).read_text())
+    except OSError:
+        first, cpus = {}, []
+    online = {c for c, _, _ in cpus}
+    topo = [t for t in _sysfs_topology(cpu_root) if not online or t[0] in online] or cpus
+    if not topo:
+        n = os.cpu_count() or 1
+        topo = [(c, 0, c) for c in range(n)]
+    feats = summarize_topology(
+        topo,
+        _numa_map(node_root),
+        first.get("flags", "").split(),
+        first.get("model name", ""),
+        first.get("vendor_id", ""),
+    )
+    try:
+        feats.allowed_cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        feats.allowed_cpus = [c for c, _, _ in topo]
+    return feats
+
+
+# ----------------------------------------------------------------------------- GEMM shapes
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One matrix product C[m,n] = A[m,k] @ B[k,n] the model runs `count` times per micro batch."""
+
+    name: str
+    m: int
+    k: int
+    n: int
+    count: int = 1
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.k * self.n
+
+
+def llama_gemms(
+    hidden: int,
+    intermediate: int,
+    num_heads: int,
+    num_kv_heads: int,
+    vocab: int,
+    num_layers: int,
+    tokens: int,
+    training: bool = True,
+) -> list[Gemm]:
+    """The weight GEMMs of one Llama micro batch of `tokens` tokens.
+
+    Forward is x[t,in] @ Wᵀ; backward adds the input gradient g[t,out] @ W and the weight
+    gradient gᵀ[out,t] @ x[t,in]. Same-shape products are merged into one row with a count.
+    """
+    kv = hidden // num_heads * num_kv_heads
+    linears = [  # (in, out, count per model); with kv == hidden the shapes repeat and merge below
+        (hidden, hidden, 2 * num_layers),  # q, o
+        (hidden, kv, 2 * num_layers),  # k, v
+        (hidden, intermediate, 2 * num_layers),  # gate, up
+        (intermediate, hidden, num_layers),  # down
+        (hidden, vocab, 1),  # lm_head
+    ]
+    merged: dict[tuple[int, int], int] = {}
+    for fin, fout, count in linears:
+        merged[(fin, fout)] = merged.get((fin, fout), 0) + count
+    out = []
+    for (fin, fout), count in merged.items():
+        out.append(Gemm(f"fwd {fin}->{fout}", tokens, fin, fout, count))
+        if training:
+            out.append(Gemm(f"dgrad {fout}->{fin}", tokens, fout, fin, count))
+            out.append(Gemm(f"wgrad {fin}x{fout}", fout, tokens, fin, count))
+    return out
+
+
+# ----------------------------------------------------------------------------- GEMM probe
+
+
+def _operands(g: Gemm, dtype):
+    """Operands laid out as autograd has them: Wᵀ for forward, a transposed gradient for wgrad."""
+    import torch
+
+    if g.name.startswith("fwd"):
+        return torch.randn(g.m, g.k, dtype=dtype), torch.randn(g.n, g.k, dtype=dtype).t()
+    if g.name.startswith("wgrad"):
+        return torch.randn(g.k, g.m, dtype=dtype).t(), torch.randn(g.k, g.n, dtype=dtype)
+    return torch.randn(g.m, g.k, dtype=dtype), torch.randn(g.k, g.n, dtype=dtype)
+
+
+def time_gemm(g: Gemm, dtype, min_time_s: float = 0.2, warmup: int = 2) -> float:
+    """Seconds per call of one GEMM (best of a few timed batches: noise only ever adds time)."""
+    import torch
+
+    a, b = _operands(g, dtype)
+    for _ in range(warmup):
+        torch.mm(a, b)
+    best, spent, reps = float("inf"), 0.0, 1
+    while spent < min_time_s:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        dt = time.perf_counter() - t0
+        best, spent = min(best, dt / reps), spent + dt
+        reps = max(1, min(reps * 2, int(0.05 / max(best, 1e-9))))  # batches of ~50 ms
+    return best
+
+
+def gemm_probe(gemms: Sequence[Gemm], dtype, min_time_s: float = 0.2) -> dict[str, Any]:
+    """FLOP/s of a GEMM mix on this process's threads.
+
+    `flops_per_s` weights each shape by how often the model runs it (total FLOPs over
+    total time): the rate a step made only of these GEMMs would reach, which is the
+    denominator MFU needs. `best_flops_per_s` is the fastest single shape.
+    """
+    rows, total_flops, total_time = [], 0.0, 0.0
+    for g in gemms:
+        t = time_gemm(g, dtype, min_time_s)
+        rows.append({"name": g.name, "m": g.m, "k": g.k, "n": g.n, "count": g.count, "gflops": g.flops / t / 1e9})
+        total_flops += g.flops * g.count
+        total_time += t * g.count
+    return {
+        "dtype": str(dtype).replace("torch.", ""),
+        "flops_per_s": total_flops / total_time if total_time else 0.0,
+        "best_flops_per_s": max((r["gflops"] for r in rows), default=0.0) * 1e9,
+        "shapes": rows,
+    }
+
+
+def probe_gemms(gemms: Sequence[Gemm], max_tokens: int = 1024, max_bytes: float = 512e6) -> list[Gemm]:
+    """A cheap subset for the start-up dtype probe: forward shapes, token dimension capped, and
+    none whose fp32 operands exceed `max_bytes` (an 8B model's vocabulary head would take GBs)."""
+    out = []
+    for g in gemms:
+        m = min(g.m, max_tokens)
+        if g.name.startswith("fwd") and 4 * (m * g.k + g.k * g.n + m * g.n) <= max_bytes:
+            out.append(Gemm(g.name, m, g.k, g.n, g.count))
+    return out
+
+
+def decide_dtype(requested: str, bf16_flops: float, fp32_flops: float, margin: float = 1.05) -> tuple[str, str]:
+    """(dtype, reason): 'auto' takes bf16 only when it measured at least `margin` x fp32.
+
+    An explicit 'bf16' or 'fp32' is kept; when bf16 was asked for and measured slower the
+    reason says so (the caller warns).
+    """
+    ratio = bf16_flops / fp32_flops if fp32_flops > 0 else float("inf")
+    measured = f"bf16 GEMM {bf16_flops / 1e9:.1f} GFLOP/s vs fp32 {fp32_flops / 1e9:.1f} GFLOP/s ({ratio:.2f}x)"
+    if requested != "auto":
+        slow = requested == "bf16" and ratio < 1.0
+        return requested, f"{requested} as configured; {measured}" + ("; bf16 is slower here" if slow else "")
+    if ratio >= margin:
+        return "bf16", f"auto: {measured}"
+    return "fp32", f"auto: {measured}; bf16 is not faster on this CPU, training in fp32"
+
+
+def choose_dtype(
+    requested: str,
+    gemms: Sequence[Gemm],
+    agree: Callable[[list[float]], list[float]] | None = None,
+    min_time_s: float = 0.1,
+) -> dict[str, Any]:
+    """Probes bf16 and fp32 at the model's GEMM shapes and picks per decide_dtype.
+
+    `agree` averages the measurements over ranks (an all-reduce), so every rank takes the
+    same decision: a split one would give the ranks different DeepSpeed configs. Both
+    dtypes are probed even when one is configured: the chosen one's rate is the per-worker
+    peak that MFU is logged against.
+    """
+    import torch
+
+    probe = probe_gemms(gemms)
+    bf16 = gemm_probe(probe, torch.bfloat16, min_time_s)["flops_per_s"]
+    fp32 = gemm_probe(probe, torch.float32, min_time_s)["flops_per_s"]
+    if agree is not None:
+        bf16, fp32 = agree([bf16, fp32])
+    dtype, reason = decide_dtype(requested, bf16, fp32)
+    if (dtype == "fp32" and requested == "auto") or "slower" in reason:
+        warnings.warn(reason, stacklevel=2)
+    return {
+        "dtype": dtype,
+        "requested": requested,
+        "reason": reason,
+        "bf16_flops_per_s": bf16,
+        "fp32_flops_per_s": fp32,
+        "peak_flops_per_s": bf16 if dtype == "bf16" else fp32,
+    }
+
+
+def gemms_for_model(model_dir: str, tokens: int) -> list[Gemm]:
+    """llama_gemms for a Hugging Face model directory (config.json only, no weights)."""
+    import json
+
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = c["num_attention_heads"]
+    return llama_gemms(
+        hidden=c["hidden_size"],
+        intermediate=c["intermediate_size"],
+        num_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads") or heads,
+        vocab=c["vocab_size"],
+        num_layers=c["num_hidden_layers"],
+        tokens=tokens,
+    )
+
+
+# ----------------------------------------------------------------------------- thread placement
+
+
+def threads_per_worker(
+    cpus_per_worker: float, threads_per_core: int, physical_cores: int, workers_per_node: int
+) -> int:
+    """Intra-op threads = physical cores behind the worker's Ray CPUs, capped at its share of the node.
+
+    Ray counts vCPUs; two hyperthreads share one core's FMA/AMX units, so a thread per vCPU
+    only adds contention.
+    """
+    from_cpus = int(max(cpus_per_worker, 1.0) // max(threads_per_core, 1))
+    share = physical_cores // max(workers_per_node, 1)
+    return max(1, min(from_cpus, share) if share else from_cpus)
+
+
+def default_workers_per_node(sockets: int) -> int:
+    """One rank per socket: a rank's threads and memory then stay on one NUMA domain."""
+    return max(1, sockets)
+
+
+def rank_cores(
+    cores: Sequence[Sequence[int]], sockets: int, local_rank: int, local_world: int, threads: int
+) -> list[int]:
+    """vCPUs for `local_rank` to pin to: `threads` physical cores (with their hyperthreads).
+
+    `cores` rows are [socket, core id, vCPU...], ordered by socket. Ranks split the node's
+    cores in contiguous runs, so with one rank per socket each rank gets its own socket;
+    the cores a rank owns but does not use stay free for data loading.
+    """
+    if local_world <= 0 or not cores:
+        return []
+    per_rank = len(cores) // local_world
+    if sockets >= local_world and sockets % local_world == 0:
+        socket_ids = sorted({row[0] for row in cores})
+        mine = set(socket_ids[local_rank * sockets // local_world : (local_rank + 1) * sockets // local_world])
+        owned = [row for row in cores if row[0] in mine]
+    else:
+        owned = (
+            list(cores[local_rank * per_rank : (local_rank + 1) * per_rank])
+            if per_rank
+            else [cores[local_rank % len(cores)]]
+        )
+    chosen = owned[: max(1, threads)]
+    return sorted(cpu for row in chosen for cpu in row[2:])
+
+
+def _pin_all_threads(cpus: Sequence[int]) -> int:
+    """sched_setaffinity on every thread of this process; returns how many were pinned.
+
+    Setting it on pid 0 only moves the calling thread; OpenMP, gloo and Ray threads that
+    already exist keep their old masks, and threads started later inherit from their creator.
+    """
+    pinned = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), set(cpus))
+            pinned += 1
+        except OSError:
+            pass  # a thread that exited in between
+    return pinned
+
+
+def openmp_runtime() -> str:
+    """Which OpenMP runtime is loaded: 'libgomp' (PyTorch wheels), 'libiomp5' (Intel) or ''."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return ""
+    for name in ("libiomp5", "libgomp", "libomp"):
+        if name in maps:
+            return name
+    return ""
+
+
+def place_threads(
+    threads: int, local_rank: int, local_world: int, pin: bool, feats: CpuFeatures | None = None
+) -> dict[str, Any]:
+    """Sets this worker's torch threads and (optionally) pins it to its cores; returns what it did.
+
+    OpenMP affinity is set by pinning, not OMP_PROC_BIND: libgomp reads OMP_PROC_BIND and
+    OMP_PLACES once, when torch is imported, and binds its first thread to the first
+    place of the whole node, so every rank on a node would land on core 0. Pinning every
+    thread of the process to the rank's cores after the rank is known has the effect
+    OMP_PROC_BIND=close + OMP_PLACES=cores was meant to have, per rank.
+    """
+    import torch
+
+    torch.set_num_threads(threads)
+    interop = torch.get_num_interop_threads()
+    if interop != 1:
+        try:
+            torch.set_num_interop_threads(1)  # only jit.fork uses it; one thread is enough
+            interop = 1
+        except RuntimeError:
+            pass  # already started (Ray Train may have run torch work); harmless
+    out: dict[str, Any] = {
+        "intra_op_threads": torch.get_num_threads(),
+        "inter_op_threads": interop,
+        "openmp": openmp_runtime(),
+        "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+        "pinned_cpus": None,
+    }
+    if pin:
+        feats = feats or cpu_features()
+        cpus = rank_cores(feats.cores, feats.sockets, local_rank, local_world, threads)
+        allowed = set(feats.allowed_cpus)
+        cpus = [c for c in cpus if not allowed or c in allowed]
+        if cpus:
+            _pin_all_threads(cpus)
+            out["pinned_cpus"] = cpus
+    return out
+
+
+# ----------------------------------------------------------------------------- allocator
+
+ALLOCATOR_LIBS = {
+    "jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),
+    "tcmalloc": ("libtcmalloc.so.4", "libtcmalloc_minimal.so.4", "libtcmalloc.so"),
+}
+_LIB_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/usr/local/lib",
+    "/lib64",
+)
+# Keep freed pages around for 10 s (jemalloc's default) but purge them from a background
+# thread instead of inside malloc on the training thread.
+JEMALLOC_CONF = "background_thread:true,metadata_thp:auto"
+
+
+def find_allocator(choice: str = "auto", search_dirs: Sequence[str] = ()) -> tuple[str, str]:
+    """(name, library path) of the allocator to preload, or ('system', '') when none is found.
+
+    'auto' prefers jemalloc, then tcmalloc (tcmalloc 2.x prints a warning to stderr for every
+    allocation above 1 GiB, which an 8B model's embedding gradients hit).
+    """
+    if choice == "system":
+        return "system", ""
+    dirs = [
+        *search_dirs,
+        *(os.path.join(p, "lib") for p in (os.environ.get("CONDA_PREFIX", ""), sys.prefix) if p),
+        *_LIB_DIRS,
+    ]
+    for name in ("jemalloc", "tcmalloc") if choice == "auto" else (choice,):
+        for lib in ALLOCATOR_LIBS[name]:
+            for d in dirs:
+                path = os.path.join(d, lib)
+                if os.path.isfile(path):
+                    return name, path
+    return "system", ""
+
+
+def preload_env(choice: str = "auto") -> dict[str, str]:
+    """Env vars that make a worker process start with the allocator (empty when none is found)."""
+    name, path = find_allocator(choice)
+    if not path:
+        return {}
+    env = {"LD_PRELOAD": ":".join(p for p in (path, os.environ.get("LD_PRELOAD", "")) if p)}
+    if name == "jemalloc":
+        env["MALLOC_CONF"] = os.environ.get("MALLOC_CONF", JEMALLOC_CONF)
+    return env
+
+
+def allocator_in_use(maps_path: str = "/proc/self/maps") -> str:
+    """'jemalloc', 'tcmalloc' or 'system': what this process's malloc actually is."""
+    try:
+        maps = Path(maps_path).read_text()
+    except OSError:
+        maps = ""
+    maps += os.environ.get("LD_PRELOAD", "") if not maps else ""
+    for name in ("jemalloc", "tcmalloc"):
+        if f"lib{name}" in maps:
+            return name
+    return "system"
+
+
+# ----------------------------------------------------------------------------- IPEX
+
+
+def ipex_status() -> dict[str, Any]:
+    """Whether Intel Extension for PyTorch imports and matches torch (it is used only then).
+
+    IPEX's last release (2.8) pins torch 2.8, so with this project's torch it is normally
+    absent; plain PyTorch reaches AMX through oneDNN anyway.
+    """
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("intel_extension_for_pytorch") is None:
+        return {"available": False, "reason": "not installed"}
+    try:
+        import intel_extension_for_pytorch as ipex
+    except Exception as e:  # an ABI mismatch raises anything from ImportError to OSError
+        return {"available": False, "reason": f"import failed: {e.__class__.__name__}"}
+    same = ipex.__version__.split(".")[:2] == torch.__version__.split(".")[:2]
+    return {
+        "available": same,
+        "version": ipex.__version__,
+        "reason": "" if same else f"built for another torch ({torch.__version__})",
+    }
+
+
+# ----------------------------------------------------------------------------- worker set-up
+
+
+def setup_worker(
+    requested_dtype: str,
+    model_dir: str,
+    tokens_per_micro_batch: int,
+    threads: int,
+    local_rank: int,
+    local_world: int,
+    pin: bool,
+    agree: Callable[[list[float]], list[float]],
+    resumed_dtype: str | None = None,
+) -> dict[str, Any]:
+    """Places this worker's threads and settles the training dtype; returns the facts for summary.json.
+
+    A resumed run keeps its checkpoint's dtype (bf16 and fp32 optimizer states don't load
+    into each other); otherwise `choose_dtype` decides, identically on every rank.
+    """
+    feats = cpu_features()
+    placement = place_threads(threads, local_rank, local_world, pin, feats)
+    choice = choose_dtype(requested_dtype, gemms_for_model(model_dir, tokens_per_micro_batch), agree)
+    if resumed_dtype and resumed_dtype != choice["dtype"]:
+        choice |= {"dtype": resumed_dtype, "reason": f"{resumed_dtype} from the checkpoint being resumed"}
+        choice["peak_flops_per_s"] = choice[f"{resumed_dtype}_flops_per_s"]
+    return {
+        "features": feats.to_dict(),
+        "placement": placement,
+        "allocator": allocator_in_use(),
+        "ipex": ipex_status(),
+        "dtype": choice,
+    }
+
+
+def compile_engine(engine, cache_dir: str) -> None:
+    """torch.compile (inductor) through DeepSpeed, with the compiled kernels cached on shared storage.
+
+    Inductor compiles C++ per graph with the host compiler: minutes on a few cores the first
+    time, seconds from the cache after that (every rank and every later run reads it).
+    """
+    os.makedirs(cache_dir, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    engine.compile(backend="inductor")
+
+
+def describe_setup(rank: int, setup: dict[str, Any]) -> str:
+    """One log line per worker: CPU, threads, pinning, allocator, dtype."""
+    f, pl = setup["features"], setup["placement"]
+    pinned = f"pinned to CPUs {pl['pinned_cpus']}" if pl["pinned_cpus"] else "not pinned"
+    return (
+        f"[rank {rank}] cpu: {f['model_name']} ({f['best_isa']}, {f['physical_cores']} cores / {f['vcpus']} vCPUs, "
+        f"{f['sockets']} socket(s), {f['numa_nodes']} NUMA); {pl['intra_op_threads']} intra-op + "
+        f"{pl['inter_op_threads']} inter-op threads, {pinned}; malloc {setup['allocator']}; "
+        f"dtype {setup['dtype']['dtype']} ({setup['dtype']['reason']})"
+    )
+
+
+def reset_peak_rss() -> bool:
+    """Resets VmHWM so the next peak read covers only what follows (Linux >= 4.0)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM: the peak resident set size since start or since reset_peak_rss()."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+# ----------------------------------------------------------------------------- step-time breakdown
+
+PHASES = ("data_wait", "forward", "backward", "optimizer_step")
+# DeepSpeed's collectives, as methods of its communication backend (deepspeed.comm.comm.cdb).
+COLLECTIVES = (
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_base",
+    "all_gather_coalesced",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+)
+
+
+class CommTimer:
+    """Seconds the training thread spends in DeepSpeed's collectives, waits included.
+
+    ZeRO-3 launches its parameter all-gathers asynchronously and waits on the handle
+    later, so both the calls and `Work.wait` are timed; a depth counter keeps a wait
+    inside a timed call from counting twice. Only the installing thread is counted: gloo's
+    own threads do the transfer, the training thread is what stalls.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self._depth = 0
+        self._thread = threading.get_ident()
+        self._undo: list[Callable[[], None]] = []
+
+    def _timed(self, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            if threading.get_ident() != self._thread or self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+                self._depth -= 1
+
+        return wrapper
+
+    def install(self) -> CommTimer:
+        """Wraps the collectives of the live DeepSpeed backend (after deepspeed.init_distributed)."""
+        import deepspeed.comm.comm as ds_comm
+        import torch
+
+        backend = ds_comm.cdb
+        for name in COLLECTIVES:
+            if hasattr(backend, name):
+                setattr(backend, name, self._timed(getattr(backend, name)))
+                self._undo.append(lambda n=name: delattr(backend, n))  # back to the class method
+        work = torch._C._distributed_c10d.Work
+        wait = work.wait
+        work.wait = self._timed(wait)
+        self._undo.append(lambda: setattr(work, "wait", wait))
+        return self
+
+    def uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+class StepClock:
+    """Per-phase seconds of the training steps after the first (which pays one-off costs).
+
+    `start_step` .. `end_step` brackets one optimizer step (data wait through optimizer
+    step), so logging, evaluation and checkpoints between steps are not counted. Each call
+    costs a perf_counter. `comm` comes from a CommTimer when one is given and is part of
+    forward, backward and optimizer step (ZeRO-3 gathers parameters in forward and backward
+    and reduce-scatters gradients in backward and step).
+    """
+
+    def __init__(self, comm: CommTimer | None = None) -> None:
+        self.comm = comm
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.comm_s = 0.0
+        self.wall_s = 0.0
+        self.steps = 0
+        self._seen = 0
+        self._pending = dict.fromkeys(PHASES, 0.0)
+        self._t0 = 0.0
+        self._comm0 = 0.0
+
+    def start_step(self) -> None:
+        self._pending = dict.fromkeys(PHASES, 0.0)
+        self._t0 = time.perf_counter()
+        self._comm0 = self.comm.seconds if self.comm else 0.0
+
+    def add(self, phase: str, seconds: float) -> None:
+        self._pending[phase] += seconds
+
+    def end_step(self) -> None:
+        self._seen += 1
+        if self._seen == 1:
+            return  # the first step allocates, warms caches (and compiles): not steady state
+        for k, v in self._pending.items():
+            self.totals[k] += v
+        self.comm_s += (self.comm.seconds if self.comm else 0.0) - self._comm0
+        self.wall_s += time.perf_counter() - self._t0
+        self.steps += 1
+
+    def summary(self) -> dict[str, Any]:
+        """Mean seconds per optimizer step by phase, and the step's wall time."""
+        n = max(self.steps, 1)
+        out: dict[str, Any] = {f"{k}_s": v / n for k, v in self.totals.items()}
+        out["comm_s"] = self.comm_s / n if self.comm else None
+        out["step_wall_s"] = self.wall_s / n
+        out["other_s"] = out["step_wall_s"] - sum(out[f"{k}_s"] for k in PHASES)
+        out["steps"] = self.steps
+        return out

@@ -1,0 +1,363 @@
+"""Metric sinks and the progress line: metrics.jsonl (the source of truth), TensorBoard, MLflow.
+
+Rank 0 owns a `MetricsSink`; every row goes to metrics.jsonl first, then to TensorBoard
+(`<run dir>/tensorboard`) and, when `metrics.mlflow_tracking_uri` is set, to MLflow. The other
+sinks are conveniences: a failure there warns once and never stops training.
+
+metrics.jsonl holds three kinds of rows, told apart by their keys:
+
+- train: ``{step, loss, lr, grad_norm, tokens_seen, tokens_per_s, data_wait_frac, time, ...}``
+- eval: ``{step, eval_loss, eval_perplexity, eval_tokens, time}``
+- guard event: ``{step, event, value, threshold, action, time}``
+
+A resumed run appends to the same file, so steps after its checkpoint appear twice;
+`read_metrics` keeps the rows of the attempt that came last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+METRICS_FILE = "metrics.jsonl"
+
+# ----------------------------------------------------------------------------- reading
+
+
+@dataclass
+class RunMetrics:
+    """The rows of one run's metrics.jsonl, one per step and kind (the newest attempt wins)."""
+
+    train: list[dict[str, Any]] = field(default_factory=list)
+    eval: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    restarts: list[int] = field(default_factory=list)
+    """Steps at which a later attempt took over (a resume after a failure or a restart)."""
+
+
+def row_kind(row: dict[str, Any]) -> str:
+    if "event" in row:
+        return "event"
+    if "eval_loss" in row:
+        return "eval"
+    return "train"
+
+
+def _read_lines(path: Path) -> Iterable[dict[str, Any]]:
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a crash (or being written right now)
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                yield row
+
+
+def read_metrics(path: str | os.PathLike) -> RunMetrics:
+    """Reads metrics.jsonl (a file or a run directory) as it stands, even mid-write.
+
+    When a train row's step is not past the previous one, a resumed attempt has started
+    there: rows of every kind from that step on belong to the superseded attempt and are
+    dropped, so what remains is the history of the attempt that got furthest last.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    kept: list[dict[str, Any]] = []
+    restarts: list[int] = []
+    last_train_step = -1
+    if path.is_file():
+        for row in _read_lines(path):
+            kind, step = row_kind(row), row["step"]
+            if kind == "train":
+                if step <= last_train_step:
+                    restarts.append(step)
+                    kept = [r for r in kept if r["step"] < step]
+                last_train_step = step
+            kept.append(row)
+    by_key: dict[tuple[str, int, str], dict[str, Any]] = {}
+    for row in kept:  # later duplicates of the same step and kind win
+        by_key[(row_kind(row), row["step"], row.get("event", ""))] = row
+    out = RunMetrics(restarts=restarts)
+    for (kind, _, _), row in sorted(by_key.items(), key=lambda kv: kv[0][1]):
+        {"train": out.train, "eval": out.eval, "event": out.events}[kind].append(row)
+    return out
+
+
+def count_events(metrics: RunMetrics) -> dict[str, int]:
+    """Guard counts for summary.json: events by kind, and how many steps were skipped."""
+    counts = {"loss_spike": 0, "grad_norm": 0, "nonfinite": 0, "skipped_steps": 0}
+    skipped_steps = set()
+    for e in metrics.events:
+        counts[e["event"]] = counts.get(e["event"], 0) + 1
+        if e.get("action") == "skip":
+            skipped_steps.add(e["step"])
+    counts["skipped_steps"] = len(skipped_steps)
+    return counts
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def process_memory() -> dict[str, float]:
+    """This process's resident set now and its high-water mark, in bytes (Linux /proc)."""
+    out = {"rss": 0.0, "hwm": 0.0}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                out["rss"] = float(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                out["hwm"] = float(line.split()[1]) * 1024
+    except OSError:  # not Linux: psutil has the current RSS, the peak is unknown
+        import psutil
+
+        out["rss"] = out["hwm"] = float(psutil.Process().memory_info().rss)
+    return out
+
+
+def allreduce_max(values: list[float]) -> list[float]:
+    """Element-wise maximum over all ranks (every rank must call it at the same point)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def flops_per_token(n_params: dict[str, int], seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls (N = non-embedding parameters) plus
+    12·L·d·seq for attention scores and values (forward + backward), as in the PaLM paper."""
+    return 6.0 * n_params["non_embedding"] + 12.0 * n_params["num_layers"] * n_params["hidden_size"] * seq_len
+
+
+def mfu(tokens_per_s: float, n_params: dict[str, int], seq_len: int, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved training FLOP/s over the peak FLOP/s of all workers.
+
+    None when the peak is unknown, so no made-up number is ever logged.
+    """
+    if not peak_flops:
+        return None
+    return tokens_per_s * flops_per_token(n_params, seq_len) / peak_flops
+
+
+# ----------------------------------------------------------------------------- progress line
+
+
+def console(msg: str) -> None:
+    """One flushed line on stdout. Written to the stream, not with print(): Ray Train patches
+    print() in its workers to also log through the root logger, so the driver (and `ray job
+    logs`) would show every line twice."""
+    sys.stdout.write(msg + "\n")
+    sys.stdout.flush()
+
+
+def format_duration(seconds: float | None) -> str:
+    """1h02m, 4m05s, 37s: short enough for one progress line."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    s = int(round(max(seconds, 0.0)))
+    if s >= 86400:
+        return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+class Progress:
+    """Step/total and an ETA for the progress line.
+
+    The ETA divides the wall time since the first measured step by the steps done since, so
+    evaluations and checkpoints are priced in at their real share, and one slow window moves
+    it only a little. Start-up (loading, the first step's warm-up) is left out.
+    """
+
+    def __init__(self, total_steps: int, start_step: int = 0) -> None:
+        self.total = total_steps
+        self._origin: tuple[int, float] = (start_step, time.perf_counter())
+        self._first_update = True
+
+    def update(self, step: int, now: float | None = None) -> float | None:
+        """Records reaching `step`; returns the estimated seconds left."""
+        now = time.perf_counter() if now is None else now
+        step0, t0 = self._origin
+        if step <= step0:
+            return None
+        sec_per_step = (now - t0) / (step - step0)
+        if self._first_update:  # later estimates start from here, past the start-up cost
+            self._origin, self._first_update = (step, now), False
+        return sec_per_step * (self.total - step)
+
+    def line(self, row: dict[str, Any], eta_s: float | None) -> str:
+        """One line for the terminal and `ray job logs`, e.g.
+        ``step 120/2000 (6%) | loss 3.2145 | lr 2.95e-04 | 1,234 tok/s | mem 3.1 GiB | eta 2h05m``."""
+        step = row["step"]
+        parts = [f"step {step}/{self.total} ({100 * step / self.total:.0f}%)"]
+        if row.get("loss") is not None:
+            parts.append(f"loss {row['loss']:.4f}")
+        if row.get("lr") is not None:
+            parts.append(f"lr {row['lr']:.2e}")
+        if row.get("grad_norm") is not None:
+            parts.append(f"gnorm {row['grad_norm']:.2f}")
+        if row.get("tokens_per_s") is not None:
+            parts.append(f"{row['tokens_per_s']:,.0f} tok/s")
+        if row.get("mfu") is not None:
+            parts.append(f"mfu {100 * row['mfu']:.1f}%")
+        if row.get("mem_rss_max_gib") is not None:
+            parts.append(f"mem {row['mem_rss_max_gib']:.2f} GiB")
+        parts.append(f"eta {format_duration(eta_s)}")
+        return " | ".join(parts)
+
+
+# ----------------------------------------------------------------------------- sinks
+
+
+def _finite_or_none(row: dict[str, Any]) -> dict[str, Any]:
+    """NaN and inf become null: plain JSON (jq, pandas) cannot read Python's NaN literal."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= _flatten(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# TensorBoard tag of each metrics.jsonl key; keys not listed are not sent to TensorBoard.
+TB_TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_seen": "train/tokens_seen",
+    "tokens_per_s": "perf/tokens_per_s",
+    "mfu": "perf/mfu",
+    "data_wait_frac": "perf/data_wait_frac",
+    "mem_rss_rank0_gib": "memory/rss_rank0_gib",
+    "mem_rss_max_gib": "memory/rss_max_gib",
+    "mem_peak_max_gib": "memory/peak_max_gib",
+    "eval_loss": "eval/loss",
+    "eval_perplexity": "eval/perplexity",
+}
+
+
+class MetricsSink:
+    """Rank 0's writer: metrics.jsonl always, TensorBoard and MLflow when configured."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        tensorboard: bool = True,
+        mlflow_tracking_uri: str = "",
+        mlflow_experiment: str = "raytrain_cpu",
+        run_name: str = "",
+        params: dict[str, Any] | None = None,
+        resume_step: int = 0,
+        log=print,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS_FILE
+        self.log = log
+        self.tb = self._open_tensorboard(resume_step) if tensorboard else None
+        self.mlflow = None
+        if mlflow_tracking_uri:
+            self.mlflow = self._open_mlflow(mlflow_tracking_uri, mlflow_experiment, run_name, params or {})
+
+    @classmethod
+    def for_run(cls, cfg, run_dir: str | os.PathLike, resume_step: int = 0, log=print) -> MetricsSink:
+        """The sinks a run config asks for (cfg: raytrain_cpu.config.Config)."""
+        m = cfg.metrics
+        return cls(
+            run_dir,
+            tensorboard=m.tensorboard,
+            mlflow_tracking_uri=m.mlflow_tracking_uri,
+            mlflow_experiment=m.mlflow_experiment,
+            run_name=cfg.run.name,
+            params=cfg.to_dict(),
+            resume_step=resume_step,
+            log=log,
+        )
+
+    # ---- opening
+
+    def _open_tensorboard(self, resume_step: int):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            self.log("[metrics] tensorboard is not installed; writing metrics.jsonl only (pip install tensorboard)")
+            return None
+        # purge_step hides what a failed attempt logged past the checkpoint this one resumed from.
+        return SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+
+    def _open_mlflow(self, uri: str, experiment: str, run_name: str, params: dict[str, Any]):
+        try:
+            import mlflow
+        except ImportError:
+            self.log("[metrics] metrics.mlflow_tracking_uri is set but mlflow is not installed (pip install mlflow)")
+            return None
+        try:
+            mlflow.set_tracking_uri(uri)
+            mlflow.set_experiment(experiment)
+            # A resumed run continues the MLflow run it started, found through the id it left here.
+            id_file = self.run_dir / ".mlflow_run_id"
+            run_id = id_file.read_text().strip() if id_file.is_file() else None
+            run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name)
+            if not run_id:
+                id_file.write_text(run.info.run_id)
+                flat = {k: str(v)[:500] for k, v in _flatten(params).items()}
+                mlflow.log_params(flat)
+            return mlflow
+        except Exception as e:  # an unreachable server must not stop a three-day run
+            self.log(f"[metrics] MLflow at {uri} is unavailable ({e.__class__.__name__}: {e}); continuing without it")
+            return None
+
+    # ---- writing
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Appends one row to metrics.jsonl, then mirrors its numbers to TensorBoard / MLflow."""
+        row = _finite_or_none(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        step = row["step"]
+        if "event" in row:  # a guard event: its value under guards/<kind>, at its step
+            tags = {f"guards/{row['event']}": float("nan") if row.get("value") is None else float(row["value"])}
+        else:
+            tags = {TB_TAGS[k]: float(v) for k, v in row.items() if k in TB_TAGS and isinstance(v, (int, float))}
+        if self.tb is not None:
+            for tag, v in tags.items():
+                self.tb.add_scalar(tag, v, step)
+            self.tb.flush()  # a crash or a reader of a running job should see it now
+        if self.mlflow is not None:
+            try:
+                self.mlflow.log_metrics(
+                    {t.replace("/", "_"): v for t, v in tags.items() if math.isfinite(v)}, step=step
+                )
+            except Exception as e:
+                self.log(f"[metrics] MLflow logging failed ({e.__class__.__name__}: {e}); continuing without it")
+                self.mlflow = None
+
+    def close(self, finished: bool = True) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.mlflow is not None:
+            with contextlib.suppress(Exception):  # closing must not mask how the run ended
+                self.mlflow.end_run(status="FINISHED" if finished else "FAILED")

@@ -1,0 +1,332 @@
+"""`python -m raytrain_cpu.report RUN_DIR`: plots and a markdown summary of a run, finished or not.
+
+Writes into the run directory (or --out):
+
+    loss.png              train loss and eval loss over tokens seen
+    eval_perplexity.png   eval perplexity over tokens seen
+    lr.png                learning rate over steps
+    throughput.png        tokens/s over steps (and MFU when it was logged)
+    memory.png            resident memory per rank over steps (rank 0, max over ranks, peak)
+    report.md             the figures that matter, guard events, restarts, and the plots
+
+Everything comes from metrics.jsonl (read with `metrics.read_metrics`, so a resumed run shows
+the history that was kept, not the steps a failed attempt repeated); summary.json and
+config.yaml add context when they exist. A run still in progress has no summary.json yet: the
+report says so and shows what has been logged so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raytrain_cpu.metrics import METRICS_FILE, RunMetrics, count_events, format_duration, read_metrics
+
+FIGSIZE = (8.0, 4.5)  # inches
+DPI = 100  # so each PNG is 800 x 450 pixels
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+@dataclass
+class Run:
+    """One run directory as the report sees it."""
+
+    run_dir: Path
+    metrics: RunMetrics
+    config: dict[str, Any] | None
+    summary: dict[str, Any] | None
+
+    @property
+    def name(self) -> str:
+        return ((self.config or {}).get("run") or {}).get("name") or self.run_dir.name
+
+    @property
+    def max_steps(self) -> int | None:
+        return ((self.config or {}).get("train") or {}).get("max_steps")
+
+    @property
+    def last_step(self) -> int:
+        rows = self.metrics.train + self.metrics.eval
+        return max((r["step"] for r in rows), default=0)
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """From the train rows (tokens_seen / step), to place eval rows on the token axis."""
+        for r in reversed(self.metrics.train):
+            if r.get("tokens_seen") and r["step"]:
+                return r["tokens_seen"] / r["step"]
+        return None
+
+    def tokens_at(self, step: int) -> float:
+        per = self.tokens_per_step
+        return step * per if per else float(step)
+
+    @property
+    def status(self) -> str:
+        s = self.summary
+        if s and s.get("steps", 0) >= self.last_step:
+            if s.get("guard_stop"):
+                return f"stopped by a guard at step {s['steps']}"
+            return "finished"
+        last = max((r.get("time") or 0 for r in self.metrics.train + self.metrics.eval), default=0)
+        ago = f"; last row written {format_duration(time.time() - last)} ago" if last else ""
+        return f"in progress or interrupted (no summary.json for this step yet{ago})"
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """Reads metrics.jsonl (required), config.yaml and summary.json (optional)."""
+    run_dir = Path(run_dir).expanduser().absolute()
+    if not (run_dir / METRICS_FILE).is_file():
+        raise FileNotFoundError(
+            f"{run_dir} has no {METRICS_FILE}; give a run directory such as runs/tiny-local "
+            "(<run.storage_path>/<run.name>) of a run that has logged at least one step."
+        )
+    config = summary = None
+    if (run_dir / "config.yaml").is_file():
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    if (run_dir / "summary.json").is_file():
+        try:
+            summary = json.loads((run_dir / "summary.json").read_text())
+        except ValueError:
+            summary = None  # being written right now
+    return Run(run_dir, read_metrics(run_dir / METRICS_FILE), config, summary)
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def _series(rows: list[dict[str, Any]], x: str | Callable[[dict], float], y: str) -> tuple[list[float], list[float]]:
+    """(xs, ys) of the rows that have a finite y (skipped or non-finite steps log null)."""
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(y)
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            xs.append(x(r) if callable(x) else r[x])
+            ys.append(float(v))
+    return xs, ys
+
+
+def _figure(title: str, xlabel: str, ylabel: str):
+    from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
+
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def _no_data(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what} logged yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def _mark_restarts_and_events(run: Run, ax, on_tokens: bool) -> None:
+    """Dotted lines where a resumed attempt took over, red ticks where a guard fired."""
+    pos = run.tokens_at if on_tokens else float
+    for i, step in enumerate(run.metrics.restarts):
+        ax.axvline(pos(step), color="gray", linestyle=":", label="resumed" if i == 0 else None)
+    for i, e in enumerate(run.metrics.events):
+        ax.axvline(pos(e["step"]), color="tab:red", alpha=0.4, linewidth=1, label="guard event" if i == 0 else None)
+
+
+def plot_loss(run: Run):
+    """Train loss (per logged step) and eval loss over tokens seen."""
+    fig, ax = _figure(f"{run.name}: loss", "tokens seen", "loss")
+    xs, ys = _series(run.metrics.train, "tokens_seen", "loss")
+    exs, eys = _series(run.metrics.eval, lambda r: run.tokens_at(r["step"]), "eval_loss")
+    if xs:
+        ax.plot(xs, ys, label="train loss", color="tab:blue", linewidth=1.2)
+    if exs:
+        ax.plot(exs, eys, label="eval loss", color="tab:orange", marker="o", linewidth=1.5)
+    if not xs and not exs:
+        _no_data(ax, "loss")
+    elif max(ys + eys) > 10 * min(ys + eys):
+        ax.set_yscale("log")  # a spike would flatten the rest of the curve on a linear axis
+    _mark_restarts_and_events(run, ax, on_tokens=True)
+    if xs or exs:
+        ax.legend()
+    return fig
+
+
+def plot_eval_perplexity(run: Run):
+    fig, ax = _figure(f"{run.name}: eval perplexity", "tokens seen", "perplexity")
+    xs, ys = _series(run.metrics.eval, lambda r: run.tokens_at(r["step"]), "eval_perplexity")
+    if xs:
+        ax.plot(xs, ys, color="tab:orange", marker="o")
+        if max(ys) / max(min(ys), 1e-9) > 20:
+            ax.set_yscale("log")
+    else:
+        _no_data(ax, "evaluation")
+    return fig
+
+
+def plot_lr(run: Run):
+    fig, ax = _figure(f"{run.name}: learning rate", "step", "learning rate")
+    xs, ys = _series(run.metrics.train, "step", "lr")
+    if xs:
+        ax.plot(xs, ys, color="tab:green")
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    else:
+        _no_data(ax, "learning rate")
+    return fig
+
+
+def plot_throughput(run: Run):
+    fig, ax = _figure(f"{run.name}: throughput", "step", "tokens/s (all workers)")
+    xs, ys = _series(run.metrics.train, "step", "tokens_per_s")
+    if xs:
+        ax.plot(xs, ys, color="tab:purple", label="tokens/s")
+        mx, my = _series(run.metrics.train, "step", "mfu")
+        if mx:
+            ax2 = ax.twinx()
+            ax2.plot(mx, [100 * v for v in my], color="tab:gray", linestyle="--", label="MFU")
+            ax2.set_ylabel("MFU (%)")
+    else:
+        _no_data(ax, "throughput")
+    _mark_restarts_and_events(run, ax, on_tokens=False)
+    return fig
+
+
+def plot_memory(run: Run):
+    fig, ax = _figure(f"{run.name}: memory per rank", "step", "GiB")
+    curves = [
+        ("mem_rss_rank0_gib", "RSS rank 0", "-"),
+        ("mem_rss_max_gib", "RSS max over ranks", "-"),
+        ("mem_peak_max_gib", "peak RSS max over ranks", "--"),
+    ]
+    top = 0.0
+    for key, label, style in curves:
+        xs, ys = _series(run.metrics.train, "step", key)
+        if xs:
+            ax.plot(xs, ys, linestyle=style, label=label)
+            top = max(top, *ys)
+    if top:
+        ax.set_ylim(0, top * 1.25)  # from zero, with room for the legend above the curves
+        ax.legend(loc="upper left", ncols=3, fontsize=8)
+    else:
+        _no_data(ax, "memory")
+    return fig
+
+
+PLOTS: dict[str, Callable[[Run], Any]] = {
+    "loss.png": plot_loss,
+    "eval_perplexity.png": plot_eval_perplexity,
+    "lr.png": plot_lr,
+    "throughput.png": plot_throughput,
+    "memory.png": plot_memory,
+}
+
+
+# ----------------------------------------------------------------------------- markdown
+
+
+def _fmt(v: Any, spec: str = ".4f") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a"
+    return format(v, spec)
+
+
+def key_figures(run: Run) -> dict[str, str]:
+    """The table at the top of report.md (also handy in a notebook)."""
+    m, s = run.metrics, run.summary or {}
+    train = [r for r in m.train if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])]
+    best_eval = min(m.eval, key=lambda r: r["eval_loss"], default=None)
+    tps = [r["tokens_per_s"] for r in m.train[1:] if r.get("tokens_per_s")]  # the first window holds start-up
+    mfus = [r["mfu"] for r in m.train if r.get("mfu") is not None]
+    peak = max((r.get("mem_peak_max_gib") or 0 for r in m.train), default=0)
+    steps = f"{run.last_step}" + (f" / {run.max_steps}" if run.max_steps else "")
+    out = {
+        "status": run.status,
+        "steps": steps,
+        "tokens seen": f"{int(run.tokens_at(run.last_step)):,}",
+        "last train loss": _fmt(train[-1]["loss"]) if train else "n/a",
+        "best eval loss (perplexity)": (
+            f"{best_eval['eval_loss']:.4f} ({best_eval['eval_perplexity']:.2f}) at step {best_eval['step']}"
+            if best_eval
+            else "n/a"
+        ),
+        "tokens/s (median over log windows)": f"{statistics.median(tps):,.0f}" if tps else "n/a",
+        "MFU (median)": f"{100 * statistics.median(mfus):.1f}%" if mfus else "n/a (no peak FLOP/s known)",
+        "peak RSS per rank (max over ranks)": f"{peak:.2f} GiB" if peak else "n/a",
+        "resumed at steps": ", ".join(map(str, m.restarts)) or "none",
+    }
+    if s.get("world_size"):
+        out["workers"] = str(s["world_size"])
+    if s.get("wall_s"):
+        out["wall time (last attempt)"] = f"{s['wall_s']:.0f}s"
+    return out
+
+
+def render_markdown(run: Run, images: list[str]) -> str:
+    lines = [f"# Run report: {run.name}", "", f"Run directory: `{run.run_dir}`", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in key_figures(run).items()]
+    counts = count_events(run.metrics)
+    lines += ["", "## Stability guards", ""]
+    if not run.metrics.events:
+        lines.append("No loss spikes, gradient-norm spikes or non-finite losses were logged.")
+    else:
+        lines.append(", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items()) + ".")
+        lines += ["", "| step | event | value | threshold | action |", "|---|---|---|---|---|"]
+        for e in run.metrics.events[:50]:
+            lines.append(
+                f"| {e['step']} | {e['event']} | {_fmt(e.get('value'), '.4g')} | "
+                f"{_fmt(e.get('threshold'), '.4g')} | {e.get('action')} |"
+            )
+        if len(run.metrics.events) > 50:
+            lines.append(f"| ... | {len(run.metrics.events) - 50} more in metrics.jsonl | | | |")
+    lines += ["", "## Plots", ""]
+    lines += [f"![{Path(name).stem}]({name})" for name in images]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
+    """Writes the PNGs and report.md; returns {file name: path}."""
+    run = load_run(run_dir)
+    out = Path(out_dir) if out_dir else run.run_dir
+    out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    for name, plot in PLOTS.items():
+        fig = plot(run)
+        fig.savefig(out / name)
+        written[name] = out / name
+    (out / "report.md").write_text(render_markdown(run, list(PLOTS)))
+    written["report.md"] = out / "report.md"
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m raytrain_cpu.report",
+        description="Plot a run (finished, resumed or still running) and write report.md next to its metrics.",
+    )
+    ap.add_argument("run_dir", help="the run directory: <run.storage_path>/<run.name>, e.g. runs/tiny-local")
+    ap.add_argument("--out", default=None, help="write the report here instead of into the run directory")
+    args = ap.parse_args(argv)
+    try:
+        written = write_report(args.run_dir, args.out)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"[report] {written['report.md']} and {len(written) - 1} plots in {written['report.md'].parent}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,245 @@
+"""Fast tests of raytrain_cpu.cpu: feature parsing, placement arithmetic, dtype choice, MFU, timers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from raytrain_cpu import cpu
+
+
+def _cpuinfo(sockets: int, cores: int, threads: int, flags: str) -> str:
+    """A /proc/cpuinfo with Linux's numbering: vCPU n and n + sockets*cores are siblings."""
+    blocks, n = [], 0
+    for t in range(threads):
+        for s in range(sockets):
+            for c in range(cores):
+                blocks.append(
+                    f"processor\t: {n}\nvendor_id\t: GenuineIntel\nmodel name\t: Xeon test\n"
+                    f"physical id\t: {s}\ncore id\t\t: {c}\nflags\t\t: {flags}\n"
+                )
+                n += 1
+        del t
+    return "\n".join(blocks) + "\n"
+
+
+C7I_FLAGS = "fpu sse avx2 fma avx512f avx512_bf16 avx512_vnni amx_bf16 amx_tile amx_int8"
+
+
+def test_parse_cpulist():
+    assert cpu.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert cpu.parse_cpulist("") == []
+
+
+def test_two_socket_hyperthreaded_node():
+    """A c7i.48xlarge: 2 sockets x 48 cores x 2 threads, AMX."""
+    first, cpus = cpu.parse_cpuinfo(_cpuinfo(2, 48, 2, C7I_FLAGS))
+    numa = {0: [c for c, s, _ in cpus if s == 0], 1: [c for c, s, _ in cpus if s == 1]}
+    f = cpu.summarize_topology(cpus, numa, first["flags"].split(), first["model name"], first["vendor_id"])
+    assert (f.sockets, f.physical_cores, f.vcpus, f.threads_per_core, f.numa_nodes) == (2, 96, 192, 2, 2)
+    assert f.flags["amx_bf16"] and f.flags["avx512_bf16"] and f.best_isa == "amx_bf16"
+    assert f.cores[0] == [0, 0, 0, 96]  # socket 0, core 0, and its sibling vCPU 96
+    assert "2 socket(s), 96 physical cores, 192 vCPUs" in f.describe()
+
+
+def test_missing_topology_counts_every_vcpu_as_a_core():
+    text = "processor\t: 0\nflags\t: avx2\n\nprocessor\t: 1\nflags\t: avx2\n"
+    first, cpus = cpu.parse_cpuinfo(text)
+    f = cpu.summarize_topology(cpus, {}, first["flags"].split())
+    assert (f.physical_cores, f.vcpus, f.threads_per_core, f.best_isa) == (2, 2, 1, "avx2")
+
+
+def test_this_machine_reads():
+    f = cpu.cpu_features()
+    assert f.vcpus >= f.physical_cores >= 1 and f.sockets >= 1 and f.allowed_cpus
+    assert set(f.to_dict()) >= {"flags", "sockets", "physical_cores", "vcpus", "numa_nodes", "best_isa"}
+
+
+@pytest.mark.parametrize(
+    ("cpus", "tpc", "physical", "per_node", "expected"),
+    [
+        (0.5, 1, 2, 2, 1),  # this 2-core box, 2 workers: one thread each
+        (184, 2, 96, 1, 92),  # c7i.48xlarge, one rank per node: physical cores, not vCPUs
+        (95, 2, 96, 2, 47),  # one rank per socket
+        (192, 2, 96, 2, 48),  # capped at the rank's share of the node
+    ],
+)
+def test_threads_follow_physical_cores(cpus, tpc, physical, per_node, expected):
+    assert cpu.threads_per_worker(cpus, tpc, physical, per_node) == expected
+
+
+def test_rank_cores_one_socket_per_rank():
+    first, cpus = cpu.parse_cpuinfo(_cpuinfo(2, 4, 2, C7I_FLAGS))
+    f = cpu.summarize_topology(cpus, {}, [])
+    r0 = cpu.rank_cores(f.cores, f.sockets, 0, 2, threads=3)
+    r1 = cpu.rank_cores(f.cores, f.sockets, 1, 2, threads=3)
+    assert r0 == [0, 1, 2, 8, 9, 10]  # socket 0's first 3 cores with their siblings
+    assert r1 == [4, 5, 6, 12, 13, 14]  # socket 1
+    assert cpu.default_workers_per_node(2) == 2 and cpu.default_workers_per_node(1) == 1
+
+
+def test_rank_cores_split_within_a_socket():
+    cores = [[0, c, c] for c in range(4)]
+    assert cpu.rank_cores(cores, 1, 0, 2, threads=2) == [0, 1]
+    assert cpu.rank_cores(cores, 1, 1, 2, threads=2) == [2, 3]
+    assert cpu.rank_cores(cores[:1], 1, 1, 2, threads=1) == [0]  # more ranks than cores: share
+
+
+def test_place_threads_sets_torch_threads_and_pins(monkeypatch):
+    import os
+
+    import torch
+
+    before_threads, before_mask = torch.get_num_threads(), os.sched_getaffinity(0)
+    try:
+        out = cpu.place_threads(1, 0, 1, pin=True)
+        assert out["intra_op_threads"] == 1 and torch.get_num_threads() == 1
+        assert out["pinned_cpus"] and set(out["pinned_cpus"]) <= before_mask
+        assert os.sched_getaffinity(0) == set(out["pinned_cpus"])
+    finally:
+        torch.set_num_threads(before_threads)
+        os.sched_setaffinity(0, before_mask)
+
+
+@pytest.mark.parametrize(
+    ("requested", "bf16", "fp32", "dtype"),
+    [
+        ("auto", 300e9, 100e9, "bf16"),  # AMX
+        ("auto", 75e9, 120e9, "fp32"),  # AVX-512 BF16 through oneDNN, as measured on the dev box
+        ("auto", 101e9, 100e9, "fp32"),  # within the margin: not worth bf16's rounding
+        ("bf16", 75e9, 120e9, "bf16"),  # explicit wins, with a note
+        ("fp32", 300e9, 100e9, "fp32"),
+    ],
+)
+def test_decide_dtype(requested, bf16, fp32, dtype):
+    got, reason = cpu.decide_dtype(requested, bf16, fp32)
+    assert got == dtype
+    assert ("slower" in reason) == (requested == "bf16" and bf16 < fp32)
+
+
+def test_choose_dtype_agrees_across_ranks():
+    gemms = cpu.llama_gemms(64, 176, 4, 2, 2048, 2, tokens=64)
+    seen = []
+
+    def agree(values):
+        seen.append(values)
+        return [1.0, 2.0]  # whatever this rank measured, the group says fp32 is faster
+
+    with pytest.warns(UserWarning, match="training in fp32"):
+        out = cpu.choose_dtype("auto", gemms, agree, min_time_s=0.001)
+    assert out["dtype"] == "fp32" and out["peak_flops_per_s"] == 2.0 and len(seen[0]) == 2
+
+
+def test_gemm_flops_match_6n():
+    """Forward + both backward GEMMs of every weight = 6 x non-embedding params per token."""
+    from raytrain_cpu.bench import n_params
+
+    shape = {"hidden_size": 512, "num_layers": 16, "num_heads": 8, "num_kv_heads": 8, "intermediate_size": 1408}
+    tokens = 1024
+    gemms = cpu.llama_gemms(512, 1408, 8, 8, 2048, 16, tokens)
+    total = sum(g.flops * g.count for g in gemms)
+    p = n_params(shape)
+    norms = 2 * 16 * 512 + 512  # norm weights are parameters but not GEMMs
+    assert total == 6 * (p["non_embedding"] - norms) * tokens
+
+
+def test_probe_subset_is_cheap():
+    big = cpu.llama_gemms(4096, 14336, 32, 8, 128256, 32, tokens=8192)
+    small = cpu.probe_gemms(big)
+    assert all(g.name.startswith("fwd") and g.m <= 1024 for g in small)
+    assert not any("128256" in g.name for g in small)  # the vocabulary head would need GBs
+
+
+def test_mfu_formula():
+    """MFU = (6N + 12 L d seq) tokens/s / peak, N without the input embedding."""
+    from raytrain_cpu.bench import mfu_of, n_params
+    from raytrain_cpu.metrics import flops_per_token
+
+    shape = {"hidden_size": 512, "num_layers": 16, "num_heads": 8, "num_kv_heads": 8, "intermediate_size": 1408}
+    p = n_params(shape)
+    assert p["total"] - p["non_embedding"] == 2048 * 512  # only the input embedding is left out
+    fpt = flops_per_token(p, 512)
+    assert fpt == 6 * p["non_embedding"] + 12 * 16 * 512 * 512
+    assert mfu_of(200.0, p, 512, 100e9, world=2) == pytest.approx(200 * fpt / 200e9)
+
+
+def test_n_params_matches_the_model_files(tmp_path):
+    """bench.n_params (no files) = model.count_parameters (config.json) for the bench model."""
+    import json
+
+    from raytrain_cpu.bench import n_params
+    from raytrain_cpu.model import count_parameters
+
+    shape = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 176}
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 2048,
+                "hidden_size": 64,
+                "intermediate_size": 176,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
+    assert count_parameters(str(tmp_path)) == n_params(shape)
+
+
+def test_find_allocator(tmp_path):
+    assert cpu.find_allocator("system") == ("system", "")
+    (tmp_path / "libtcmalloc.so.4").write_text("")
+    name, path = cpu.find_allocator("tcmalloc", search_dirs=[str(tmp_path)])
+    assert name == "tcmalloc" and path == str(tmp_path / "libtcmalloc.so.4")
+    (tmp_path / "libjemalloc.so.2").write_text("")
+    assert cpu.find_allocator("auto", search_dirs=[str(tmp_path)])[0] == "jemalloc"
+
+
+def test_allocator_in_use(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n")
+    assert cpu.allocator_in_use(str(maps)) == "jemalloc"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    assert cpu.allocator_in_use(str(maps)) == "system"
+
+
+def test_worker_env_turns_omp_binding_off_for_shared_nodes(monkeypatch):
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.main import worker_env
+
+    cfg = load_config(None, ["scaling.allocator=system"])
+    assert worker_env(cfg, 1) == {}
+    assert worker_env(cfg, 2) == {"OMP_PROC_BIND": "false"}
+
+
+def test_step_clock_skips_the_first_step_and_sums_phases():
+    comm = cpu.CommTimer()
+    clock = cpu.StepClock(comm)
+    for step in range(3):
+        clock.start_step()
+        clock.add("forward", 1.0 + step)
+        clock.add("backward", 2.0)
+        comm.seconds += 0.5
+        clock.end_step()
+    s = clock.summary()
+    assert s["steps"] == 2 and s["forward_s"] == pytest.approx(2.5) and s["backward_s"] == 2.0
+    assert s["comm_s"] == pytest.approx(0.5)
+    assert cpu.StepClock().summary()["comm_s"] is None  # not measured, not zero
+
+
+def test_comm_timer_counts_nested_calls_once():
+    timer = cpu.CommTimer()
+    inner = timer._timed(lambda: time.sleep(0.01))
+    outer = timer._timed(lambda: inner())
+    outer()
+    assert timer.calls == 1 and 0.009 < timer.seconds < 0.5
+
+
+def test_peak_rss_resets():
+    assert cpu.peak_rss_bytes() > 0
+    if cpu.reset_peak_rss():
+        assert cpu.peak_rss_bytes() > 0

@@ -1,0 +1,163 @@
+"""`python -m raytrain_cpu.export`: a real 2-rank ZeRO-3 checkpoint -> an ordinary Hugging Face model.
+
+The checkpoint comes from two spawned processes (gloo, DeepSpeed ZeRO-3, bf16, no Ray) that
+train the tiny Llama three steps, record their logits on a batch and save through
+checkpoint.write_checkpoint, exactly as training does. (Export at the end of a Ray run,
+`run.export_on_finish`, is checked in tests/test_fault_tolerance.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from raytrain_cpu.config import load_config
+
+CONFIG = [
+    "model.dtype=bf16",
+    "data.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.warmup_steps=1",
+    "train.max_steps=3",
+]
+WORLD = 2
+STEP = 3
+
+
+def _train_and_save(rank: int, root: str, port: int) -> None:
+    """One rank: a few ZeRO-3 steps, the logits on its batch, then the training checkpoint save."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    os.environ.update(LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    import deepspeed
+
+    from raytrain_cpu.checkpoint import write_checkpoint
+    from raytrain_cpu.export import probe_logits
+    from raytrain_cpu.model import load_sharded
+    from raytrain_cpu.tokenizer import resolve_tokenizer_path
+    from raytrain_cpu.train import _param_groups, deepspeed_config
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    cfg = load_config(None, CONFIG)
+    ds_config = deepspeed_config(cfg, WORLD)
+    model_dir = str(Path(root) / "base_model")
+    model, hf_ds_config = load_sharded(model_dir, ds_config, torch.bfloat16)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=_param_groups(model, 0.1), config=ds_config, dist_init_required=False
+    )
+    x = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(rank))
+    for _ in range(STEP):
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    probe = probe_logits(engine, x)
+    manifest = {
+        "step": STEP,
+        "world_size": WORLD,
+        "config_hash": "test",
+        "blocks_consumed": 0,
+        "dtype": "bf16",
+        "model_dir": model_dir,
+        "tokenizer": resolve_tokenizer_path("bundled", model_dir),
+    }
+    write_checkpoint(engine, Path(root) / "run", STEP, manifest, rank, WORLD)
+    if rank == 0:
+        torch.save(probe, Path(root) / "probe.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    del hf_ds_config
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory):
+    """{checkpoint, probe}: a 2-shard ZeRO-3 checkpoint and the trained model's logits."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from raytrain_cpu.model import write_tiny_model
+    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+
+    root = tmp_path_factory.mktemp("zero3")
+    cfg = load_config(None, CONFIG)
+    write_tiny_model(cfg, load_tokenizer(resolve_tokenizer_path("bundled", "tiny")), root / "base_model")
+    mp.start_processes(_train_and_save, args=(str(root), _free_port()), nprocs=WORLD, start_method="spawn")
+    return {"checkpoint": root / "run" / f"checkpoint_{STEP:06d}", "probe": torch.load(root / "probe.pt")}
+
+
+def _logits(model_dir: Path, input_ids):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits.float(), model
+
+
+def test_export_gives_the_trained_models_logits(zero3, tmp_path):
+    from transformers import AutoTokenizer
+
+    from raytrain_cpu.export import main
+
+    out = tmp_path / "hf"
+    assert main([str(zero3["checkpoint"]), str(out)]) == 0
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    logits, model = _logits(out, zero3["probe"]["input_ids"])
+    assert str(model.dtype) == "torch.bfloat16"  # the training dtype, recorded in config.json
+    # bf16 export = the bf16 rounding of the fp32 master weights = what the ZeRO-3 model computed with.
+    assert (logits - zero3["probe"]["logits"]).abs().max().item() == 0.0
+    assert AutoTokenizer.from_pretrained(str(out)).decode([0]) is not None
+    assert main([str(zero3["checkpoint"]), str(out)]) == 2  # never writes over an export unasked
+
+
+def test_fp32_and_sharded_export(zero3, tmp_path):
+    """--dtype fp32 keeps the master weights; their bf16 rounding is the bf16 export, file split or not."""
+    import torch
+    from safetensors.torch import load_file
+
+    from raytrain_cpu.export import export_checkpoint
+
+    bf16 = export_checkpoint(zero3["checkpoint"], tmp_path / "bf16")
+    fp32 = export_checkpoint(zero3["checkpoint"], tmp_path / "fp32", dtype="fp32", max_shard_bytes=300_000)
+    assert bf16["files"] == 1 and fp32["files"] > 1
+    index = json.loads((tmp_path / "fp32" / "model.safetensors.index.json").read_text())
+    fp32_weights = {}
+    for name in set(index["weight_map"].values()):
+        fp32_weights |= load_file(str(tmp_path / "fp32" / name))
+    bf16_weights = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert fp32_weights.keys() == bf16_weights.keys()
+    assert all(torch.equal(fp32_weights[k].to(torch.bfloat16), bf16_weights[k]) for k in bf16_weights)
+    logits, model = _logits(tmp_path / "fp32", zero3["probe"]["input_ids"])
+    assert model.dtype == torch.float32
+    gap = (logits - zero3["probe"]["logits"]).abs().max().item()
+    print(f"\n[export] fp32 master weights vs the bf16-trained model: max |logit diff| {gap:.3g}")
+    assert gap < 0.05  # bf16 compute and weights vs fp32: a bf16-sized difference (measured 0.005)
+
+
+def test_export_refuses_an_incomplete_checkpoint(zero3, tmp_path, capsys):
+    from raytrain_cpu.export import main
+
+    broken = tmp_path / "broken"
+    shutil.copytree(zero3["checkpoint"], broken)
+    (broken / "ds" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    assert main([str(broken), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "rank 1" in err and "is missing" in err
+    assert not (tmp_path / "out").exists()

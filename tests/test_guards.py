@@ -1,0 +1,323 @@
+"""Stability guards: decisions on synthetic loss sequences, and a real 2-rank DeepSpeed ZeRO-3
+engine where an injected spike, an injected NaN and a gradient-norm spike leave parameters and
+optimizer state untouched on every rank, while normal steps keep training.
+
+(The end-to-end run through Ray Train, with events in metrics.jsonl and counts in summary.json,
+is in tests/test_report.py, which shares that run with the report tests.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_cpu.config import ConfigError, GuardConfig, load_config
+from raytrain_cpu.guards import LossWindow, StabilityGuard, classify_loss, parse_inject
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- fakes
+
+
+class FakeEngine:
+    """What the guard reads from a DeepSpeed engine, with DeepSpeed's skip rule: a step whose
+    back-propagated loss is not finite is skipped (invalid gradient norm)."""
+
+    def __init__(self) -> None:
+        self.skipped_steps = 0
+        self.grad_norm = 1.0
+
+    def get_global_grad_norm(self) -> float:
+        return self.grad_norm
+
+    def step_with(self, loss: torch.Tensor) -> None:
+        if not math.isfinite(float(loss)):
+            self.skipped_steps += 1
+            self.grad_norm = float("inf")
+
+
+def run_guard(losses: list[float], **cfg) -> tuple[StabilityGuard, list[dict], list[bool]]:
+    """Feeds one loss per step through the guard on a single process; returns the guard, its
+    events and, per step, whether the update was skipped."""
+    events: list[dict] = []
+    guard = StabilityGuard(
+        GuardConfig(**cfg),
+        reduce=lambda v: v,
+        world_size=1,
+        on_event=lambda e: events.append({**e.row(), "message": e.message()}),
+    )
+    engine, skipped = FakeEngine(), []
+    for step, value in enumerate(losses, start=1):
+        loss = guard.before_backward(step, [value], torch.tensor(value), last_micro=True)
+        guard.before_step(step, engine)
+        before = engine.skipped_steps
+        engine.step_with(loss)
+        guard.after_step(step, engine)
+        skipped.append(engine.skipped_steps > before)
+        if guard.stop_reason:
+            break
+    return guard, events, skipped
+
+
+FLAT = [3.0, 3.1, 2.9, 3.05, 2.95, 3.0, 3.1, 2.9, 3.0, 3.0, 2.98, 3.02]  # 12 calm steps
+
+
+# ----------------------------------------------------------------------------- pure decisions
+
+
+def test_loss_window_needs_history_before_judging():
+    w = LossWindow(50)
+    assert classify_loss(100.0, w, 2.0) == (None, None)  # nothing to compare with yet
+    for v in FLAT[:10]:
+        w.add(v)
+    event, threshold = classify_loss(7.0, w, 2.0)
+    assert event == "loss_spike" and threshold == pytest.approx(2.0 * sum(FLAT[:10]) / 10)
+    assert classify_loss(5.0, w, 2.0) == (None, None)
+    assert classify_loss(float("nan"), w, 2.0)[0] == "nonfinite"
+    assert classify_loss(float("inf"), LossWindow(5), 2.0)[0] == "nonfinite"
+    assert classify_loss(7.0, w, 0.0) == (None, None)  # factor 0 disables spike detection
+
+
+def test_parse_inject():
+    got = parse_inject("spike@12:50, nan@20,spike@3")
+    assert got[12] == 50.0 and got[3] == 100.0 and math.isnan(got[20])
+    with pytest.raises(ValueError, match="spike@STEP"):
+        parse_inject("boom@3")
+
+
+def test_spike_is_logged_and_applied_under_log():
+    guard, events, skipped = run_guard([*FLAT, 9.0, 3.0], action="log")
+    assert [(e["step"], e["event"], e["action"]) for e in events] == [(13, "loss_spike", "log")]
+    assert skipped == [False] * 14
+    assert guard.stop_reason is None
+    # The spike stays out of the running mean, so it does not raise the bar for the next one.
+    assert max(guard.window.values) < 4
+
+
+def test_spike_is_skipped_under_skip():
+    guard, events, skipped = run_guard([*FLAT, 9.0, 3.0], action="skip")
+    assert [(e["step"], e["event"], e["action"]) for e in events] == [(13, "loss_spike", "skip")]
+    assert skipped[12] and not any(skipped[:12]) and not skipped[13]
+    assert guard.counts == {"loss_spike": 1, "grad_norm": 0, "nonfinite": 0, "skipped_steps": 1}
+
+
+def test_nan_never_continues_silently_even_under_log():
+    guard, events, skipped = run_guard([3.0, float("nan"), 3.0], action="log")
+    assert [(e["step"], e["event"], e["action"]) for e in events] == [(2, "nonfinite", "skip")]
+    assert "step 2" in events[0]["message"] and "not finite" in events[0]["message"]
+    assert skipped == [False, True, False]  # detected before the window is ready: NaN needs no history
+
+
+def test_stop_names_the_step_and_the_fix():
+    guard, events, _ = run_guard([*FLAT, 9.0, 3.0], action="stop")
+    assert len(events) == 1 and events[0]["action"] == "stop"
+    assert guard.stop_reason and "step 13" in guard.stop_reason and "guards.action=stop" in guard.stop_reason
+    assert "train.lr" in guard.stop_reason
+
+
+def test_too_many_skips_stop_the_run():
+    guard, events, skipped = run_guard([3.0, float("nan"), float("nan"), 3.0, 3.0], action="skip", max_skips=1)
+    assert skipped == [False, True, True]  # stopped after the second skip
+    assert guard.stop_reason and "guards.max_skips=1" in guard.stop_reason
+
+
+@pytest.mark.parametrize("action", ["log", "stop"])
+def test_grad_norm_after_the_step_under_log_and_stop(action):
+    events: list[dict] = []
+    guard = StabilityGuard(
+        GuardConfig(action=action, max_grad_norm=5.0), lambda v: v, 1, on_event=lambda e: events.append(e.row())
+    )
+    engine = FakeEngine()
+    for step, norm in enumerate([1.0, 2.0, 50.0], start=1):
+        guard.before_backward(step, [3.0], torch.tensor(3.0), last_micro=True)
+        guard.before_step(step, engine)
+        engine.grad_norm = norm
+        guard.after_step(step, engine)
+    assert [(e["step"], e["event"], e["value"]) for e in events] == [(3, "grad_norm", 50.0)]
+    assert (guard.stop_reason is not None) == (action == "stop")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["guards.action=ignore"], "guards.action"),
+        (["guards.loss_spike_factor=0.5"], "guards.loss_spike_factor"),
+        (["guards.loss_window=0"], "guards.loss_window"),
+        (["guards.max_grad_norm=-1"], "guards.max_grad_norm"),
+        (["guards.inject=boom@3"], "guards.inject"),
+        (["guards.action=skip", "guards.max_grad_norm=10", "deepspeed.zero_stage=2"], "guards.max_grad_norm"),
+    ],
+)
+def test_guard_config_errors(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+# ----------------------------------------------------------------------------- a real ZeRO-3 engine
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    import deepspeed
+    from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+    from raytrain_cpu.config import GuardConfig
+    from raytrain_cpu.guards import StabilityGuard
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+
+    def all_reduce_sum(values):
+        t = torch.tensor(values, dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return t.tolist()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+    conf = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "train_batch_size": 8 * world,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}},
+        "steps_per_print": 10**9,
+    }
+    engine, _, _, sched = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=conf,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)),
+    )
+    params = list(engine.module.parameters())
+
+    def snapshot():
+        out = []
+        for p in params:
+            out.append(safe_get_local_fp32_param(p).clone())
+            out.append(p.ds_tensor.detach().clone())
+            for key in ("exp_avg", "exp_avg_sq"):
+                try:
+                    out.append(safe_get_local_optimizer_state(p, key).clone())
+                except (KeyError, TypeError, AttributeError):
+                    pass  # no optimizer state before the first update
+        return out
+
+    cfg = GuardConfig(action="skip", loss_window=3, loss_spike_factor=2.0, max_grad_norm=1e6, inject="spike@5:50,nan@6")
+    events = []
+    guard = StabilityGuard(cfg, all_reduce_sum, world, rank, 3, on_event=lambda e: events.append(e.row()))
+    gen = torch.Generator().manual_seed(100 + rank)
+    records = []
+    for step in range(1, 9):
+        guard.cfg.max_grad_norm = 1e-6 if step == 7 else 1e6  # step 7: a gradient-norm spike
+        before = snapshot()
+        losses = []
+        for micro in range(2):
+            x = torch.randn(4, 16, generator=gen)
+            y = torch.randn(4, 16, generator=gen)
+            loss = ((engine(x.bfloat16()).float() - y) ** 2).mean()
+            losses.append(float(loss.detach()))
+            loss = guard.before_backward(step, losses, loss, micro == 1)
+            engine.backward(loss)
+            if micro == 1:
+                guard.before_step(step, engine)
+            engine.step()
+        guard.after_step(step, engine, sched)
+        after = snapshot()
+        changed = len(before) != len(after) or any(not torch.equal(a, b) for a, b in zip(before, after))
+        records.append({"step": step, "changed": changed, "skipped_steps": engine.skipped_steps,
+                        "lr": sched.get_last_lr()[0], "step_loss": guard.step_loss, "tensors": len(after)})
+    out = {"records": records, "events": events, "counts": guard.counts}
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    torch.distributed.barrier()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_skip_leaves_zero3_parameters_unchanged_on_every_rank(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": "2",
+        "PYTHONPATH": str(ROOT),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path)],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, out in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+    # Every rank took the same decisions at the same steps.
+    assert ranks[0]["events"] == ranks[1]["events"]
+    assert [r["skipped_steps"] for r in ranks[0]["records"]] == [r["skipped_steps"] for r in ranks[1]["records"]]
+    events = [(e["step"], e["event"], e["action"]) for e in ranks[0]["events"]]
+    assert events == [(5, "loss_spike", "skip"), (6, "nonfinite", "skip"), (7, "grad_norm", "skip")]
+
+    for rank in ranks:
+        changed = {r["step"]: r["changed"] for r in rank["records"]}
+        # Skipped steps leave weights, fp32 master weights and Adam moments exactly as they were...
+        assert not changed[5] and not changed[6] and not changed[7], changed
+        # ...and training goes on around them.
+        assert changed[1] and changed[4] and changed[8], changed
+        assert rank["records"][-1]["skipped_steps"] == 3
+        assert all(r["tensors"] == 4 * 4 for r in rank["records"])  # 4 params x (fp32, bf16, exp_avg, exp_avg_sq)
+        assert rank["counts"] == {"loss_spike": 1, "grad_norm": 1, "nonfinite": 1, "skipped_steps": 3}
+        # The learning rate keeps following the step count through skips: lr(s) = 1e-2 / (1 + s).
+        for r in rank["records"]:
+            assert r["lr"] == pytest.approx(1e-2 / (1 + r["step"]))
+
+
+def test_a_guard_stop_ends_the_job_with_a_message_and_exit_code(monkeypatch, capsys, tmp_path):
+    from raytrain_cpu import main as main_mod
+
+    reason = "guard: step 7: loss 9 is above 6 (guards.loss_spike_factor x its running mean); stopping"
+    summary = {
+        "steps": 7,
+        "tokens_seen": 100,
+        "final_loss": 9.0,
+        "eval_perplexity": None,
+        "tokens_per_s": 10.0,
+        "world_size": 2,
+        "wall_s": 1.0,
+        "checkpoint_path": None,
+        "run_dir": str(tmp_path),
+        "guard_events": {"loss_spike": 1, "grad_norm": 0, "nonfinite": 0, "skipped_steps": 0},
+        "guard_stop": reason,
+    }
+    monkeypatch.setattr(main_mod, "run", lambda cfg: summary)
+    monkeypatch.setattr(main_mod, "validate_before_ray", lambda cfg: None)
+    assert main_mod.main(["guards.action=stop"]) == 3
+    out, err = capsys.readouterr()
+    assert "1 loss spike" in out and f"stopped early at step 7: {reason}" in err

@@ -1,0 +1,255 @@
+"""The run report, the metric sinks and the guards end to end, on one small real run.
+
+The run (module-scoped, ~1 min here) has an injected loss spike at step 12 and an injected NaN
+at step 16 with guards.action=skip, so the same run shows the guards at work through Ray Train
+and gives the report something to mark. Resumed and still-running runs are made from copies
+of its directory (duplicate steps appended, summary.json removed, a line cut short).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raytrain_cpu import metrics as obs
+from raytrain_cpu.report import PLOTS, load_run, plot_loss, plot_lr, plot_memory, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 24
+RUN_OVERRIDES = [
+    f"train.max_steps={STEPS}",
+    "data.seq_len=64",
+    "data.tokenize_actors=1",
+    "train.micro_batch_size=4",
+    "train.log_every=2",
+    "train.eval_every=0",  # one evaluation, at the end: evaluations are the slow part here
+    "train.eval_batches=4",
+    "train.warmup_steps=2",
+    "guards.action=skip",
+    "guards.loss_window=5",
+    "guards.inject=spike@12:50,nan@16",
+]
+
+
+def raw_rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl parsed line by line, independently of metrics.read_metrics."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def run_dir(ray_session, shared_cache, tmp_path_factory) -> Path:
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.main import run
+
+    storage = tmp_path_factory.mktemp("report_runs")
+    cfg = load_config(None, [f"run.storage_path={storage}", f"data.cache_dir={shared_cache}", *RUN_OVERRIDES])
+    summary = run(cfg)
+    return Path(summary["run_dir"])
+
+
+# ----------------------------------------------------------------------------- the run itself
+
+
+@pytest.mark.slow
+def test_metrics_jsonl_has_train_eval_and_memory_rows(run_dir):
+    rows = raw_rows(run_dir)
+    train = [r for r in rows if "loss" in r and "event" not in r]
+    assert [r["step"] for r in train] == list(range(2, STEPS + 1, 2))
+    for r in train:
+        assert r["mem_rss_rank0_gib"] > 0.1 and r["mem_rss_max_gib"] >= r["mem_rss_rank0_gib"]
+        assert r["mem_peak_max_gib"] >= r["mem_rss_max_gib"] - 1e-9
+        assert "mfu" not in r  # no peak FLOP/s was given: no made-up MFU
+    assert [r["step"] for r in rows if "eval_loss" in r] == [STEPS]
+
+
+@pytest.mark.slow
+def test_guards_fire_on_injected_spike_and_nan(run_dir):
+    events = [(r["step"], r["event"], r["action"]) for r in raw_rows(run_dir) if "event" in r]
+    assert events == [(12, "loss_spike", "skip"), (16, "nonfinite", "skip")]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["guard_events"] == {"loss_spike": 1, "grad_norm": 0, "nonfinite": 1, "skipped_steps": 2}
+    assert summary["skipped_steps"] == 2  # DeepSpeed's own count agrees: two updates were dropped
+    assert summary["guard_stop"] is None and summary["steps"] == STEPS
+    train = {r["step"]: r for r in obs.read_metrics(run_dir).train}
+    assert train[12]["loss"] > 10 * train[10]["loss"]  # the spike is visible in the log...
+    assert train[16]["loss"] is None  # ...the NaN is written as null, never as NaN
+    assert math.isfinite(train[STEPS]["loss"]) and train[STEPS]["loss"] < train[2]["loss"]  # and training went on
+
+
+@pytest.mark.slow
+def test_tensorboard_events_mirror_metrics_jsonl(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    expected = {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "memory/rss_max_gib", "eval/loss"}
+    assert expected <= tags, tags
+    assert {"eval/perplexity", "memory/rss_rank0_gib", "guards/loss_spike"} <= tags
+    tb_loss = {e.step: e.value for e in acc.Scalars("train/loss")}
+    for r in obs.read_metrics(run_dir).train:
+        if r["loss"] is not None:
+            assert tb_loss[r["step"]] == pytest.approx(r["loss"], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+@pytest.mark.slow
+def test_report_writes_readable_pngs_and_markdown(run_dir, tmp_path):
+    from PIL import Image
+
+    written = write_report(run_dir, tmp_path)
+    for name in PLOTS:
+        with Image.open(written[name]) as img:
+            img.verify()
+        with Image.open(written[name]) as img:
+            assert img.format == "PNG" and img.size == (800, 450)
+            colors = img.convert("RGB").getcolors(maxcolors=1 << 20)
+            assert colors is not None and len(colors) > 20, f"{name} looks blank"
+    md = written["report.md"].read_text()
+    assert "| status | finished |" in md and f"| steps | {STEPS} / {STEPS} |" in md
+    assert "| 12 | loss_spike |" in md and "| 16 | nonfinite |" in md
+    for name in PLOTS:
+        assert f"]({name})" in md
+
+
+@pytest.mark.slow
+def test_plotted_values_come_from_metrics_jsonl(run_dir):
+    rows = raw_rows(run_dir)
+    train = [r for r in rows if "loss" in r and "event" not in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    run = load_run(run_dir)
+
+    loss_ax = plot_loss(run).axes[0]
+    lines = {ln.get_label(): ln for ln in loss_ax.get_lines()}
+    finite = [r for r in train if r["loss"] is not None]
+    assert list(lines["train loss"].get_xdata()) == [r["tokens_seen"] for r in finite]
+    assert list(lines["train loss"].get_ydata()) == [r["loss"] for r in finite]
+    tokens_per_step = train[-1]["tokens_seen"] / train[-1]["step"]
+    assert list(lines["eval loss"].get_xdata()) == [r["step"] * tokens_per_step for r in evals]
+    assert list(lines["eval loss"].get_ydata()) == [r["eval_loss"] for r in evals]
+
+    lr_line = plot_lr(run).axes[0].get_lines()[0]
+    assert list(lr_line.get_ydata()) == [r["lr"] for r in train]
+    mem = {ln.get_label(): list(ln.get_ydata()) for ln in plot_memory(run).axes[0].get_lines()}
+    assert mem["RSS max over ranks"] == [r["mem_rss_max_gib"] for r in train]
+
+
+@pytest.mark.slow
+def test_report_on_a_resumed_run_keeps_the_last_attempt(run_dir, tmp_path):
+    copy = tmp_path / "resumed"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("checkpoint_*", "base_model", "tensorboard"))
+    rows = raw_rows(copy)
+    # A second attempt resumed from step 14: it logs steps 16.. again, with other values.
+    replay = [
+        dict(r, loss=None if r["loss"] is None else r["loss"] + 1.0)
+        for r in rows
+        if "loss" in r and "event" not in r and r["step"] >= 16
+    ]
+    with open(copy / "metrics.jsonl", "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in replay)
+    run = load_run(copy)
+    assert run.metrics.restarts == [16]
+    assert [r["step"] for r in run.metrics.train] == list(range(2, STEPS + 1, 2))  # each step once
+    loss_line = plot_loss(run).axes[0].get_lines()[0]
+    plotted = dict(zip(loss_line.get_xdata(), loss_line.get_ydata(), strict=True))
+    for r in replay:
+        assert plotted.get(r["tokens_seen"]) == r["loss"]  # the replayed attempt's values (None: not plotted)
+    assert [e["step"] for e in run.metrics.events] == [12]  # the superseded attempt's step-16 event is gone
+    md = write_report(copy)["report.md"].read_text()
+    assert "| resumed at steps | 16 |" in md
+
+
+@pytest.mark.slow
+def test_report_on_a_still_running_run(run_dir, tmp_path):
+    copy = tmp_path / "running"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("checkpoint_*", "base_model", "tensorboard"))
+    (copy / "summary.json").unlink()
+    lines = (copy / "metrics.jsonl").read_text().splitlines()
+    half = lines[: len(lines) // 2]
+    (copy / "metrics.jsonl").write_text("\n".join(half) + "\n" + lines[len(lines) // 2][:25])  # a line mid-write
+    result = subprocess.run(
+        [sys.executable, "-m", "raytrain_cpu.report", str(copy)], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    md = (copy / "report.md").read_text()
+    assert "in progress or interrupted" in md
+    assert all((copy / name).stat().st_size > 5000 for name in PLOTS)
+
+
+def test_report_cli_explains_a_wrong_directory(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "raytrain_cpu.report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "metrics.jsonl" in result.stderr
+
+
+# ----------------------------------------------------------------------------- metrics helpers
+
+
+def test_read_metrics_drops_rows_of_a_superseded_attempt(tmp_path):
+    rows = [
+        {"step": 2, "loss": 5.0},
+        {"step": 4, "loss": 4.0},
+        {"step": 4, "eval_loss": 4.5, "eval_perplexity": 90.0},
+        {"step": 6, "loss": 3.0},
+        {"step": 6, "event": "loss_spike", "value": 3.0, "threshold": 2.0, "action": "log"},
+        {"step": 8, "loss": 2.0},  # the first attempt got to step 8, then failed
+        {"step": 6, "loss": 3.5},  # the second resumed from step 4's checkpoint
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)) + '\n{"step": 8, "lo')
+    m = obs.read_metrics(tmp_path)
+    assert [(r["step"], r["loss"]) for r in m.train] == [(2, 5.0), (4, 4.0), (6, 3.5)]
+    assert [r["step"] for r in m.eval] == [4] and m.events == [] and m.restarts == [6]
+    assert obs.count_events(m) == {"loss_spike": 0, "grad_norm": 0, "nonfinite": 0, "skipped_steps": 0}
+
+
+def test_sink_writes_null_for_nan_and_tensorboard_files(tmp_path):
+    sink = obs.MetricsSink(tmp_path, tensorboard=True)
+    sink.write({"step": 1, "loss": float("nan"), "lr": 1e-3, "grad_norm": float("inf"), "tokens_seen": 10})
+    sink.write({"step": 1, "event": "nonfinite", "value": float("nan"), "threshold": None, "action": "skip"})
+    sink.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[0]) == {"step": 1, "loss": None, "lr": 1e-3, "grad_norm": None, "tokens_seen": 10}
+    assert "NaN" not in lines[1] and "Infinity" not in "".join(lines)
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_mlflow_sink_logs_params_and_metrics(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a file store works with mlflow-skinny too
+    uri = (tmp_path / "mlruns").as_uri()
+    sink = obs.MetricsSink(
+        tmp_path, tensorboard=False, mlflow_tracking_uri=uri, run_name="t", params={"train": {"lr": 0.1}}
+    )
+    sink.write({"step": 2, "loss": 3.0, "lr": 0.1})
+    sink.close()
+    run_id = (tmp_path / ".mlflow_run_id").read_text()
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    assert run.data.params["train.lr"] == "0.1" and run.data.metrics["train_loss"] == 3.0
+
+
+def test_mfu_and_progress_line():
+    n = {"non_embedding": 1_000_000, "num_layers": 2, "hidden_size": 64}
+    assert obs.flops_per_token(n, 128) == 6e6 + 12 * 2 * 64 * 128
+    assert obs.mfu(1000.0, n, 128, None) is None
+    assert obs.mfu(1000.0, n, 128, 1e12) == pytest.approx(1000 * obs.flops_per_token(n, 128) / 1e12)
+    p = obs.Progress(total_steps=100, start_step=0)
+    p.update(10, now=p._origin[1] + 50.0)  # start-up: the first 10 steps took 50 s
+    eta = p.update(20, now=p._origin[1] + 10.0)  # then 1 s per step
+    assert eta == pytest.approx(80.0)
+    line = p.line({"step": 20, "loss": 3.14159, "lr": 3e-4, "tokens_per_s": 1234.5, "mem_rss_max_gib": 1.5}, eta)
+    assert line == "step 20/100 (20%) | loss 3.1416 | lr 3.00e-04 | 1,234 tok/s | mem 1.50 GiB | eta 1m20s"
+    assert obs.format_duration(3 * 86400 + 7200) == "3d02h" and obs.format_duration(None) == "?"
