@@ -84,7 +84,7 @@ class ModelConfig:
     tokenizer: str = "bundled"
     """'bundled' (a 2048-token BPE trained on wikitext, shipped with the package), '' (the
     model's own tokenizer), a local directory or a hub id."""
-    dtype: str = "bf16"
+    dtype: str = "auto"
     """Training precision: 'bf16' (DeepSpeed bf16, fp32 master weights), 'fp32', or 'auto':
     the workers time bf16 and fp32 GEMMs at the model's shapes at start-up and take bf16 only
     where it is faster (AMX or AVX-512 BF16 CPUs), else fp32 with a warning. With 'bf16' the

@@ -324,12 +324,19 @@ def materialize_tokenizer(path: str, cache: Path) -> tuple[str, int]:
 
 def _unwrap(e: BaseException) -> DataError | None:
     """The DataError inside a Ray task failure, so the user sees our message, not a traceback."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    chain: list[BaseException] = []
+    while e is not None and all(e is not c for c in chain):
         if isinstance(e, DataError):
             return DataError(e.args[0] if e.args else str(e))
+        chain.append(e)
         e = getattr(e, "cause", None) or e.__cause__
+    # Ray Data may hand back only the remote traceback's text (the chained DataError object does
+    # not survive pickling): take our one-line message from it.
+    marker = "DataError: "
+    for c in chain:
+        text = str(c)
+        if marker in text:
+            return DataError(text[text.rindex(marker) + len(marker) :].splitlines()[0].strip())
     return None
 
 
@@ -420,6 +427,9 @@ class _BlockWriter:
 def _read_documents(spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int], actors: int):
     import ray
 
+    cpus = ray.cluster_resources().get("CPU", 1)
+    actor_cpus = max(0.1, min(1.0, (cpus - 1) / actors))
+
     ds = ray.data.read_binary_files(
         list(spec.paths), include_paths=True, filesystem=_filesystem(spec.filesystem), num_cpus=0
     )
@@ -435,7 +445,10 @@ def _read_documents(spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int
         fn_constructor_kwargs={"tokenizer_json": tokenizer[0], "eos_id": tokenizer[1]},
         batch_size=cfg.tokenize_batch_size,
         concurrency=actors,
-        num_cpus=1,
+        # One CPU of the cluster stays unreserved: the read and repartition tasks need it, and an
+        # actor pool that holds every CPU can starve them (a deadlock seen on 2 CPUs). The actors
+        # still run one process each, so tokenizing uses every core.
+        num_cpus=actor_cpus,
     )
 
 

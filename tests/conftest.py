@@ -12,6 +12,7 @@ os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
 # Small and quick: ~0.35M parameters, 64-token blocks, a handful of steps.
 FAST = [
+    "model.dtype=bf16",  # the production path on every machine ('auto' may pick fp32 where bf16 is slow)
     "data.seq_len=64",
     "train.micro_batch_size=4",
     "train.log_every=1",

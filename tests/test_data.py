@@ -152,7 +152,7 @@ def test_prepare_cache_keyed_reused_and_bad_sources(ray_session, tmp_path, make_
     from raytrain_cpu.data import prepare, read_meta
 
     text = tmp_path / "corpus.txt"
-    text.write_bytes(WIKI.encode() * 40 + b" = Gamma = \n bad \xff line\n ok line .\n")
+    text.write_bytes(WIKI.encode() * 120 + b" = Gamma = \n bad \xff line\n ok line .\n")
     base = [f"data.cache_dir={tmp_path / 'cache'}", "data.source=text", f"data.path={text}", "data.seq_len=16"]
     with pytest.raises(DataError, match=r"corpus.txt, line \d+, column \d+: not valid UTF-8"):
         prepare(make_config(*base))

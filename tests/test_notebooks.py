@@ -60,7 +60,7 @@ def test_memory_planning_notebook(tmp_path):
 def quickstart(ray_session, shared_cache, tmp_path_factory) -> tuple[nbformat.NotebookNode, Path]:
     """Runs the quickstart notebook once; its kernel joins the test session's Ray (RAY_ADDRESS)."""
     storage = tmp_path_factory.mktemp("quickstart")
-    params = f'STORAGE = "{storage}"\nCACHE_DIR = "{shared_cache}"\nMAX_STEPS = 20'
+    params = f'STORAGE = "{storage}"\nCACHE_DIR = "{shared_cache}"\nMAX_STEPS = 8'
     nb = execute("quickstart", storage, params, timeout=600)
     return nb, storage / "quickstart"
 
