@@ -521,7 +521,9 @@ def inputs_from_run_config(path: str) -> dict[str, Any]:
         micro_batch=cfg.train.micro_batch_size,
         seq_len=cfg.data.seq_len,
         activation_checkpointing=m.activation_checkpointing,
-        dtype=m.dtype,
+        # "auto" resolves at start-up from a GEMM probe; the planner sizes c7i/m7i/r7i nodes,
+        # whose AMX makes bf16 the faster choice, so plan for bf16.
+        dtype="bf16" if m.dtype == "auto" else m.dtype,
         grad_accum_steps=cfg.train.grad_accum_steps,
     )
 
