@@ -444,7 +444,7 @@ def _read_documents(spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int
         Tokenize,
         fn_constructor_kwargs={"tokenizer_json": tokenizer[0], "eos_id": tokenizer[1]},
         batch_size=cfg.tokenize_batch_size,
-        concurrency=actors,
+        compute=ray.data.ActorPoolStrategy(size=actors),
         # One CPU of the cluster stays unreserved: the read and repartition tasks need it, and an
         # actor pool that holds every CPU can starve them (a deadlock seen on 2 CPUs). The actors
         # still run one process each, so tokenizing uses every core.

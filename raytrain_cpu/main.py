@@ -184,8 +184,28 @@ def newest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------- run
 
 
+def quiet_worker_logs() -> None:
+    """Runs at the start of every Ray worker process of a local run (worker_process_setup_hook).
+
+    A local run starts Ray without the dashboard (a process that 2 cores cannot spare), and
+    Ray Train's placement-group cleaner, which asks the dashboard's state API every second
+    whether the controller is still alive, then logs a warning each time: ~100 lines a run.
+    Its job (freeing the placement group when the controller dies) ends with the local Ray
+    anyway, so only its warnings are dropped.
+    """
+    import logging
+
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+
+
 def build_datasets(cache: Path, meta: dict, cfg: Config, world: int, start: int) -> dict[str, Any]:
+    from ray.data import DataContext
+
+    from raytrain_cpu import datathrottle
     from raytrain_cpu.data import StreamPlan, eval_stream, train_stream
+
+    # These streams' scheduling loops run inside the training workers: keep them from spinning.
+    datathrottle.install(DataContext.get_current())
 
     end = cfg.train.max_steps * cfg.train.derive_global_batch(world)
     out = {}
@@ -225,9 +245,11 @@ def run(cfg: Config) -> dict[str, Any]:
     ray_env = {"TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
     os.environ.update(ray_env)
     if not ray.is_initialized():
+        local = not cfg.run.ray_address
         ray.init(
             address=cfg.run.ray_address or None,
-            runtime_env={"env_vars": ray_env},
+            runtime_env={"env_vars": ray_env}
+            | ({"worker_process_setup_hook": "raytrain_cpu.main.quiet_worker_logs"} if local else {}),
             include_dashboard=False,
             log_to_driver=True,
             configure_logging=True,

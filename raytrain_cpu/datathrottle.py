@@ -1,0 +1,43 @@
+"""Keep Ray Data's scheduling loop from spinning inside the training workers.
+
+Each rank iterates its own stream, so Ray Data's streaming executor runs as a thread in the
+training process. When its operators are backpressured (the prefetch buffer is full and no
+task is running) the loop has nothing to `ray.wait` on and goes round without sleeping
+(Ray 2.60): measured here, 44% of a core while the consumer sleeps, and the GIL taken from
+the training thread, whose ZeRO-3 hooks are Python. The default run trained at half speed
+until its stream had been fully produced. Backpressured streaming tasks count as ready, so
+`ray.wait` does not block either. This callback spaces the loop's steps 100 ms apart (the
+loop's CPU fell from 69% to 17% of a core, draining no slower): a freed buffer slot is refilled within that, far below a training step and covered by the batches
+the iterator prefetches. Only the training streams get it, not the tokenizing pipeline.
+
+Kept in its own module because subclassing Ray Data's callback imports `ray.data`, which
+the CLI's validation (before Ray starts) should not pay for.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ray.data._internal.execution.execution_callback import ExecutionCallback
+
+# Ray Data's own ray.wait timeout: the cadence the loop was meant to have when nothing finishes.
+MIN_STEP_INTERVAL_S = 0.1
+
+
+class ThrottleScheduling(ExecutionCallback):
+    """Spaces scheduling steps at least MIN_STEP_INTERVAL_S apart."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+
+    def on_execution_step(self, executor) -> None:  # noqa: ANN001 - Ray's StreamingExecutor
+        wait = MIN_STEP_INTERVAL_S - (time.perf_counter() - self._last)
+        if wait > 0:
+            time.sleep(wait)
+        self._last = time.perf_counter()
+
+
+def install(ctx) -> None:  # noqa: ANN001 - ray.data.DataContext
+    """Registers the throttle on `ctx`; datasets built afterwards carry it to where they run."""
+    if ThrottleScheduling not in ctx.custom_execution_callback_classes:
+        ctx.custom_execution_callback_classes.append(ThrottleScheduling)
