@@ -112,11 +112,18 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str] | None = None)
     return "\n".join(lines)
 
 
-def write_results(suite: str, result: dict[str, Any], json_path: str | None) -> Path:
-    """<suite>.json plus <suite>.md (the tables) under benchmarks/results, or at --json."""
+def write_results(suite: str, result: dict[str, Any], json_path: str | None, workdir: Path | None = None) -> Path:
+    """<suite>.json plus <suite>.md (the tables) under benchmarks/results, or at --json.
+
+    Paths under the scratch directory are recorded as <workdir>/...: results are committed,
+    and this machine's temporary paths mean nothing elsewhere.
+    """
     path = Path(json_path) if json_path else RESULTS / f"{suite}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, default=str))
+    text = json.dumps(result, indent=2, default=str)
+    if workdir is not None:
+        text = text.replace(str(workdir), "<workdir>")
+    path.write_text(text)
     md = [f"# raytrain_cpu bench: {suite}", "", f"`{result['command']}` on {result['machine']}", ""]
     for name, table in result.get("tables", {}).items():
         md += [f"## {name}", "", markdown_table(table), ""]
@@ -452,7 +459,11 @@ def run_seed_recipe(model_dir: str, steps: int, out: Path, fresh_build: bool = T
     with open(log, "w") as f:
         subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, check=True)
     res = json.loads(out.read_text())
-    res["command"] = "torchrun --nproc_per_node=2 " + " ".join(cmd[4:])
+    # The script relative to the repo; write_results records scratch paths as <workdir>.
+    res["command"] = (
+        f"torchrun --nproc_per_node=2 benchmarks/seed_recipe.py --model_dir <run>/base_model "
+        f"--max_steps {steps} --out {out}"
+    )
     print(f"[bench] seed recipe: {res['useful_tokens_per_s']:.1f} useful tokens/s", flush=True)
     return res
 
@@ -671,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
             "bench_wall_s": time.perf_counter() - t0,
             "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
-        path = write_results(name, result, args.json if len(suites) == 1 else None)
+        path = write_results(name, result, args.json if len(suites) == 1 else None, runner.workdir)
         print(f"[bench] {name} -> {path} and {path.with_suffix('.md')}", flush=True)
         print(path.with_suffix(".md").read_text(), flush=True)
     return 0
