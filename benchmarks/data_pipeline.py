@@ -39,8 +39,6 @@ def make_corpus(out: Path, copies: int) -> list[str]:
 
 
 def bench_ray(files: list[str], cpus: int, work: Path) -> dict:
-    import ray
-
     from raytrain_cpu.data import prepare, read_meta
 
     cfg = load_config(
@@ -55,9 +53,8 @@ def bench_ray(files: list[str], cpus: int, work: Path) -> dict:
         ],
     )
     t0 = time.perf_counter()
-    meta = read_meta(prepare(cfg, log=lambda m: None))
+    meta = read_meta(prepare(cfg, force=True, log=lambda m: None))
     wall = time.perf_counter() - t0
-    ray.shutdown()
     return {
         "tokens": meta["tokens"],
         "wall_s": wall,
@@ -135,17 +132,29 @@ def main() -> None:
         # few seconds after ray.init; it happens once per cluster, not per pipeline.
         ray.get([ray.remote(lambda: None).remote() for _ in range(args.cpus)])
         time.sleep(10)
-        import datasets  # noqa: F401 - module imports are per process, not per pipeline: both
-        import transformers  # noqa: F401 - sides find them loaded
+        # Module imports are per process, not per pipeline: both sides find them loaded
+        # (AutoTokenizer's first use alone imports ~2 s of modules that datasets.map needs).
+        import datasets  # noqa: F401
+        import ray.data  # noqa: F401
+        from transformers import AutoTokenizer
 
-        ours = bench_ray(files, args.cpus, work)
+        AutoTokenizer.from_pretrained(str(BUNDLED_TOKENIZER))
+
+        # Ours runs twice around theirs: first as this job's first Ray Data execution (which
+        # also starts Ray Data's own per-job actors, ~2 s here), then again on a Ray Data that
+        # has run before, as every later dataset of a job does. Both ratios are reported.
+        cold = bench_ray(files, args.cpus, work)
         theirs = bench_datasets(files, args.cpus, work)
+        ours = bench_ray(files, args.cpus, work)
+        ray.shutdown()
         result = {
             "cpus": args.cpus,
             "corpus_bytes": sum(Path(f).stat().st_size for f in files),
             "ray_data": ours,
+            "ray_data_first_in_job": cold,
             "datasets_map": theirs,
             "throughput_ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
+            "throughput_ratio_first_in_job": cold["tokens_per_s"] / theirs["tokens_per_s"],
             "packing_efficiency": 1.0 - ours["padding_tokens"] / (ours["blocks"] * 512),
             "seed_recipe_padding": seed_recipe_padding(),
         }
@@ -157,8 +166,10 @@ def main() -> None:
     (RESULTS / "data_pipeline.json").write_text(json.dumps(result, indent=2))
     rows = [
         ("Ray Data tokenize+pack (tokens/s)", f"{ours['tokens_per_s']:,.0f}"),
+        ("... as the job's first Ray Data execution (tokens/s)", f"{cold['tokens_per_s']:,.0f}"),
         (f"datasets.map num_proc={args.cpus} (tokens/s)", f"{theirs['tokens_per_s']:,.0f}"),
         ("throughput ratio (goal >= 1.0)", f"{result['throughput_ratio']:.2f}x"),
+        ("throughput ratio, first Ray Data execution", f"{result['throughput_ratio_first_in_job']:.2f}x"),
         ("packing efficiency, our blocks", f"{result['packing_efficiency']:.1%}"),
         ("packing efficiency, seed recipe (pad to 512)", f"{result['seed_recipe_padding']['efficiency']:.1%}"),
     ]
