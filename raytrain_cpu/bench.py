@@ -545,15 +545,19 @@ def _load_worker(rank: int, world: int, port: int, model_dir: str, dtype_name: s
         )
         before = _rss()
         cpu.reset_peak_rss()
+        t0 = time.perf_counter()
         model, keep = load_sharded(model_dir, ds_config, dtype)
-        peak = cpu.peak_rss_bytes()
         dist.barrier()
+        seconds = time.perf_counter() - t0
+        peak = cpu.peak_rss_bytes()
     else:
         before = _rss()
         cpu.reset_peak_rss()
+        t0 = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        seconds = time.perf_counter() - t0
         peak = cpu.peak_rss_bytes()
-    out.put((rank, {"rss_before_load": before, "peak_rss": peak}))
+    out.put((rank, {"rss_before_load": before, "peak_rss": peak, "load_s": seconds}))
     del model
 
 
@@ -612,6 +616,8 @@ def load_compare(shape: dict[str, int], workdir: Path, world: int, dtype_name: s
                 "naive: load adds (GB)": (naive[r]["peak_rss"] - naive[r]["rss_before_load"]) / GB,
                 "bound (GB)": bound / GB,
                 "within bound": sharded[r]["peak_rss"] <= bound,
+                "sharded load (s)": sharded[r]["load_s"],
+                "naive load (s)": naive[r]["load_s"],
             }
         )
     return {

@@ -1,14 +1,17 @@
 """Model: build the tiny Llama on the driver, load any Llama sharded on the workers.
 
 The driver never loads a real model's weights: for 'tiny' it creates one from a config and
-writes it as safetensors, so the workers go through the same `from_pretrained` path a
-Llama-3-8B takes. On the workers, transformers loads each shard straight into ZeRO-3
-partitions when an `HfDeepSpeedConfig` is alive: no rank ever holds the whole model.
+writes it as safetensors, so the workers go through the same loading path a Llama-3-8B
+takes. On the workers, transformers builds the model already partitioned when an
+`HfDeepSpeedConfig` is alive, and each rank reads only its own slice of every tensor from
+the safetensors files: no rank ever holds (or reads) the whole model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -92,21 +95,138 @@ def count_parameters(model_dir: str) -> dict[str, int]:
     }
 
 
+def _checkpoint_files(model_dir: str) -> dict[str, str] | None:
+    """Tensor name -> safetensors file of a local model directory; None when it has none."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: str(d / f) for k, f in json.loads(index.read_text())["weight_map"].items()}
+    single = d / "model.safetensors"
+    if not single.is_file():
+        return None
+    return dict.fromkeys(_safetensors_header(str(single))[0], str(single))
+
+
+def _safetensors_header(path: str) -> tuple[dict[str, Any], int]:
+    """(tensor name -> {dtype, shape, data_offsets}, byte offset of the data) of one file."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+def _read_own_partitions(model, files: dict[str, str]) -> None:
+    """Fills each ZeRO-3 partition of this rank from the checkpoint, reading only its bytes.
+
+    ZeRO-3 keeps elements [r*P, (r+1)*P) of each flattened parameter on rank r (P = the
+    partition size, the last one zero-padded). Safetensors stores each tensor as one
+    contiguous row-major run of bytes, so rank r reads exactly its range with a positioned
+    read: 1/W of the checkpoint per rank, no weights over the network, and no memory map
+    (a mapped file's touched pages count in the rank's RSS until it is closed).
+    """
+    import torch
+    import torch.distributed as dist
+
+    params = dict(model.named_parameters())  # tied weights appear once
+    missing = sorted(set(params) - set(files))
+    if missing:
+        raise ValueError(f"checkpoint has no tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    by_file: dict[str, list[str]] = {}
+    for name in params:
+        by_file.setdefault(files[name], []).append(name)
+    for path, names in by_file.items():
+        header, data_start = _safetensors_header(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for name in names:
+                p, meta = params[name], header[name]
+                if tuple(meta["shape"]) != tuple(p.ds_shape):
+                    raise ValueError(f"{name}: checkpoint shape {tuple(meta['shape'])} != model {tuple(p.ds_shape)}")
+                dtype = getattr(torch, _SAFETENSORS_DTYPES[meta["dtype"]])
+                item = torch.empty((), dtype=dtype).element_size()
+                part = p.ds_tensor
+                start = part.ds_numel * dist.get_rank(group=p.ds_process_group)
+                stop = min(start + part.ds_numel, p.ds_numel)
+                with torch.no_grad():
+                    part.zero_()
+                    if start >= stop:
+                        continue
+                    buf = bytearray((stop - start) * item)
+                    offset = data_start + meta["data_offsets"][0] + start * item
+                    got = os.preadv(fd, [buf], offset)
+                    if got != len(buf):
+                        raise ValueError(f"{path}: {name} is truncated (read {got} of {len(buf)} bytes)")
+                    part.narrow(0, 0, stop - start).copy_(torch.frombuffer(buf, dtype=dtype))
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _no_zero3_weight_init():
+    """Skips transformers' random init of a model built under ZeRO-3.
+
+    `from_config` initialises each module by gathering its parameters, drawing them on rank 0
+    and scattering them again: 6.4 of the 7.5 s it took to load a 459M model here, and a
+    full model's worth of traffic, for weights the checkpoint then overwrites.
+    Non-persistent buffers (RoPE frequencies) are computed at construction and stay.
+    """
+    import transformers.integrations.deepspeed as hf_deepspeed
+
+    original = getattr(hf_deepspeed, "initialize_weights_zero3", None)
+    if original is None:  # another transformers layout: keep its init (slower, same result)
+        yield
+        return
+    hf_deepspeed.initialize_weights_zero3 = lambda model: None
+    try:
+        yield
+    finally:
+        hf_deepspeed.initialize_weights_zero3 = original
+
+
 def load_sharded(model_dir: str, ds_config: dict[str, Any], dtype):
     """Loads the model straight into ZeRO-3 partitions; returns (model, hf_ds_config).
 
     The caller must keep the returned HfDeepSpeedConfig referenced for as long as the model
-    lives: transformers finds it through a weak reference, and without it `from_pretrained`
-    silently materialises the full model on every rank.
+    lives: transformers finds it through a weak reference, and without it the model would be
+    materialised whole on every rank.
+
+    With a local safetensors checkpoint, the model is built partitioned by transformers
+    (`from_config` enters zero.Init itself) and each rank then reads only its own slice of
+    every tensor (`_read_own_partitions`), with plain positioned reads. transformers' own ZeRO-3 `from_pretrained` path
+    maps the whole checkpoint on rank 0 and broadcasts it (measured: rank 0 peaked at 2.77 GB
+    loading a 459M model stored in fp32, against 1.02 GB on rank 1); it stays the fallback
+    for checkpoints without safetensors files.
     """
     import torch
     import torch._dynamo  # noqa: F401  (must be imported before zero.Init patches Tensor.__new__)
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    AutoConfig.from_pretrained(model_dir)  # read config files before zero.Init is active
-    hf_ds_config = HfDeepSpeedConfig(ds_config) if ds_config["zero_optimization"]["stage"] == 3 else None
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    config = AutoConfig.from_pretrained(model_dir)  # read config files before zero.Init is active
+    zero3 = ds_config["zero_optimization"]["stage"] == 3
+    hf_ds_config = HfDeepSpeedConfig(ds_config) if zero3 else None
+    files = _checkpoint_files(model_dir) if zero3 else None
+    if files is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    else:
+        with _no_zero3_weight_init():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        _read_own_partitions(model, files)  # every parameter, or an error naming the missing ones
     model.config.use_cache = False
     del torch
     return model, hf_ds_config

@@ -118,6 +118,14 @@ def _check_sharded_load(loop_config: dict) -> None:
     with deepspeed.zero.GatheredParameters(list(params.values())):
         for name, p in params.items():
             assert torch.equal(p.data, reference[name].to(p.dtype)), name
+    # Buffers (RoPE frequencies) as a plainly built model has them: the loader skips only the
+    # random init of weights it then reads.
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    plain = LlamaForCausalLM(AutoConfig.from_pretrained(loop_config["model_dir"]))
+    plain_buffers = dict(plain.named_buffers())
+    for name, b in model.named_buffers():
+        assert torch.allclose(b.float(), plain_buffers[name].float()), name
     # Ray Train v2 keeps no metrics reported without a checkpoint: hand the figures back in a file.
     rank = ray.train.get_context().get_world_rank()
     Path(loop_config["out"], f"rank{rank}.json").write_text(json.dumps({"resident": resident, "total": total}))
