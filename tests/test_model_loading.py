@@ -44,7 +44,7 @@ class _FakeModel:
         return iter(self.params.items())
 
 
-def _rank(rank: int, port: int, files: dict[str, str], out: dict) -> None:
+def _rank(rank: int, port: int, files: dict[str, str], out: str) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -52,7 +52,7 @@ def _rank(rank: int, port: int, files: dict[str, str], out: dict) -> None:
     try:
         model = _FakeModel({k: v.shape for k, v in TENSORS.items()}, torch.float32, WORLD)
         _read_own_partitions(model, files)
-        out[rank] = {k: p.ds_tensor.clone() for k, p in model.params.items()}
+        torch.save({k: p.ds_tensor for k, p in model.params.items()}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -77,8 +77,10 @@ def test_each_rank_reads_exactly_its_partition(tmp_path):
     save_file(TENSORS, str(tmp_path / "model.safetensors"))
     files = _checkpoint_files(str(tmp_path))
     assert set(files) == set(TENSORS)
-    out = mp.Manager().dict()
-    mp.spawn(_rank, args=(_free_port(), files, out), nprocs=WORLD)
+    # Spawned, never forked: the suite's pytest process holds a Ray driver, and a forked copy of
+    # it (a multiprocessing Manager, say) shares its Ray connections.
+    mp.spawn(_rank, args=(_free_port(), files, str(tmp_path)), nprocs=WORLD)
+    out = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)}
     for name, full in TENSORS.items():
         flat = full.float().reshape(-1)
         size = -(-flat.numel() // WORLD)
