@@ -543,20 +543,22 @@ def _load_worker(rank: int, world: int, port: int, model_dir: str, dtype_name: s
         ds_config = deepspeed_config(
             load_config(None, ["model.dtype=" + ("bf16" if dtype == torch.bfloat16 else "fp32")]), world
         )
-        before = _rss()
-        cpu.reset_peak_rss()
-        t0 = time.perf_counter()
-        model, keep = load_sharded(model_dir, ds_config, dtype)
-        dist.barrier()
-        seconds = time.perf_counter() - t0
-        peak = cpu.peak_rss_bytes()
+
+        def load():
+            model, keep = load_sharded(model_dir, ds_config, dtype)
+            dist.barrier()
+            return model, keep
     else:
-        before = _rss()
-        cpu.reset_peak_rss()
-        t0 = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        seconds = time.perf_counter() - t0
-        peak = cpu.peak_rss_bytes()
+
+        def load():
+            return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype), None
+
+    before = _rss()
+    cpu.reset_peak_rss()
+    t0 = time.perf_counter()
+    model, keep = load()
+    seconds = time.perf_counter() - t0
+    peak = cpu.peak_rss_bytes()
     out.put((rank, {"rss_before_load": before, "peak_rss": peak, "load_s": seconds}))
     del model
 

@@ -584,7 +584,7 @@ def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
     tokenizer = materialize_tokenizer(tokenizer_path, cache_root(cfg))
     try:
         log(f"[data] preparing {train.kind} source ({len(train.paths)} files) -> {final}")
-        log(f"[data] 1/{2 if evals else 1} tokenizing the training text with {actors} actors ...")
+        log(f"[data] 1/{2 if evals else 1} tokenizing the training text with up to {actors} actors (one a file) ...")
         stats = _pack(train, cfg.data, tokenizer, actors, tmp / "train", None if evals else tmp / "eval")
         log(
             f"[data] tokenized {stats['documents']:,} docs, {stats['tokens']:,} tokens -> {stats['blocks']:,} "
