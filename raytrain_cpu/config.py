@@ -374,6 +374,14 @@ class RunSettings:
     def run_dir(self) -> Path:
         return Path(self.storage_path).expanduser().absolute() / self.name
 
+    @property
+    def ray_init_address(self) -> str:
+        """The address for ray.init: run.ray_address, else RAY_ADDRESS (set under `ray job
+        submit`), else 'local'. Plain ray.init() would join whatever cluster
+        /tmp/ray/ray_current_cluster names, even one left by a killed head or started by
+        someone else on the machine; a run without an address gets its own local Ray."""
+        return self.ray_address or os.environ.get("RAY_ADDRESS", "") or "local"
+
 
 # ----------------------------------------------------------------------------- guards
 

@@ -758,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import ray
 
-    ray.init(address=cfg.run.ray_address or None, log_to_driver=False, include_dashboard=False)
+    ray.init(address=cfg.run.ray_init_address, log_to_driver=False, include_dashboard=False)
     try:
         cache = prepare(cfg, force=args.force)
     except DataError as e:

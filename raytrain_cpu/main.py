@@ -245,9 +245,9 @@ def run(cfg: Config) -> dict[str, Any]:
     ray_env = {"TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
     os.environ.update(ray_env)
     if not ray.is_initialized():
-        local = not cfg.run.ray_address
+        local = cfg.run.ray_init_address == "local"
         ray.init(
-            address=cfg.run.ray_address or None,
+            address=cfg.run.ray_init_address,
             runtime_env={"env_vars": ray_env}
             | ({"worker_process_setup_hook": "raytrain_cpu.main.quiet_worker_logs"} if local else {}),
             include_dashboard=False,

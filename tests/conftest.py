@@ -29,6 +29,7 @@ def ray_session():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # never join another cluster on the machine (a stale or foreign head)
             num_cpus=2,
             include_dashboard=False,
             runtime_env={
