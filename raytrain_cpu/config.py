@@ -257,6 +257,43 @@ class TrainConfig:
         return derived
 
 
+# ----------------------------------------------------------------------------- lora
+
+
+LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapters (peft) on a frozen, ZeRO-3-partitioned base model."""
+
+    rank: int = 0
+    """Adapter rank r; 0 trains every weight (full fine-tuning). With r > 0 the base weights
+    stay frozen and partitioned, and only the adapters get gradients and optimizer state."""
+    alpha: float = 16.0
+    """Scaling numerator: the adapter's update is multiplied by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    """Module names (suffixes, as peft matches them) that get adapters; the default covers the
+    attention and MLP projections of Llama-class models (GPT-2 style models name theirs c_attn,
+    c_proj, c_fc)."""
+
+    def __post_init__(self) -> None:
+        _require(self.rank >= 0, "lora.rank", f"got {self.rank}; use 0 (full fine-tuning) or a positive rank.")
+        _require(self.alpha > 0, "lora.alpha", f"got {self.alpha}; must be > 0.")
+        _require(0.0 <= self.dropout < 1.0, "lora.dropout", "must be in [0, 1).")
+        _require(
+            bool(self.target_modules) and all(bool(m) for m in self.target_modules),
+            "lora.target_modules",
+            "must name at least one module, e.g. [q_proj, v_proj].",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 # ----------------------------------------------------------------------------- scaling
 
 
@@ -458,6 +495,8 @@ class Config:
     """The data."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The training loop."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """LoRA fine-tuning (off by default: full fine-tuning)."""
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     """Workers and resources."""
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)

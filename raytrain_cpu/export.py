@@ -27,6 +27,9 @@ from typing import Any
 from raytrain_cpu.checkpoint import DS_TAG, CheckpointError, verify_checkpoint
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+RUN_INFO = "raytrain.json"  # how the run rendered its data (format, template) and its LoRA settings
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+MERGED = "merged"  # a LoRA export's merged model, beside the adapter
 MAX_SHARD_BYTES = 5 * 2**30  # save_pretrained's default split size
 
 
@@ -43,8 +46,8 @@ def _consolidated(ckpt_dir: Path):
     return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=DS_TAG, lazy_mode=True)
 
 
-def _write_safetensors(state, out: Path, dtype, max_shard_bytes: int) -> dict[str, Any]:
-    """Streams tensors into safetensors files of at most ~max_shard_bytes; returns what it wrote."""
+def _write_safetensors(tensors, out: Path, dtype, max_shard_bytes: int, base_name: str = "model") -> dict[str, Any]:
+    """Streams (name, tensor) pairs into safetensors files of at most ~max_shard_bytes; returns what it wrote."""
     from safetensors.torch import save_file
 
     shards: list[list[str]] = []  # tensor names per file; only the file being filled is in memory
@@ -58,7 +61,7 @@ def _write_safetensors(state, out: Path, dtype, max_shard_bytes: int) -> dict[st
         save_file(current, str(out / f".shard-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
         current, current_bytes = {}, 0
 
-    for name, lazy in state.items():
+    for name, lazy in tensors:
         if id(lazy) in seen:  # a tied weight (lm_head = embed_tokens): transformers re-ties it on load
             continue
         seen.add(id(lazy))
@@ -77,26 +80,41 @@ def _write_safetensors(state, out: Path, dtype, max_shard_bytes: int) -> dict[st
     n = len(shards)
     weight_map = {}
     for i, names in enumerate(shards, start=1):
-        final = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        final = f"{base_name}.safetensors" if n == 1 else f"{base_name}-{i:05d}-of-{n:05d}.safetensors"
         (out / f".shard-{i:05d}.safetensors").rename(out / final)
         weight_map.update(dict.fromkeys(names, final))
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (out / f"{base_name}.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return {"files": n, "bytes": total, "tensors": len(weight_map)}
 
 
-def _write_config_and_tokenizer(out: Path, model_dir: str, tokenizer: str, dtype) -> None:
+def _write_config_and_tokenizer(out: Path, model_dir: str, tokenizer: str, dtype, manifest: dict[str, Any]) -> None:
     from transformers import AutoConfig, GenerationConfig
-
-    from raytrain_cpu.tokenizer import load_tokenizer
 
     config = AutoConfig.from_pretrained(model_dir)
     config.dtype = dtype
     config.save_pretrained(out)
     with contextlib.suppress(OSError):  # the base model may have no generation_config.json
         GenerationConfig.from_pretrained(model_dir).save_pretrained(out)
-    load_tokenizer(tokenizer).save_pretrained(out)
+    _write_tokenizer(out, tokenizer, manifest)
+
+
+def _write_tokenizer(out: Path, tokenizer: str, manifest: dict[str, Any]) -> None:
+    """The run's tokenizer, with the chat template it trained with (chat/instruction runs), and
+    raytrain.json: the data settings, so `generate` renders prompts exactly as training did."""
+    from raytrain_cpu.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    data = manifest.get("data") or {}
+    if data.get("format", "text") != "text":
+        from raytrain_cpu.config import DataConfig
+        from raytrain_cpu.sft import chat_template_for
+
+        tok.chat_template = chat_template_for(tok, DataConfig(**data))
+    tok.save_pretrained(out)
+    info = {k: manifest.get(k) for k in ("step", "dtype", "model_dir", "lora", "data")}
+    (out / RUN_INFO).write_text(json.dumps(info, indent=2))
 
 
 def export_checkpoint(
@@ -108,6 +126,7 @@ def export_checkpoint(
     tokenizer: str | None = None,
     checksums: bool = False,
     overwrite: bool = False,
+    merge: bool = False,
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> dict[str, Any]:
     """Writes the Hugging Face model of a raytrain_cpu checkpoint; returns what it wrote.
@@ -115,6 +134,10 @@ def export_checkpoint(
     The checkpoint is verified against its manifest first (sizes; sha256 too with `checksums`).
     `model_dir` / `tokenizer` default to the ones the run trained with (from the manifest). The
     output appears whole or not at all (written next to `out_dir`, then renamed).
+
+    A LoRA run's checkpoint exports as a peft adapter (adapter_model.safetensors,
+    adapter_config.json naming the base model, and the tokenizer) in `out_dir`; with `merge`
+    also as an ordinary model with the adapters folded in, in `out_dir/merged`.
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     manifest = verify_checkpoint(ckpt_dir, hash_ranks=checksums)
@@ -131,8 +154,12 @@ def export_checkpoint(
     tmp.mkdir(parents=True)
     try:
         torch_dtype = _torch_dtype(dtype)
-        written = _write_safetensors(_consolidated(ckpt_dir), tmp, torch_dtype, max_shard_bytes)
-        _write_config_and_tokenizer(tmp, model_dir, tokenizer, torch_dtype)
+        state = _consolidated(ckpt_dir)
+        if manifest.get("lora"):
+            written = _write_lora(state, tmp, torch_dtype, manifest, model_dir, tokenizer, merge, max_shard_bytes)
+        else:
+            written = _write_safetensors(state.items(), tmp, torch_dtype, max_shard_bytes)
+            _write_config_and_tokenizer(tmp, model_dir, tokenizer, torch_dtype, manifest)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
@@ -146,6 +173,54 @@ def export_checkpoint(
         **written,
         "export_s": time.perf_counter() - t0,
     }
+
+
+def _write_lora(state, out: Path, dtype, manifest, model_dir: str, tokenizer: str, merge: bool, max_shard_bytes: int):
+    """adapter_model.safetensors + adapter_config.json (+ merged/) from the consolidated state."""
+    from raytrain_cpu import lora
+
+    settings = manifest["lora"]
+    if not lora.is_lora_state(state):
+        raise CheckpointError(f"the manifest records LoRA settings but the checkpoint holds no adapters: {settings}")
+    written = _write_safetensors(lora.adapter_state(state), out, dtype, max_shard_bytes, base_name="adapter_model")
+    if written["files"] > 1:  # peft reads one adapter file; adapters are small, so this is a hard limit
+        raise CheckpointError(f"the adapters need {written['files']} files; raise the shard size")
+    lora.peft_config(settings, base_model=str(model_dir)).save_pretrained(str(out))
+    _write_tokenizer(out, tokenizer, manifest)
+    written = {"adapter": written}
+    if merge:
+        merged = out / MERGED
+        merged.mkdir()
+        written["merged"] = _write_safetensors(lora.merged_state(state, settings), merged, dtype, max_shard_bytes)
+        _write_config_and_tokenizer(merged, model_dir, tokenizer, dtype, manifest)
+    return {"files": written["adapter"]["files"], "bytes": written["adapter"]["bytes"], **written}
+
+
+# ----------------------------------------------------------------------------- loading an export
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    return all((Path(path) / f).is_file() for f in ADAPTER_FILES)
+
+
+def load_exported(path: str | Path, dtype=None):
+    """An export as a model for inference: an ordinary model directory, or a LoRA adapter
+    directory on top of the base model its adapter_config.json names."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not is_adapter_dir(path):
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto").eval()
+    from peft import PeftModel
+
+    base_dir = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+    info = json.loads((path / RUN_INFO).read_text()) if (path / RUN_INFO).is_file() else {}
+    if dtype is None:  # the adapter's own dtype (the training dtype), for the base too
+        dtype = _torch_dtype(info.get("dtype") or "fp32")
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+    # autocast_adapter_dtype=False: peft would upcast bf16 adapters to fp32, computing
+    # differently from the model that trained (and that the logits check compares with).
+    return PeftModel.from_pretrained(base, str(path), autocast_adapter_dtype=False).eval()
 
 
 # ----------------------------------------------------------------------------- checking an export
@@ -164,12 +239,10 @@ def probe_logits(engine, input_ids, rows: int = 2, tokens: int = 128) -> dict[st
 
 
 def max_abs_logit_diff(out_dir: str | Path, probe: dict[str, Any]) -> float:
-    """Loads the export with `from_pretrained` (its own dtype) and compares its logits with `probe`."""
+    """Loads the export (its own dtype; an adapter on its base) and compares its logits with `probe`."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype="auto")
-    model.eval()
+    model = load_exported(out_dir)
     with torch.no_grad():
         logits = model(input_ids=probe["input_ids"]).logits.float()
     return float((logits - probe["logits"]).abs().max())
@@ -177,9 +250,11 @@ def max_abs_logit_diff(out_dir: str | Path, probe: dict[str, Any]) -> float:
 
 def export_on_finish(ckpt_dir: Path, run_dir: Path, probe: dict[str, Any] | None, log=print) -> dict[str, Any]:
     """Training's end (rank 0): export to <run dir>/export, check its logits, note both in the summary."""
-    info = export_checkpoint(ckpt_dir, Path(run_dir) / "export", overwrite=True)
+    info = export_checkpoint(ckpt_dir, Path(run_dir) / "export", overwrite=True, merge=True)
     if probe is not None:
         info["export_max_abs_logit_diff"] = max_abs_logit_diff(info["export_dir"], probe)
+        if "merged" in info:  # a LoRA run: the adapter on its base above, the merged model here
+            info["merged_max_abs_logit_diff"] = max_abs_logit_diff(Path(info["export_dir"]) / MERGED, probe)
     log(
         f"[export] {info['export_dir']} ({info['dtype']}, {info['bytes'] / 2**20:.1f} MiB) from {ckpt_dir} "
         f"in {info['export_s']:.1f}s; max |logit diff| vs the trained model: {info.get('export_max_abs_logit_diff')}"
@@ -212,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         "--checksums", action="store_true", help="verify every file's sha256 first (reads it all once more)"
     )
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA runs: also write the model with the adapters merged in, to <out_dir>/merged",
+    )
     args = ap.parse_args(argv)
     try:
         info = export_checkpoint(
@@ -222,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer=args.tokenizer,
             checksums=args.checksums,
             overwrite=args.overwrite,
+            merge=args.merge,
         )
     except (CheckpointError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -63,6 +63,26 @@ def validate_before_ray(cfg: Config) -> None:
             raise ConfigError(str(e)) from None
 
 
+def check_lora_before_ray(cfg: Config) -> dict[str, int] | None:
+    """LoRA targets that match nothing, or layers peft can't wrap, fail here (a meta-device model:
+    no weights, no memory), not minutes later on every worker. Hub ids are checked by the workers."""
+    if not cfg.lora.enabled:
+        return None
+    from raytrain_cpu.lora import check_lora
+
+    if cfg.model.is_tiny:
+        from raytrain_cpu.model import tiny_llama_config
+
+        model_config = tiny_llama_config(cfg, vocab_size=2048, eos_token_id=0)
+    elif Path(cfg.model.name_or_path).expanduser().is_dir():
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(str(Path(cfg.model.name_or_path).expanduser()))
+    else:
+        return None
+    return check_lora(model_config, cfg.lora, cfg.model.name_or_path)
+
+
 # ----------------------------------------------------------------------------- scaling
 
 
@@ -432,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         validate_before_ray(cfg)
+        check_lora_before_ray(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,8 @@ import json
 import math
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +124,20 @@ def _optimizer_step(engine) -> int | None:
     return max(steps) if steps else None
 
 
+def batch_labels(batch):
+    """The batch's labels: the cached ones (-100 where chat/instruction data take no loss), or
+    the inputs themselves for plain text (the model shifts them: position t predicts t+1)."""
+    return batch["labels"] if "labels" in batch else batch["input_ids"]
+
+
+def loss_tokens(labels) -> int:
+    """Targets the loss is averaged over: labels after the shift that are not -100."""
+    return int((labels[:, 1:] != -100).sum())
+
+
 def evaluate(engine, shard, micro: int, max_batches: int) -> dict[str, float]:
-    """Token-weighted loss over every rank's eval blocks (sums, not an average of averages)."""
+    """Token-weighted loss over every rank's eval targets (sums, not an average of averages);
+    for chat/instruction data that is the response tokens only."""
     import torch
 
     engine.eval()
@@ -132,329 +146,497 @@ def evaluate(engine, shard, micro: int, max_batches: int) -> dict[str, float]:
         for i, batch in enumerate(shard.iter_torch_batches(batch_size=micro, dtypes=torch.long)):
             if max_batches and i >= max_batches:
                 break
-            x = batch["input_ids"]
-            out = engine(input_ids=x, labels=x)
-            n = x.numel() - x.shape[0]  # targets per block: seq_len - 1
-            loss_sum += float(out.loss.detach()) * n
-            tokens += n
+            labels = batch_labels(batch)
+            out = engine(input_ids=batch["input_ids"], labels=labels)  # every rank runs it (ZeRO-3 gathers)
+            n = loss_tokens(labels)
+            if n:  # a block of prompts only has no target: its mean loss is NaN, and weight 0
+                loss_sum += float(out.loss.detach()) * n
+                tokens += n
     engine.train()
     loss_sum, tokens = _allreduce_sum([loss_sum, tokens])
     loss = loss_sum / max(tokens, 1.0)
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(tokens)}
 
 
-# ----------------------------------------------------------------------------- the loop
+# ----------------------------------------------------------------------------- the worker's state
 
 
-def train_loop(loop_config: dict[str, Any]) -> None:
-    # ---- config
+@dataclass
+class Worker:
+    """What every phase of this attempt reads; settled once at the start."""
+
+    cfg: Config
+    loop_config: dict[str, Any]
+    rank: int
+    world: int
+    run_dir: Path
+    global_batch: int
+    log: Callable[[str], None]  # rank 0's console; a no-op elsewhere
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.cfg.data.seq_len
+
+
+@dataclass
+class Loop:
+    """What changes as the loop runs: the step, the checkpoint to resume from, the counters."""
+
+    step: int = 0
+    resumed_from: int | None = None
+    opt_step_at_resume: int | None = None
+    last_ckpt: Path | None = None
+    steps_this_attempt: int = 0
+    expected_first: int | None = None  # the stream's first position, checked on the first batch
+    first_batch_wait: float | None = None
+    total_wait: float = 0.0
+    t_start: float = field(default_factory=time.perf_counter)
+    window_t: float = field(default_factory=time.perf_counter)
+    window_tokens: int = 0
+    window_wait: float = 0.0
+    saved_on_notice: bool = False
+    last: dict[str, Any] = field(default_factory=dict)  # the latest logged row
+    eval_metrics: dict[str, Any] = field(default_factory=dict)
+    last_input_ids: Any = None  # the export check's probe input
+
+    def wall(self) -> float:
+        return max(time.perf_counter() - self.t_start, 1e-9)
+
+
+# ----------------------------------------------------------------------------- phases: set up
+
+
+def setup_worker(loop_config: dict[str, Any]) -> Worker:
     import ray.train
     import torch
-    import torch.distributed as dist
 
     cfg = Config.from_dict(loop_config["config"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    run_dir = Path(loop_config["run_dir"])
-    t = cfg.train
-    micro, accum = t.micro_batch_size, t.grad_accum_steps
-    global_batch = t.derive_global_batch(world)
-    seq_len = cfg.data.seq_len
-    torch.manual_seed(t.seed + rank)
-    is_main = rank == 0
-    log = (lambda msg: obs.console(f"[rank 0] {msg}")) if is_main else (lambda msg: None)
+    torch.manual_seed(cfg.train.seed + rank)
     # torch 2.13 warns on every DeepSpeed all-gather / reduce-scatter, from every rank: a flood, not news.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    log = (lambda msg: obs.console(f"[rank 0] {msg}")) if rank == 0 else (lambda msg: None)
+    return Worker(
+        cfg, loop_config, rank, world, Path(loop_config["run_dir"]), cfg.train.derive_global_batch(world), log
+    )
 
-    # ---- CPU: threads on the physical cores this worker owns, and the dtype this CPU runs fastest
+
+def setup_cpu(w: Worker) -> dict[str, Any]:
+    """Threads on the physical cores this worker owns, and the dtype this CPU runs fastest."""
+    import ray.train
+
     from raytrain_cpu import cpu
 
-    # A resumed run keeps its checkpoint's dtype (an unreadable checkpoint fails in the resume section).
+    # A resumed run keeps its checkpoint's dtype (an unreadable checkpoint fails in `resume`).
     restored = ray.train.get_checkpoint()
     manifest_path = Path(restored.path) / ckpt_io.MANIFEST if restored is not None else None
     resumed_dtype = (
         json.loads(manifest_path.read_text()).get("dtype") if manifest_path and manifest_path.is_file() else None
     )
-    cpu_setup = cpu.setup_worker(
-        cfg.model.dtype,
-        loop_config["model_dir"],
-        micro * seq_len,
-        loop_config["threads_per_worker"],
+    ctx = ray.train.get_context()
+    setup = cpu.setup_worker(
+        w.cfg.model.dtype,
+        w.loop_config["model_dir"],
+        w.cfg.train.micro_batch_size * w.cfg.data.seq_len,
+        w.loop_config["threads_per_worker"],
         ctx.get_local_rank(),
         ctx.get_local_world_size(),
-        cfg.scaling.pin_cores,
-        agree=lambda v: [x / world for x in _allreduce_sum(v)],  # every rank takes the same decision
+        w.cfg.scaling.pin_cores,
+        agree=lambda v: [x / w.world for x in _allreduce_sum(v)],  # every rank takes the same decision
         resumed_dtype=resumed_dtype,
     )
-    cfg.model.dtype = cpu_setup["dtype"]["dtype"]  # the DeepSpeed config, load dtype and manifests follow
-    loop_config["peak_flops"] = loop_config.get("peak_flops") or cpu_setup["dtype"]["peak_flops_per_s"]
-    obs.console(cpu.describe_setup(rank, cpu_setup))
+    w.cfg.model.dtype = setup["dtype"]["dtype"]  # the DeepSpeed config, load dtype and manifests follow
+    w.loop_config["peak_flops"] = w.loop_config.get("peak_flops") or setup["dtype"]["peak_flops_per_s"]
+    obs.console(cpu.describe_setup(w.rank, setup))
+    return setup
 
-    # ---- data: this rank's blocks in their global order (built on the driver)
-    train_shard = ray.train.get_dataset_shard(f"train_rank{rank}")
-    eval_shard = ray.train.get_dataset_shard(f"eval_rank{rank}") if loop_config["has_eval"] else None
 
-    # ---- model: loaded straight into ZeRO-3 partitions
+@dataclass
+class Loaded:
+    model: Any
+    hf_ds_config: Any  # must stay referenced while the model lives (transformers holds it weakly)
+    load_s: float
+    load_peaks: list[float]  # every rank's peak RSS while loading
+    params: dict[str, int]  # {"trainable", "total"}
+    lora: dict[str, Any] | None  # the resolved LoRA settings, None for full fine-tuning
+
+
+def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
+    """The model, loaded straight into ZeRO-3 partitions; LoRA adapters on top when asked."""
     import deepspeed
+    import torch
 
+    from raytrain_cpu import cpu, lora
     from raytrain_cpu.model import load_sharded
 
     # DeepSpeed's shared-memory all-reduce serves inference only, and would JIT-compile C++
     # on every worker at start-up; training collectives go through gloo.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # reuses Ray's group
-    ds_config = deepspeed_config(cfg, world)
+    cfg, model_dir = w.cfg, w.loop_config["model_dir"]
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
-    t_load = time.perf_counter()
-    log(f"[load] loading {loop_config['model_dir']} into ZeRO-{cfg.deepspeed.zero_stage} shards on {world} ranks")
+    t0 = time.perf_counter()
+    w.log(f"[load] loading {model_dir} into ZeRO-{cfg.deepspeed.zero_stage} shards on {w.world} ranks")
     cpu.reset_peak_rss()  # so the peak below is the loading's own
-    model, hf_ds_config = load_sharded(loop_config["model_dir"], ds_config, dtype)
+    model, hf_ds_config = load_sharded(model_dir, ds_config, dtype)
+    settings = None
+    if cfg.lora.enabled:
+        # After the base weights are in their partitions (their names change under peft).
+        model = lora.apply_lora(model, cfg.lora, model_dir)
+        settings = lora.resolved_settings(model, cfg.lora)
     # Every rank's loading peak, gathered with a one-hot sum (summary.json: cpu.load_peak_rss_bytes).
-    load_peaks = _allreduce_sum([float(cpu.peak_rss_bytes()) if r == rank else 0.0 for r in range(world)])
+    peaks = _allreduce_sum([float(cpu.peak_rss_bytes()) if r == w.rank else 0.0 for r in range(w.world)])
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    load_s = time.perf_counter() - t_load
-    log(f"[load] sharded load done in {load_s:.1f}s; rank 0 holds {obs.process_memory()['rss'] / obs.GIB:.2f} GiB")
+    load_s = time.perf_counter() - t0
+    params = lora.param_counts(model)
+    w.log(
+        f"[load] sharded load done in {load_s:.1f}s; rank 0 holds {obs.process_memory()['rss'] / obs.GIB:.2f} GiB; "
+        f"{params['trainable']:,} of {params['total']:,} parameters trainable"
+        + (f" (LoRA rank {cfg.lora.rank} on {', '.join(settings['target_modules'])})" if settings else "")
+    )
+    return Loaded(model, hf_ds_config, load_s, peaks, params, settings)
 
-    # ---- engine
-    max_steps = t.max_steps
+
+def build_engine(w: Worker, model, ds_config: dict[str, Any]):
+    """The DeepSpeed engine and LR scheduler; only trainable parameters reach the optimizer."""
+    import deepspeed
+    import torch
+
+    from raytrain_cpu import cpu
+
+    t = w.cfg.train
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,
         model_parameters=_param_groups(model, t.weight_decay),
         config=ds_config,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t, max_steps)),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t, t.max_steps)),
         dist_init_required=False,
     )
     # from_pretrained hands back a model in eval mode: without this, dropout and activation
     # checkpointing stay off until the first evaluation switches the model back.
     engine.train()
-    if cfg.model.compile:
-        cpu.compile_engine(engine, cfg.model.compile_cache_dir or str(run_dir.parent / "inductor_cache"))
+    if w.cfg.model.compile:
+        cpu.compile_engine(engine, w.cfg.model.compile_cache_dir or str(w.run_dir.parent / "inductor_cache"))
+    return engine, scheduler
 
-    # ---- resume from the checkpoint Ray hands back (never DeepSpeed's `latest`)
-    # Checkpoints live in Ray's experiment directory (the run dir) so they can be reported in place.
-    ckpt_root = Path(ctx.get_storage().experiment_fs_path)
-    step, resumed_from, last_ckpt = 0, None, None
+
+def resume(w: Worker, engine) -> Loop:
+    """Restores the checkpoint Ray hands back (never DeepSpeed's `latest`), verified first."""
+    import ray.train
+
+    st = Loop()
     restored = ray.train.get_checkpoint()
     if restored is not None:
         with restored.as_directory() as d:  # shared storage: the directory itself, not a copy
             # Verified against its manifest first; incomplete or foreign checkpoints fail loudly.
-            manifest = ckpt_io.load_into(engine, d, rank, world, loop_config["config_hash"])
-        step = resumed_from = manifest["step"]
-        last_ckpt = Path(restored.path)
-        log(f"resumed from {restored.path} at step {step} (optimizer at step {_optimizer_step(engine)})")
-    # After a restart inside this driver run, Ray replays each rank's stream from the driver's start.
-    skip_batches = ckpt_io.batches_to_skip(loop_config["start_position"], step, global_batch, accum)
-    opt_step_at_resume = _optimizer_step(engine) if resumed_from is not None else None
-    # Kept open for the whole loop (flushed at each checkpoint), hence no `with`.
-    block_log = open(run_dir / "block_ids" / f"rank{rank}.txt", "a") if loop_config["record_block_ids"] else None  # noqa: SIM115
+            manifest = ckpt_io.load_into(engine, d, w.rank, w.world, w.loop_config["config_hash"])
+        st.step = st.resumed_from = manifest["step"]
+        st.last_ckpt = Path(restored.path)
+        st.opt_step_at_resume = _optimizer_step(engine)
+        w.log(f"resumed from {restored.path} at step {st.step} (optimizer at step {st.opt_step_at_resume})")
+    st.expected_first = st.step * w.global_batch + w.rank * w.cfg.train.micro_batch_size  # see data.StreamPlan
+    return st
 
-    # ---- loop
-    n_params = loop_config["n_params"]
-    tokens_per_step = global_batch * seq_len
+
+def open_batches(w: Worker, st: Loop, shard):
+    """This rank's micro batches, positioned at the first block the run has not trained on."""
+    import torch
+
+    t = w.cfg.train
     batches = iter(
-        train_shard.iter_torch_batches(
-            batch_size=micro,
-            prefetch_batches=cfg.data.prefetch_batches,
-            dtypes=torch.long,
-            drop_last=False,
+        shard.iter_torch_batches(
+            batch_size=t.micro_batch_size, prefetch_batches=w.cfg.data.prefetch_batches, dtypes=torch.long
         )
     )
-    for _ in range(skip_batches):
+    # After a restart inside this driver run, Ray replays each rank's stream from the driver's start.
+    for _ in range(
+        ckpt_io.batches_to_skip(w.loop_config["start_position"], st.step, w.global_batch, t.grad_accum_steps)
+    ):
         next(batches)
-    expected_first = step * global_batch + rank * micro  # see data.StreamPlan
-    t_start = time.perf_counter()
-    window_t, window_tokens, window_wait = time.perf_counter(), 0, 0.0
-    total_wait = 0.0
-    first_batch_wait = None
-    last: dict[str, Any] = {}
-    eval_metrics: dict[str, Any] = {}
-    steps_this_attempt = 0
-    # Observability: rank 0 writes the sinks; every rank runs the guard (its decisions come
-    # from all-reduced values, so all ranks skip or stop together).
-    sink = obs.MetricsSink.for_run(cfg, run_dir, resume_step=step, log=log) if is_main else None
+    return batches
 
-    def on_guard_event(event) -> None:
-        if sink is not None:
-            sink.write({**event.row(), "time": time.time()})
-            log(event.message())
 
-    guard = StabilityGuard(cfg.guards, _allreduce_sum, world, rank, cfg.deepspeed.zero_stage, on_event=on_guard_event)
-    progress = obs.Progress(max_steps, start_step=step)
-    peak_flops = loop_config.get("peak_flops")  # per worker; MFU is logged only when it is known
-    preemption_check, saved_on_notice = cfg.run.preemption_check_every, False
-    # Step-time breakdown (summary.json: step_breakdown); collectives only with train.profile_breakdown.
-    clock = cpu.StepClock(cpu.CommTimer().install() if t.profile_breakdown else None)
-    while step < max_steps:
-        clock.start_step()
-        step_losses = []
-        for micro_i in range(accum):
-            t_wait = time.perf_counter()
-            batch = next(batches)
-            wait = time.perf_counter() - t_wait
-            if first_batch_wait is None:
-                # The first batch waits for the Ray Data pipeline to start: reported on its own,
-                # so data_wait_frac measures the steady-state stall.
-                first_batch_wait, wait = wait, 0.0
-                t_start += first_batch_wait
-            window_wait += wait
-            total_wait += wait
-            clock.add("data_wait", wait)
-            x = batch["input_ids"]
-            if expected_first is not None:  # the stream must start at the first unconsumed block
-                if int(batch["pos"][0]) != expected_first:
-                    raise RuntimeError(
-                        f"rank {rank}: data stream starts at position {int(batch['pos'][0])}, expected "
-                        f"{expected_first} after {step} steps; the data cache changed under the run."
-                    )
-                expected_first = None
-            if block_log is not None:
-                block_log.write("\n".join(map(str, batch["block_id"].tolist())) + "\n")
-            t_phase = time.perf_counter()
-            loss = engine(input_ids=x, labels=x).loss
-            step_losses.append(float(loss.detach()))
-            clock.add("forward", time.perf_counter() - t_phase)
-            last_micro = micro_i == accum - 1
-            # The guard all-reduces the step's loss on the last micro batch and may poison it
-            # (skip: NaN gradients make DeepSpeed drop the update on every rank).
-            loss = guard.before_backward(step + 1, step_losses, loss, last_micro)
-            t_phase = time.perf_counter()
-            engine.backward(loss)
-            clock.add("backward", time.perf_counter() - t_phase)
-            if last_micro:
-                guard.before_step(step + 1, engine)
-            t_phase = time.perf_counter()
-            engine.step()
-            clock.add("optimizer_step", time.perf_counter() - t_phase)
-        step += 1
-        steps_this_attempt += 1
-        window_tokens += tokens_per_step
-        guard.after_step(step, engine, scheduler)
-        clock.end_step()
+# ----------------------------------------------------------------------------- phases: one step
 
-        # ---- log (every rank joins the all-reduces; rank 0 writes)
-        if step % t.log_every == 0 or step == max_steps or guard.stop_reason:
-            dt = time.perf_counter() - window_t
-            grad_norm = engine.get_global_grad_norm()
-            mem = obs.process_memory()
-            mem_max, peak_max = obs.allreduce_max([mem["rss"], mem["hwm"]])
-            last = {
-                "step": step,
-                "loss": guard.step_loss,
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "tokens_seen": step * tokens_per_step,
-                "tokens_per_s": window_tokens / dt,
-                "data_wait_frac": window_wait / dt,
-                "time": time.time(),
-                "mem_rss_rank0_gib": mem["rss"] / obs.GIB,
-                "mem_rss_max_gib": mem_max / obs.GIB,
-                "mem_peak_max_gib": peak_max / obs.GIB,
-                "skipped_steps": engine.skipped_steps,
-            }
-            mfu = obs.mfu(last["tokens_per_s"], n_params, seq_len, peak_flops and peak_flops * world)
-            if mfu is not None:
-                last["mfu"] = mfu
-            if sink is not None:
-                sink.write(last)
-                log(progress.line(last, progress.update(step)))
-            window_t, window_tokens, window_wait = time.perf_counter(), 0, 0.0
-        if guard.stop_reason:
-            log(f"stopping: {guard.stop_reason}")
-            break  # every rank reaches this at the same step: the decision was all-reduced
 
-        # ---- eval
-        if eval_shard is not None and ((t.eval_every and step % t.eval_every == 0) or step == max_steps):
-            eval_metrics = evaluate(engine, eval_shard, micro, t.eval_batches)
-            if sink is not None:
-                sink.write({"step": step, **eval_metrics, "time": time.time()})
-                log(f"step {step} eval loss {eval_metrics['eval_loss']:.4f} ppl {eval_metrics['eval_perplexity']:.2f}")
+def next_batch(w: Worker, st: Loop, batches, clock, block_log) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    batch = next(batches)
+    wait = time.perf_counter() - t0
+    if st.first_batch_wait is None:
+        # The first batch waits for the Ray Data pipeline to start: reported on its own, so
+        # data_wait_frac measures the steady-state stall.
+        st.first_batch_wait, wait = wait, 0.0
+        st.t_start += st.first_batch_wait
+    st.window_wait += wait
+    st.total_wait += wait
+    clock.add("data_wait", wait)
+    if st.expected_first is not None:  # the stream must start at the first unconsumed block
+        if int(batch["pos"][0]) != st.expected_first:
+            raise RuntimeError(
+                f"rank {w.rank}: data stream starts at position {int(batch['pos'][0])}, expected "
+                f"{st.expected_first} after {st.step} steps; the data cache changed under the run."
+            )
+        st.expected_first = None
+    if block_log is not None:
+        block_log.write("\n".join(map(str, batch["block_id"].tolist())) + "\n")
+    return batch
 
-        # ---- checkpoint: periodic, final, or at once on a spot notice (every rank saves and reports)
-        reason = (
-            "final"
-            if step == max_steps
-            else "periodic"
-            if t.checkpoint_every and step % t.checkpoint_every == 0
-            else None
-        )
-        if reason is None and preemption_check and step % preemption_check == 0 and not saved_on_notice:
-            # A barrier across workers: Ray's answer for rank 0 becomes every rank's answer.
-            notice = ray.train.get_preemption_info()
-            if notice is not None:
-                reason, saved_on_notice = "preemption", True
-                log(f"spot notice: nodes {notice.preempted_node_ids} go at {notice.deadline_ms} ms; checkpointing now")
-        if reason:
-            manifest = {
-                "step": step,
-                "reason": reason,
-                "world_size": world,
-                "global_batch": global_batch,
-                "blocks_consumed": step * global_batch,
-                "tokens_seen": step * tokens_per_step,
-                "config_hash": loop_config["config_hash"],
-                "zero_stage": cfg.deepspeed.zero_stage,
-                "dtype": cfg.model.dtype,
-                "model_dir": loop_config["model_dir"],
-                "tokenizer": resolve_tokenizer_path(cfg.model.tokenizer, loop_config["model_dir"]),
-                "time": time.time(),
-            }
-            wall = time.perf_counter() - t_start
-            report = {
-                "step": step,
-                "loss": last.get("loss"),
-                "tokens_seen": step * tokens_per_step,
-                "train_wall_s": wall,
-                "tokens_per_s": steps_this_attempt * tokens_per_step / wall,
-                "data_wait_frac": total_wait / wall,
-                **eval_metrics,
-            }
-            if block_log is not None:
-                block_log.flush()
-            last_ckpt = ckpt_io.save_and_report(engine, ckpt_root, step, manifest, report, rank, world, last_ckpt)
 
-    # ---- the trained model's logits on its last batch, to check the export against (every rank: ZeRO-3)
-    export_probe = export_io.probe_logits(engine, x) if cfg.run.export_on_finish and steps_this_attempt else None
+def train_step(w: Worker, st: Loop, engine, batches, guard: StabilityGuard, clock, block_log) -> None:
+    """One optimizer step: grad_accum_steps micro batches of forward and backward, then the update."""
+    accum = w.cfg.train.grad_accum_steps
+    clock.start_step()
+    step_losses = []
+    for micro_i in range(accum):
+        batch = next_batch(w, st, batches, clock, block_log)
+        st.last_input_ids = batch["input_ids"]
+        t0 = time.perf_counter()
+        loss = engine(input_ids=batch["input_ids"], labels=batch_labels(batch)).loss
+        step_losses.append(float(loss.detach()))
+        clock.add("forward", time.perf_counter() - t0)
+        last_micro = micro_i == accum - 1
+        # The guard all-reduces the step's loss on the last micro batch and may poison it
+        # (skip: NaN gradients make DeepSpeed drop the update on every rank).
+        loss = guard.before_backward(st.step + 1, step_losses, loss, last_micro)
+        t0 = time.perf_counter()
+        engine.backward(loss)
+        clock.add("backward", time.perf_counter() - t0)
+        if last_micro:
+            guard.before_step(st.step + 1, engine)
+        t0 = time.perf_counter()
+        engine.step()
+        clock.add("optimizer_step", time.perf_counter() - t0)
+    st.step += 1
+    st.steps_this_attempt += 1
+    st.window_tokens += w.tokens_per_step
 
-    # ---- step-time breakdown, averaged over ranks (every rank joins the all-reduce)
+
+def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink, progress, lora_on: bool) -> None:
+    """A metrics row every train.log_every steps (every rank joins the all-reduces; rank 0 writes)."""
+    dt = time.perf_counter() - st.window_t
+    grad_norm = engine.get_global_grad_norm()
+    mem = obs.process_memory()
+    mem_max, peak_max = obs.allreduce_max([mem["rss"], mem["hwm"]])
+    st.last = {
+        "step": st.step,
+        "loss": guard.step_loss,
+        "lr": scheduler.get_last_lr()[0],
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "tokens_seen": st.step * w.tokens_per_step,
+        "tokens_per_s": st.window_tokens / dt,
+        "data_wait_frac": st.window_wait / dt,
+        "time": time.time(),
+        "mem_rss_rank0_gib": mem["rss"] / obs.GIB,
+        "mem_rss_max_gib": mem_max / obs.GIB,
+        "mem_peak_max_gib": peak_max / obs.GIB,
+        "skipped_steps": engine.skipped_steps,
+    }
+    peak = w.loop_config.get("peak_flops")  # per worker; MFU is logged only when it is known
+    mfu = obs.mfu(st.last["tokens_per_s"], w.loop_config["n_params"], w.cfg.data.seq_len, peak and peak * w.world)
+    if mfu is not None:
+        # LoRA computes no weight gradients for the frozen base: ~4 of full training's 6 FLOPs a parameter.
+        st.last["mfu"] = mfu * (LORA_FLOPS_FRACTION if lora_on else 1.0)
+    if sink is not None:
+        sink.write(st.last)
+        w.log(progress.line(st.last, progress.update(st.step)))
+    st.window_t, st.window_tokens, st.window_wait = time.perf_counter(), 0, 0.0
+
+
+def checkpoint_reason(w: Worker, st: Loop) -> str | None:
+    """'final', 'periodic', 'preemption' (a spot notice: at once) or None."""
+    import ray.train
+
+    t = w.cfg.train
+    if st.step == t.max_steps:
+        return "final"
+    if t.checkpoint_every and st.step % t.checkpoint_every == 0:
+        return "periodic"
+    every = w.cfg.run.preemption_check_every
+    if every and st.step % every == 0 and not st.saved_on_notice:
+        # A barrier across workers: Ray's answer for rank 0 becomes every rank's answer.
+        notice = ray.train.get_preemption_info()
+        if notice is not None:
+            st.saved_on_notice = True
+            w.log(f"spot notice: nodes {notice.preempted_node_ids} go at {notice.deadline_ms} ms; checkpointing now")
+            return "preemption"
+    return None
+
+
+def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, block_log) -> None:
+    """Every rank saves its shard; rank 0 writes the manifest; all report to Ray Train."""
+    cfg = w.cfg
+    manifest = {
+        "step": st.step,
+        "reason": reason,
+        "world_size": w.world,
+        "global_batch": w.global_batch,
+        "blocks_consumed": st.step * w.global_batch,
+        "tokens_seen": st.step * w.tokens_per_step,
+        "config_hash": w.loop_config["config_hash"],
+        "zero_stage": cfg.deepspeed.zero_stage,
+        "dtype": cfg.model.dtype,
+        "model_dir": w.loop_config["model_dir"],
+        "tokenizer": resolve_tokenizer_path(cfg.model.tokenizer, w.loop_config["model_dir"]),
+        "lora": loaded.lora,  # export writes an adapter (and merges it) when set
+        "data": cfg.to_dict()["data"],  # format and template: how export and generate render prompts
+        "time": time.time(),
+    }
+    report = {
+        "step": st.step,
+        "loss": st.last.get("loss"),
+        "tokens_seen": st.step * w.tokens_per_step,
+        "train_wall_s": st.wall(),
+        "tokens_per_s": st.steps_this_attempt * w.tokens_per_step / st.wall(),
+        "data_wait_frac": st.total_wait / st.wall(),
+        **st.eval_metrics,
+    }
+    if block_log is not None:
+        block_log.flush()
+    run_root = Path(ray_storage_path())
+    st.last_ckpt = ckpt_io.save_and_report(engine, run_root, st.step, manifest, report, w.rank, w.world, st.last_ckpt)
+
+
+def ray_storage_path() -> str:
+    """Checkpoints live in Ray's experiment directory (the run dir) so they can be reported in place."""
+    import ray.train
+
+    return ray.train.get_context().get_storage().experiment_fs_path
+
+
+# ----------------------------------------------------------------------------- phases: the end
+
+
+def step_breakdown(w: Worker, clock) -> dict[str, Any]:
+    """Seconds per optimizer step after the first, averaged over ranks (every rank joins)."""
     breakdown = clock.summary()
     if clock.comm is not None:
         clock.comm.uninstall()
     keys = [k for k, v in breakdown.items() if isinstance(v, float)]
-    breakdown |= dict(zip(keys, (v / world for v in _allreduce_sum([breakdown[k] for k in keys])), strict=True))
-    breakdown["tokens_per_s"] = tokens_per_step / breakdown["step_wall_s"] if breakdown["steps"] else None
+    breakdown |= dict(zip(keys, (v / w.world for v in _allreduce_sum([breakdown[k] for k in keys])), strict=True))
+    breakdown["tokens_per_s"] = w.tokens_per_step / breakdown["step_wall_s"] if breakdown["steps"] else None
+    return breakdown
 
-    # ---- summary (rank 0 hands the figures to the driver through the last report)
-    if is_main:
-        summary = {
-            "steps": step,
-            "tokens_seen": step * tokens_per_step,
-            "final_loss": last.get("loss"),
-            "eval_loss": eval_metrics.get("eval_loss"),
-            "eval_perplexity": eval_metrics.get("eval_perplexity"),
-            "tokens_per_s": steps_this_attempt * tokens_per_step / max(time.perf_counter() - t_start, 1e-9),
-            "data_wait_frac": total_wait / max(time.perf_counter() - t_start, 1e-9),
-            "first_batch_wait_s": first_batch_wait,
-            "world_size": world,
-            "global_batch": global_batch,
-            "resumed_from_step": resumed_from,
-            "optimizer_step_at_resume": opt_step_at_resume,
-            "load_s": load_s,
-            "n_params": n_params,
-            "train_wall_s": time.perf_counter() - t_start,
-            "guard_events_this_attempt": guard.counts,
-            "skipped_steps": engine.skipped_steps,  # DeepSpeed's count, kept across resumes
-            "guard_stop": guard.stop_reason,
-            "step_breakdown": breakdown,  # seconds per optimizer step after the first, mean over ranks
-            "cpu": {**cpu_setup, "load_peak_rss_bytes": load_peaks},
-        }
-        (run_dir / ".worker_summary.json").write_text(json.dumps(summary, indent=2))
+
+def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu_setup, breakdown) -> None:
+    """Rank 0 hands its figures to the driver through a file (Ray Train v2 keeps no final metrics)."""
+    summary = {
+        "steps": st.step,
+        "tokens_seen": st.step * w.tokens_per_step,
+        "final_loss": st.last.get("loss"),
+        "eval_loss": st.eval_metrics.get("eval_loss"),
+        "eval_perplexity": st.eval_metrics.get("eval_perplexity"),
+        "tokens_per_s": st.steps_this_attempt * w.tokens_per_step / st.wall(),
+        "data_wait_frac": st.total_wait / st.wall(),
+        "first_batch_wait_s": st.first_batch_wait,
+        "world_size": w.world,
+        "global_batch": w.global_batch,
+        "resumed_from_step": st.resumed_from,
+        "optimizer_step_at_resume": st.opt_step_at_resume,
+        "load_s": loaded.load_s,
+        "n_params": w.loop_config["n_params"],
+        "trainable_params": loaded.params["trainable"],
+        "total_params": loaded.params["total"],
+        "lora": loaded.lora,
+        "train_wall_s": st.wall(),
+        "guard_events_this_attempt": guard.counts,
+        "skipped_steps": engine.skipped_steps,  # DeepSpeed's count, kept across resumes
+        "guard_stop": guard.stop_reason,
+        "step_breakdown": breakdown,
+        "cpu": {**cpu_setup, "load_peak_rss_bytes": loaded.load_peaks},
+    }
+    (w.run_dir / ".worker_summary.json").write_text(json.dumps(summary, indent=2))
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+LORA_FLOPS_FRACTION = 4 / 6  # forward (2) + input gradients (2) of full training's 6 FLOPs per parameter
+
+
+def train_loop(loop_config: dict[str, Any]) -> None:
+    """One worker's whole attempt: set up → load → engine → resume → steps (log, eval, checkpoint) → finish."""
+    import ray.train
+    import torch.distributed as dist
+
+    from raytrain_cpu import cpu
+
+    # ---- config and CPU
+    w = setup_worker(loop_config)
+    cfg, t = w.cfg, w.cfg.train
+    cpu_setup = setup_cpu(w)
+
+    # ---- data: this rank's blocks in their global order (planned on the driver)
+    train_shard = ray.train.get_dataset_shard(f"train_rank{w.rank}")
+    eval_shard = ray.train.get_dataset_shard(f"eval_rank{w.rank}") if loop_config["has_eval"] else None
+
+    # ---- model and engine
+    ds_config = deepspeed_config(cfg, w.world)
+    loaded = load_model(w, ds_config)
+    engine, scheduler = build_engine(w, loaded.model, ds_config)
+
+    # ---- resume
+    st = resume(w, engine)
+    batches = open_batches(w, st, train_shard)
+    # Kept open for the whole loop (flushed at each checkpoint), hence no `with`.
+    block_log = open(w.run_dir / "block_ids" / f"rank{w.rank}.txt", "a") if loop_config["record_block_ids"] else None  # noqa: SIM115
+
+    # ---- observability: rank 0 writes the sinks; every rank runs the guard (its decisions
+    # come from all-reduced values, so all ranks skip or stop together)
+    sink = obs.MetricsSink.for_run(cfg, w.run_dir, resume_step=st.step, log=w.log) if w.is_main else None
+
+    def on_guard_event(event) -> None:
+        if sink is not None:
+            sink.write({**event.row(), "time": time.time()})
+            w.log(event.message())
+
+    guard = StabilityGuard(
+        cfg.guards, _allreduce_sum, w.world, w.rank, cfg.deepspeed.zero_stage, on_event=on_guard_event
+    )
+    progress = obs.Progress(t.max_steps, start_step=st.step)
+    # Step-time breakdown (summary.json: step_breakdown); collectives only with train.profile_breakdown.
+    clock = cpu.StepClock(cpu.CommTimer().install() if t.profile_breakdown else None)
+
+    # ---- loop
+    while st.step < t.max_steps:
+        train_step(w, st, engine, batches, guard, clock, block_log)
+        guard.after_step(st.step, engine, scheduler)
+        clock.end_step()
+        if st.step % t.log_every == 0 or st.step == t.max_steps or guard.stop_reason:
+            log_step(w, st, engine, scheduler, guard, sink, progress, cfg.lora.enabled)
+        if guard.stop_reason:
+            w.log(f"stopping: {guard.stop_reason}")
+            break  # every rank reaches this at the same step: the decision was all-reduced
+        if eval_shard is not None and ((t.eval_every and st.step % t.eval_every == 0) or st.step == t.max_steps):
+            st.eval_metrics = evaluate(engine, eval_shard, t.micro_batch_size, t.eval_batches)
+            if sink is not None:
+                sink.write({"step": st.step, **st.eval_metrics, "time": time.time()})
+                w.log(
+                    f"step {st.step} eval loss {st.eval_metrics['eval_loss']:.4f} ppl {st.eval_metrics['eval_perplexity']:.2f}"
+                )
+        reason = checkpoint_reason(w, st)
+        if reason:
+            save_checkpoint(w, st, engine, reason, loaded, block_log)
+
+    # ---- finish: the export check's probe, the step-time breakdown, the summary, the export
+    export_probe = (
+        export_io.probe_logits(engine, st.last_input_ids)
+        if cfg.run.export_on_finish and st.steps_this_attempt
+        else None
+    )
+    breakdown = step_breakdown(w, clock)
+    if w.is_main:
+        write_worker_summary(w, st, engine, guard, loaded, cpu_setup, breakdown)
     if sink is not None:
         sink.close(finished=guard.stop_reason is None)
     dist.barrier()
-    del hf_ds_config
-    if is_main and cfg.run.export_on_finish and last_ckpt is not None:
-        del engine, model  # free this rank's shard before consolidating the whole model
-        export_io.export_on_finish(
-            last_ckpt, run_dir, export_probe if last_ckpt.name.endswith(f"_{step:06d}") else None, log
-        )
+    if w.is_main and cfg.run.export_on_finish and st.last_ckpt is not None:
+        del engine, loaded  # free this rank's shard before consolidating the whole model
+        probe = export_probe if st.last_ckpt.name.endswith(f"_{st.step:06d}") else None
+        export_io.export_on_finish(st.last_ckpt, w.run_dir, probe, w.log)
