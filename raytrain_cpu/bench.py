@@ -14,6 +14,8 @@ benchmarks/results/<suite>.json and a markdown table next to it (or --json PATH)
 * scaling   tokens/s at 1 and 2 workers with the same threads per worker.
 * placement this project's thread placement against Ray's plain settings (and pinning).
 * options   torch.compile, activation checkpointing and bf16 against the defaults.
+* lora      LoRA (r=16, every projection) against full fine-tuning: tokens/s, peak RSS per
+            rank, optimizer state bytes per rank, trainable parameters.
 
 --size tiny runs everything on a 0.4M-parameter model in seconds (the smoke test).
 """
@@ -415,6 +417,32 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
     return {"runs": rows, "tables": {"options": _compare(rows, "defaults")}}
 
 
+def suite_lora(r: Runner, args) -> dict[str, Any]:
+    """LoRA (rank 16 on every projection) against full fine-tuning, interleaved, same data and steps."""
+    from raytrain_cpu.metrics import read_metrics
+
+    variants = {"full fine-tuning": [], "LoRA r=16": ["lora.rank=16", "lora.alpha=32"]}
+    rows = []
+    for rep in range(args.repeats):
+        for name, ov in variants.items():
+            row = r.run(f"lora-{len(rows)}", ov) | {"variant": name, "rep": rep}
+            s = json.loads((Path(row["run_dir"]) / "summary.json").read_text())
+            steps = [m for m in read_metrics(row["run_dir"]).train if "mem_peak_max_gib" in m]
+            row |= {
+                "trainable_params": s["trainable_params"],
+                "total_params": s["total_params"],
+                "optimizer_state_mb_per_rank": max(s["optimizer_state_bytes"]) / 1e6,
+                "train_peak_rss_gb_max_rank": max(m["mem_peak_max_gib"] for m in steps) * 2**30 / GB,
+            }
+            rows.append(row)
+    table = _compare(rows, "full fine-tuning")
+    extra = {x["variant"]: x for x in rows}
+    for t in table:
+        x = extra[t["variant"]]
+        t |= {k: x[k] for k in ("trainable_params", "optimizer_state_mb_per_rank", "train_peak_rss_gb_max_rank")}
+    return {"runs": rows, "tables": {"LoRA vs full fine-tuning": table}}
+
+
 def _compare(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
     """Median tokens/s per variant and its ratio to the baseline's."""
     by: dict[str, list[dict[str, Any]]] = {}
@@ -655,6 +683,7 @@ SUITES = {
     "placement": suite_placement,
     "options": suite_options,
     "seed": suite_seed,
+    "lora": suite_lora,
 }
 
 

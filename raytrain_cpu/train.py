@@ -513,6 +513,22 @@ def ray_storage_path() -> str:
 # ----------------------------------------------------------------------------- phases: the end
 
 
+def optimizer_state_bytes(engine) -> int:
+    """Bytes this rank's optimizer holds: fp32 master partitions and AdamW's moments (what LoRA shrinks)."""
+    import torch
+
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    seen: set[int] = set()
+    total = 0
+    tensors = [p for g in inner.param_groups for p in g["params"]]
+    tensors += [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
 def step_breakdown(w: Worker, clock) -> dict[str, Any]:
     """Seconds per optimizer step after the first, averaged over ranks (every rank joins)."""
     breakdown = clock.summary()
@@ -532,6 +548,7 @@ def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu
         "final_loss": st.last.get("loss"),
         "eval_loss": st.eval_metrics.get("eval_loss"),
         "eval_perplexity": st.eval_metrics.get("eval_perplexity"),
+        "eval_tokens": st.eval_metrics.get("eval_tokens"),  # the targets evaluated (responses only in SFT)
         "tokens_per_s": st.steps_this_attempt * w.tokens_per_step / st.wall(),
         "data_wait_frac": st.total_wait / st.wall(),
         "first_batch_wait_s": st.first_batch_wait,
@@ -543,6 +560,7 @@ def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu
         "n_params": w.loop_config["n_params"],
         "trainable_params": loaded.params["trainable"],
         "total_params": loaded.params["total"],
+        "optimizer_state_bytes": loaded.params["optimizer_state_bytes"],  # per rank
         "lora": loaded.lora,
         "train_wall_s": st.wall(),
         "guard_events_this_attempt": guard.counts,
@@ -631,6 +649,9 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         else None
     )
     breakdown = step_breakdown(w, clock)
+    # Every rank's optimizer bytes, gathered with a one-hot sum (summary.json: optimizer_state_bytes).
+    opt_bytes = _allreduce_sum([float(optimizer_state_bytes(engine)) if r == w.rank else 0.0 for r in range(w.world)])
+    loaded.params["optimizer_state_bytes"] = [int(b) for b in opt_bytes]
     if w.is_main:
         write_worker_summary(w, st, engine, guard, loaded, cpu_setup, breakdown)
     if sink is not None:

@@ -1,0 +1,120 @@
+"""Fine-tuning end to end: chat SFT with LoRA under ZeRO-3 (2 workers), full-parameter SFT at
+world size 1 and 2, export of the adapter and the merged model, generate, and LoRA's bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+SFT = [
+    "data.format=chat",  # the bundled chat examples made from wikitext articles
+    "data.seq_len=128",
+    "train.micro_batch_size=4",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "train.warmup_steps=1",
+]
+LORA = ["lora.rank=8", "lora.alpha=16", "train.lr=2e-2"]
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r and "event" not in r}
+
+
+@pytest.mark.slow
+def test_lora_sft_two_workers_resume_export_generate(ray_session, make_config, tmp_path):
+    from safetensors.torch import load_file
+
+    from raytrain_cpu.export import _consolidated, load_exported
+    from raytrain_cpu.generate import generate
+    from raytrain_cpu.main import run
+
+    common = [*SFT, *LORA, "scaling.num_workers=2"]
+    # ---- straight: 6 steps, exported at the end (adapter and merged, both checked against the trained logits)
+    straight = run(make_config(*common, "train.max_steps=6", "run.name=straight", "run.export_on_finish=true"))
+    run_dir = Path(straight["run_dir"])
+    losses = _losses(run_dir)
+    assert losses[6] < losses[1] - 0.1, losses  # the response tokens' loss falls
+    assert straight["lora"]["rank"] == 8
+    assert 0 < straight["trainable_params"] < straight["total_params"] / 10
+    full_optimizer = 12 * straight["total_params"] / 2  # fp32 master + 2 moments of a full run, per rank
+    assert max(straight["optimizer_state_bytes"]) < full_optimizer / 5
+    export = straight["export"]
+    assert export["export_max_abs_logit_diff"] == 0.0  # the adapter on its base computes as training did
+    assert export["merged_max_abs_logit_diff"] < 0.05  # W + BA rounded once to bf16
+    out = Path(export["export_dir"])
+    assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
+    assert (out / "merged" / "model.safetensors").is_file()
+    assert type(load_exported(out)).__name__.startswith("PeftModel")
+
+    # ---- only the adapters changed: every base weight is the bf16 rounding of the initial model's
+    state = _consolidated(Path(straight["checkpoint_path"]))
+    initial = load_file(str(run_dir / "base_model" / "model.safetensors"))
+    base = {k: v for k, v in state.items() if ".lora_" not in k}
+    assert len(base) == len(initial)
+    for name, t in base.items():
+        plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        expected = initial[plain].bfloat16().float()
+        assert t.contiguous().float().equal(expected), name
+
+    # ---- resume: 3 steps, then the same command to 6 continues exactly (losses bit-identical)
+    first = run(make_config(*common, "train.max_steps=3", "run.name=resumed", "train.checkpoint_every=3"))
+    assert first["steps"] == 3
+    resumed = run(make_config(*common, "train.max_steps=6", "run.name=resumed"))
+    assert resumed["resumed_from_step"] == 3 and resumed["optimizer_step_at_resume"] == 3
+    again = _losses(Path(resumed["run_dir"]))
+    assert [again[s] for s in range(1, 7)] == [losses[s] for s in range(1, 7)]
+
+    # ---- generate: from the export and from the checkpoint itself, greedy, on one process
+    text = generate(out, prompt="What is the article Robert Boulter about?", max_new_tokens=12)
+    assert isinstance(text, str) and text.strip()
+    assert generate(straight["checkpoint_path"], prompt="Hello", max_new_tokens=4) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_full_parameter_sft(ray_session, make_config, world):
+    from raytrain_cpu.main import run
+
+    s = run(
+        make_config(*SFT, "train.max_steps=5", "train.lr=1e-2", f"scaling.num_workers={world}", f"run.name=sft{world}")
+    )
+    assert s["world_size"] == world and s["steps"] == 5
+    assert s["trainable_params"] == s["total_params"] and s["lora"] is None
+    losses = _losses(Path(s["run_dir"]))
+    assert losses[5] < losses[1] - 0.5, losses
+    # Eval over the response tokens only: fewer targets than the blocks' tokens.
+    assert 0 < s["eval_tokens"] < world * 2 * 4 * 127  # eval_batches x micro blocks a rank, 127 targets each
+    assert s["padding_frac"] >= 0.0 and s["truncated_examples"] >= 0
+
+
+def _main_error(capsys, *overrides: str) -> str:
+    from raytrain_cpu.main import main
+
+    assert main(list(overrides)) == 2
+    return capsys.readouterr().err
+
+
+def test_lora_targets_matching_nothing_fail_before_ray(capsys, tmp_path):
+    err = _main_error(capsys, f"run.storage_path={tmp_path}", "lora.rank=4", "lora.target_modules=[qkv_proj]")
+    assert "lora.target_modules" in err and "qkv_proj" in err and "q_proj" in err  # names what exists
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_lora_on_a_layer_peft_cannot_wrap_fails_before_ray(capsys, tmp_path):
+    err = _main_error(capsys, f"run.storage_path={tmp_path}", "lora.rank=4", "lora.target_modules=[input_layernorm]")
+    assert "lora.target_modules" in err and "not supported" in err and "LlamaRMSNorm" in err
+
+
+def test_lora_settings_are_validated():
+    from raytrain_cpu.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="lora.rank"):
+        load_config(None, ["lora.rank=-1"])
+    with pytest.raises(ConfigError, match="lora.dropout"):
+        load_config(None, ["lora.dropout=1.5"])
+    with pytest.raises(ConfigError, match="lora.target_modules"):
+        load_config(None, ["lora.target_modules=[]"])
