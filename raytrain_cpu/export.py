@@ -182,7 +182,12 @@ def _write_lora(state, out: Path, dtype, manifest, model_dir: str, tokenizer: st
     settings = manifest["lora"]
     if not lora.is_lora_state(state):
         raise CheckpointError(f"the manifest records LoRA settings but the checkpoint holds no adapters: {settings}")
-    written = _write_safetensors(lora.adapter_state(state), out, dtype, max_shard_bytes, base_name="adapter_model")
+    # fp32 whatever the training dtype: peft keeps adapters in fp32 beside a bf16 base (its
+    # autocast_adapter_dtype), so that is what the trained model computed with.
+    adapter_dtype = _torch_dtype("fp32")
+    written = _write_safetensors(
+        lora.adapter_state(state), out, adapter_dtype, max_shard_bytes, base_name="adapter_model"
+    )
     if written["files"] > 1:  # peft reads one adapter file; adapters are small, so this is a hard limit
         raise CheckpointError(f"the adapters need {written['files']} files; raise the shard size")
     lora.peft_config(settings, base_model=str(model_dir)).save_pretrained(str(out))
@@ -218,9 +223,7 @@ def load_exported(path: str | Path, dtype=None):
     if dtype is None:  # the adapter's own dtype (the training dtype), for the base too
         dtype = _torch_dtype(info.get("dtype") or "fp32")
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
-    # autocast_adapter_dtype=False: peft would upcast bf16 adapters to fp32, computing
-    # differently from the model that trained (and that the logits check compares with).
-    return PeftModel.from_pretrained(base, str(path), autocast_adapter_dtype=False).eval()
+    return PeftModel.from_pretrained(base, str(path)).eval()
 
 
 # ----------------------------------------------------------------------------- checking an export

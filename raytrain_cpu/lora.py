@@ -2,8 +2,10 @@
 
 On the workers, `apply_lora` wraps the sharded model with peft after the base weights are
 read into their partitions: peft freezes every base parameter and adds small A (r x in) and
-B (out x r) matrices beside each targeted Linear. The adapters are created as ordinary
-tensors; `deepspeed.initialize` turns them into ZeRO-3 parameters too, and only they reach
+B (out x r) matrices beside each targeted Linear, in fp32 even beside a bf16 base (peft's
+autocast_adapter_dtype: the adapters' small updates survive, and their master weights are
+the weights). They are created as ordinary tensors; `deepspeed.initialize` turns them into
+ZeRO-3 parameters too, and only they reach
 the optimizer (`train._param_groups` skips frozen parameters), so optimizer state and
 gradient traffic scale with the adapters, not the model. The base weights are still
 all-gathered layer by layer in forward and backward, as in full fine-tuning.

@@ -32,7 +32,10 @@ def test_lora_sft_two_workers_resume_export_generate(ray_session, make_config, t
     from raytrain_cpu.generate import generate
     from raytrain_cpu.main import run
 
-    common = [*SFT, *LORA, "scaling.num_workers=2"]
+    # Both runs checkpoint and evaluate at step 3, so they run the same operations in the same order,
+    # and a constant LR makes the 3-step leg's schedule the 6-step run's (cosine depends on max_steps).
+    common = [*SFT, *LORA, "scaling.num_workers=2", "train.checkpoint_every=3", "train.eval_every=3"]
+    common += ["train.schedule=constant"]
     # ---- straight: 6 steps, exported at the end (adapter and merged, both checked against the trained logits)
     straight = run(make_config(*common, "train.max_steps=6", "run.name=straight", "run.export_on_finish=true"))
     run_dir = Path(straight["run_dir"])
@@ -61,7 +64,7 @@ def test_lora_sft_two_workers_resume_export_generate(ray_session, make_config, t
         assert t.contiguous().float().equal(expected), name
 
     # ---- resume: 3 steps, then the same command to 6 continues exactly (losses bit-identical)
-    first = run(make_config(*common, "train.max_steps=3", "run.name=resumed", "train.checkpoint_every=3"))
+    first = run(make_config(*common, "train.max_steps=3", "run.name=resumed"))
     assert first["steps"] == 3
     resumed = run(make_config(*common, "train.max_steps=6", "run.name=resumed"))
     assert resumed["resumed_from_step"] == 3 and resumed["optimizer_step_at_resume"] == 3
