@@ -152,9 +152,40 @@ class DataConfig:
     holds one window at a time (data smaller than a window get a full permutation)."""
     prefetch_batches: int = 4
     """Batches each training worker prefetches from its Ray Data shard."""
+    format: str = "text"
+    """'text' (documents packed back to back, every token trained), 'chat' (rows with a list of
+    {role, content} messages) or 'instruction' (rows with prompt/response fields, or Alpaca's
+    instruction/input/output): rendered with the chat template, loss only on the assistant's
+    tokens, several examples packed per block and padded, none split."""
+    messages_column: str = "messages"
+    """Field holding the messages, for format 'chat'."""
+    prompt_column: str = "prompt"
+    """Field holding the prompt, for format 'instruction'."""
+    response_column: str = "response"
+    """Field holding the response, for format 'instruction'."""
+    system_column: str = ""
+    """Optional field holding a system message, for format 'instruction'; '' for none."""
+    chat_template: str = ""
+    """'' renders with the tokenizer's own chat template, or the plain template when it has none
+    (see raytrain_cpu/sft.py); else the path of a Jinja template file."""
+    train_on_prompt: bool = False
+    """Chat/instruction: also train on system, user and prompt tokens (padding never is)."""
 
     def __post_init__(self) -> None:
         _choice(self.source, "data.source", ("bundled", "text", "parquet", "jsonl", "hub"))
+        _choice(self.format, "data.format", ("text", "chat", "instruction"))
+        if self.format != "text":
+            _require(
+                self.source != "text",
+                "data.format",
+                f"{self.format!r} needs rows with fields: use data.source jsonl, parquet, hub or bundled.",
+            )
+        if self.chat_template:
+            _require(
+                Path(self.chat_template).expanduser().is_file(),
+                "data.chat_template",
+                f"{self.chat_template!r} does not exist; give a Jinja template file, or '' for the tokenizer's own.",
+            )
         if self.source in ("text", "parquet", "jsonl"):
             _require(bool(self.path), "data.path", f"source {self.source!r} needs data.path=<file|dir|glob>.")
         _require(self.seq_len >= 8, "data.seq_len", f"got {self.seq_len}; use at least 8 tokens.")

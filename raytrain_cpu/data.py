@@ -21,6 +21,7 @@ The flow, top to bottom:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from raytrain_cpu.config import Config, ConfigError, DataConfig, load_config
-from raytrain_cpu.tokenizer import BUNDLED_WIKITEXT, load_tokenizer, resolve_tokenizer_path
+from raytrain_cpu.tokenizer import BUNDLED_SFT, BUNDLED_WIKITEXT, load_tokenizer, resolve_tokenizer_path
 
 CACHE_FORMAT = 1
 BLOCKS_PER_FILE = 8192
@@ -61,6 +62,7 @@ class SourceSpec:
     wikitext: bool  # regroup lines into articles at ` = Title = ` headings
     bad_rows: str
     filesystem: str = "local"  # local | s3 | hf
+    format: str = "text"  # text: documents | chat / instruction: rows that become examples (sft.py)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -68,6 +70,7 @@ class SourceSpec:
             "paths": list(self.paths),
             "text_column": self.text_column,
             "wikitext": self.wikitext,
+            "format": self.format,
         }
 
 
@@ -122,6 +125,19 @@ def _hub_files(cfg: DataConfig, split: str) -> tuple[str, ...]:
 
 def source_specs(cfg: DataConfig) -> tuple[SourceSpec, SourceSpec | None]:
     """(train, eval) sources; eval is None when it is held out from train."""
+    train, evals = _source_specs(cfg)
+    # Rows become chat/instruction examples: never regrouped as wikitext lines.
+    fmt = {"format": cfg.format, "wikitext": False} if cfg.format != "text" else {}
+    return dataclasses.replace(train, **fmt), (dataclasses.replace(evals, **fmt) if evals else None)
+
+
+def _source_specs(cfg: DataConfig) -> tuple[SourceSpec, SourceSpec | None]:
+    if cfg.source == "bundled" and cfg.format != "text":  # the examples made from the bundled wikitext
+
+        def mk(split: str) -> SourceSpec:
+            return SourceSpec("jsonl", (str(BUNDLED_SFT / f"{cfg.format}_{split}.jsonl"),), "", False, cfg.bad_rows)
+
+        return mk("train"), mk("eval")
     if cfg.source == "bundled":
         mk = lambda f: SourceSpec("text", (str(BUNDLED_WIKITEXT / f),), "text", True, cfg.bad_rows)  # noqa: E731
         return mk("test.txt"), mk("valid.txt")
@@ -212,8 +228,57 @@ def _records_text(
     return texts, skipped
 
 
-def file_documents(path: str, raw: bytes, spec: SourceSpec) -> tuple[list[str], int]:
-    """(documents, skipped rows) of one whole file."""
+def _jsonl_rows(raw: bytes, path: str, bad_rows: str) -> tuple[list[tuple[int, Any]], int]:
+    """(line number, parsed object) of every non-blank line; bad JSON fails or is skipped."""
+    lines, skipped = _decode_lines(raw, path, bad_rows)
+    rows = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+            if bad_rows == "skip":
+                skipped += 1
+                continue
+            raise DataError(f"{path}, line {n}: not valid JSON ({e.msg}). Fix it, or set data.bad_rows=skip.") from None
+    return rows, skipped
+
+
+def file_examples(path: str, raw: bytes, spec: SourceSpec, data: DataConfig) -> tuple[list[str], int]:
+    """Chat/instruction rows of one file as JSON payloads {ref, messages} for the tokenizer actors;
+    a row without messages/prompt fails naming file and row, or is skipped and counted."""
+    from raytrain_cpu.sft import RowError, row_messages
+
+    if spec.kind == "jsonl":
+        rows, skipped = _jsonl_rows(raw, path, spec.bad_rows)
+        refs = [f"{path}, line {n}" for n, _ in rows]
+        objs = [o for _, o in rows]
+    else:
+        import io
+
+        import pyarrow.parquet as pq
+
+        objs, skipped = pq.read_table(io.BytesIO(raw)).to_pylist(), 0
+        refs = [f"{path}, row {i}" for i in range(len(objs))]
+    out = []
+    for ref, obj in zip(refs, objs):
+        try:
+            if not isinstance(obj, dict):
+                raise RowError(f"a {type(obj).__name__}, not an object with fields")
+            out.append(json.dumps({"ref": ref, "messages": row_messages(obj, data)}))
+        except (RowError, ValueError) as e:
+            if spec.bad_rows == "skip":
+                skipped += 1
+                continue
+            raise DataError(f"{ref}: {e}. Fix the row, or set data.bad_rows=skip to drop such rows.") from None
+    return out, skipped
+
+
+def file_documents(path: str, raw: bytes, spec: SourceSpec, data: DataConfig | None = None) -> tuple[list[str], int]:
+    """(documents, skipped rows) of one whole file; for chat/instruction data, example payloads."""
+    if spec.format != "text":
+        return file_examples(path, raw, spec, data or DataConfig(format=spec.format, source="jsonl", path=path))
     if spec.kind == "text":
         lines, skipped = _decode_lines(raw, path, spec.bad_rows)
         docs = _group_wikitext(lines) if spec.wikitext else ["\n".join(ln for ln in lines if ln.strip())]
@@ -275,7 +340,7 @@ def _docs_from_texts(texts: list[str], spec: SourceSpec) -> list[str]:
 TOKENIZE_CHUNK_BYTES = 1 << 19  # text per tokenizer call: ~0.1-0.3 s of work, whatever the document size
 
 
-def _documents_batch(batch: dict[str, np.ndarray], spec: SourceSpec, max_docs: int):
+def _documents_batch(batch: dict[str, np.ndarray], spec: SourceSpec, max_docs: int, data: dict | None = None):
     """Files -> documents, yielded in order as chunks of <= max_docs documents and ~512 KiB.
 
     Runs fused with the read and the tokenizer inside one actor (see `_read_documents`): the
@@ -284,8 +349,9 @@ def _documents_batch(batch: dict[str, np.ndarray], spec: SourceSpec, max_docs: i
     never held back to fill a document-count batch.
     """
     docs, skipped, size = [], [], 0
+    data_cfg = DataConfig(**data) if data else None
     for path, raw in zip(batch["path"], batch["bytes"]):
-        d, s = file_documents(str(path), bytes(raw), spec)
+        d, s = file_documents(str(path), bytes(raw), spec, data_cfg)
         for i, doc in enumerate(d or [""]):  # a file whose every row was skipped still reports its count
             docs.append(doc)
             skipped.append(s if i == 0 else 0)
@@ -307,7 +373,7 @@ class Tokenize:
     import: actors start in a second, not ten).
     """
 
-    def __init__(self, tokenizer_json: str, eos_id: int, threads: int = 1):
+    def __init__(self, tokenizer_json: str, eos_id: int, threads: int = 1, sft: dict | None = None):
         # The Rust tokenizer would start a thread pool per actor; with one CPU per actor that
         # oversubscribes the cores, so parallelism comes from actors, not threads.
         os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
@@ -316,9 +382,18 @@ class Tokenize:
 
         self.tok = Tokenizer.from_file(tokenizer_json)
         self.eos = eos_id
+        self.sft = None
+        if sft is not None:  # chat/instruction: render with the run's template, label the responses
+            from raytrain_cpu.sft import template_for_dir
+
+            self.data = DataConfig(**sft)
+            self.sft = template_for_dir(Path(tokenizer_json).parent, self.data)
 
     def __call__(self, batch: dict[str, np.ndarray]):
         import pyarrow as pa
+
+        if self.sft is not None:
+            return self._examples(batch)
 
         texts = [str(t) for t in batch["text"]]
         keep = [i for i, t in enumerate(texts) if t]
@@ -337,6 +412,71 @@ class Tokenize:
             flat[offsets[i + 1] - 1] = self.eos
         ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
         return pa.table({"ids": ids, "skipped": pa.array(np.asarray(batch["skipped"], dtype=np.int64))})
+
+    def _examples(self, batch: dict[str, np.ndarray]):
+        """Examples -> (ids, labels) list columns; a row the template rejects or whose prompt
+        alone fills data.seq_len fails naming its file and row, or is skipped and counted."""
+        import pyarrow as pa
+
+        from raytrain_cpu.sft import IGNORE, RowError, labelled_ids
+
+        d = self.data
+        ids_col, labels_col, skipped = [], [], [int(x) for x in batch["skipped"]]
+        payloads = [json.loads(str(t)) if str(t) else None for t in batch["text"]]
+        rendered: list[tuple[int, str, list]] = []
+        for i, p in enumerate(payloads):
+            if p is None:
+                continue
+            try:
+                text, spans = self.sft.render(p["messages"])
+            except RowError as e:
+                self._bad(p["ref"], str(e))
+                skipped[i] += 1
+                continue
+            rendered.append((i, text, spans))
+        encodings = self.tok.encode_batch([t for _, t, _ in rendered], add_special_tokens=False) if rendered else []
+        done: dict[int, tuple[list[int], list[int]]] = {}
+        for (i, _, spans), enc in zip(rendered, encodings):
+            ids, labels = labelled_ids(enc, spans, d.train_on_prompt)
+            first = next((k for k, lab in enumerate(labels) if lab != IGNORE), None)
+            if first is None or first >= d.seq_len:
+                self._bad(
+                    payloads[i]["ref"],
+                    f"its prompt alone takes {first or len(ids)} tokens, data.seq_len={d.seq_len} leaves no room for the response; raise data.seq_len or shorten the prompt",
+                )
+                skipped[i] += 1
+                continue
+            done[i] = (ids, labels)
+        for i in range(len(payloads)):
+            ids, labels = done.get(i, ([], []))
+            ids_col.append(np.asarray(ids, dtype=np.int32))
+            labels_col.append(np.asarray(labels, dtype=np.int32))
+        return pa.table(
+            {
+                "ids": pa.array(ids_col, type=pa.list_(pa.int32())),
+                "labels": pa.array(labels_col, type=pa.list_(pa.int32())),
+                "skipped": pa.array(np.asarray(skipped, dtype=np.int64)),
+            }
+        )
+
+    def _bad(self, ref: str, why: str) -> None:
+        if self.data.bad_rows != "skip":
+            raise DataError(f"{ref}: {why}. Fix the row, or set data.bad_rows=skip to drop such rows.")
+
+
+def _local_special_id(tokenizer_dir: Path, name: str) -> int | None:
+    """Id of a special token (eos_token, pad_token) of a saved fast tokenizer, from its JSON files."""
+    from tokenizers import Tokenizer
+
+    for fname in ("tokenizer_config.json", "special_tokens_map.json"):
+        f = tokenizer_dir / fname
+        if not f.is_file():
+            continue
+        tok = json.loads(f.read_text()).get(name)
+        tok = tok.get("content") if isinstance(tok, dict) else tok
+        if isinstance(tok, str):
+            return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id(tok)
+    return None
 
 
 def _local_eos_id(tokenizer_dir: Path) -> int | None:
@@ -421,6 +561,17 @@ def cache_key(cfg: Config, train: SourceSpec, evals: SourceSpec | None, tokenize
         "seq_len": d.seq_len,
         "bad_rows": d.bad_rows,
     }
+    if d.format != "text":  # text caches keep their old keys
+        from raytrain_cpu.sft import template_fingerprint
+
+        payload["sft"] = {
+            "format": d.format,
+            "template": template_fingerprint(Path(tokenizer_path), d)
+            if Path(tokenizer_path).is_dir()
+            else tokenizer_path,
+            "train_on_prompt": d.train_on_prompt,
+            "columns": [d.messages_column, d.prompt_column, d.response_column, d.system_column],
+        }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -476,6 +627,79 @@ class _BlockWriter:
         return self.pending
 
 
+class _ExampleWriter(_BlockWriter):
+    """Packs whole examples into seq_len blocks, padded: several per block, none split.
+
+    Greedy in order: an example that does not fit the current block's room starts the next
+    block (the room left is padding, label -100); one longer than seq_len is truncated to it
+    (its prompt fits, the tokenizer checked) and counted. In-order greedy keeps the cache's
+    order the data's order, and on short examples wastes little (measured in meta.json's
+    padding_frac).
+    """
+
+    def __init__(self, out: Path, seq_len: int, pad_id: int):
+        super().__init__(out, seq_len)
+        self.pad_id = pad_id
+        self.cur_ids: list[np.ndarray] = []
+        self.cur_labels: list[np.ndarray] = []
+        self.cur_len = 0
+        self.labels: list[np.ndarray] = []
+        self.truncated = self.padding = self.loss_tokens = 0
+
+    def add_example(self, ids: np.ndarray, labels: np.ndarray) -> None:
+        if len(ids) > self.seq_len:
+            ids, labels = ids[: self.seq_len], labels[: self.seq_len]
+            self.truncated += 1
+        if self.cur_len + len(ids) > self.seq_len:
+            self._close_block()
+        self.cur_ids.append(ids)
+        self.cur_labels.append(labels)
+        self.cur_len += len(ids)
+
+    def _close_block(self) -> None:
+        if not self.cur_len:
+            return
+        pad = self.seq_len - self.cur_len
+        ids = np.concatenate([*self.cur_ids, np.full(pad, self.pad_id, dtype=np.int32)])
+        labels = np.concatenate([*self.cur_labels, np.full(pad, -100, dtype=np.int32)])
+        self.padding += pad
+        self.loss_tokens += int((labels[1:] != -100).sum())  # targets after the model's shift
+        self.blocks.append(ids)
+        self.labels.append(labels)
+        self.cur_ids, self.cur_labels, self.cur_len = [], [], 0
+        if len(self.blocks) >= BLOCKS_PER_FILE:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not self.blocks:
+            return
+        ids = pa.FixedSizeListArray.from_arrays(pa.array(np.stack(self.blocks).reshape(-1)), self.seq_len)
+        labels = pa.FixedSizeListArray.from_arrays(pa.array(np.stack(self.labels).reshape(-1)), self.seq_len)
+        block_id = pa.array(np.arange(self.n_blocks, self.n_blocks + len(self.blocks), dtype=np.int64))
+        table = pa.table({"block_id": block_id, "input_ids": ids, "labels": labels})
+        pq.write_table(table, self.out / f"part-{self.files:05d}.parquet")
+        self.n_blocks += len(self.blocks)
+        self.files += 1
+        self.blocks, self.labels = [], []
+
+    def close(self) -> int:
+        self._close_block()
+        self._flush()
+        return 0
+
+    def stats(self) -> dict[str, Any]:
+        total = self.n_blocks * self.seq_len
+        return {
+            "truncated_examples": self.truncated,
+            "padding_tokens": self.padding,
+            "padding_frac": self.padding / total if total else 0.0,
+            "loss_tokens": self.loss_tokens,
+        }
+
+
 def _read_documents(spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int], actors: int):
     import ray
 
@@ -498,15 +722,16 @@ def _read_documents(spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int
         num_cpus=actor_cpus,
         override_num_blocks=min(len(spec.paths), 64 * actors),  # files per block >= 1: no split to unfuse
     )
+    sft = dataclasses.asdict(cfg) if spec.format != "text" else None  # plain dicts cross the Ray boundary
     docs = ds.map_batches(
         _documents_batch,
-        fn_kwargs={"spec": spec, "max_docs": cfg.tokenize_batch_size},
+        fn_kwargs={"spec": spec, "max_docs": cfg.tokenize_batch_size, "data": sft},
         batch_size=None,
         num_cpus=actor_cpus,
     )
     return docs.map_batches(
         Tokenize,
-        fn_constructor_kwargs={"tokenizer_json": tokenizer[0], "eos_id": tokenizer[1]},
+        fn_constructor_kwargs={"tokenizer_json": tokenizer[0], "eos_id": tokenizer[1], "sft": sft},
         batch_size=None,  # one chunk per call, as _documents_batch cut them
         compute=ray.data.ActorPoolStrategy(size=actors),
         num_cpus=actor_cpus,
@@ -514,7 +739,13 @@ def _read_documents(spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int
 
 
 def _pack(
-    spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int], actors: int, out: Path, holdout: Path | None
+    spec: SourceSpec,
+    cfg: DataConfig,
+    tokenizer: tuple[str, int],
+    actors: int,
+    out: Path,
+    holdout: Path | None,
+    pad_id: int | None = None,
 ) -> dict:
     """Tokenizes in Ray Data, then packs in document order on the driver (a sequential concat)."""
     import pyarrow as pa
@@ -524,8 +755,10 @@ def _pack(
     ds = _read_documents(spec, cfg, tokenizer, actors)
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # packing order = file order = document order
-    writer = _BlockWriter(out, cfg.seq_len)
-    eval_writer = _BlockWriter(holdout, cfg.seq_len) if holdout else None
+    sft = spec.format != "text"
+    make = (lambda d: _ExampleWriter(d, cfg.seq_len, pad_id)) if sft else (lambda d: _BlockWriter(d, cfg.seq_len))
+    writer = make(out)
+    eval_writer = make(holdout) if holdout else None
     every = round(1 / cfg.eval_fraction) if holdout else 0
     docs = skipped = tokens = 0
     try:
@@ -534,6 +767,7 @@ def _pack(
             col = batch.column("ids").combine_chunks()
             offsets = col.offsets.to_numpy()
             values = col.values.to_numpy()
+            labels = batch.column("labels").combine_chunks().values.to_numpy() if sft else None
             for i in range(len(col)):
                 ids = values[offsets[i] : offsets[i + 1]]
                 if len(ids) == 0:
@@ -541,10 +775,11 @@ def _pack(
                 docs += 1
                 tokens += len(ids)
                 # Hold-out goes by document, so no article is split between train and eval.
-                if eval_writer is not None and docs % every == 0:
-                    eval_writer.add(ids)
+                w = eval_writer if eval_writer is not None and docs % every == 0 else writer
+                if sft:
+                    w.add_example(ids, labels[offsets[i] : offsets[i + 1]])
                 else:
-                    writer.add(ids)
+                    w.add(ids)
     except Exception as e:
         err = _unwrap(e)
         if err is None:
@@ -556,7 +791,7 @@ def _pack(
             f"the source {', '.join(spec.paths[:3])}{' ...' if len(spec.paths) > 3 else ''} holds no text "
             f"({skipped} rows skipped). Point data.path at non-empty text."
         )
-    return {
+    stats = {
         "documents": docs,
         "tokens": tokens,
         "skipped_rows": skipped,
@@ -564,6 +799,7 @@ def _pack(
         "blocks": writer.n_blocks,
         "eval_blocks": eval_writer.n_blocks if eval_writer else 0,
     }
+    return stats | (writer.stats() if sft else {})
 
 
 def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
@@ -582,14 +818,23 @@ def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
     actors = cfg.data.tokenize_actors or max(1, cpus)
     tmp = final.parent / f".{key}.tmp-{uuid.uuid4().hex[:8]}"
     tokenizer = materialize_tokenizer(tokenizer_path, cache_root(cfg))
+    # Padding (chat/instruction blocks): the tokenizer's pad token, else EOS; its labels are -100 either way.
+    pad_id = _local_special_id(Path(tokenizer[0]).parent, "pad_token")
+    pad_id = tokenizer[1] if pad_id is None else pad_id
     try:
         log(f"[data] preparing {train.kind} source ({len(train.paths)} files) -> {final}")
         log(f"[data] 1/{2 if evals else 1} tokenizing the training text with up to {actors} actors (one a file) ...")
-        stats = _pack(train, cfg.data, tokenizer, actors, tmp / "train", None if evals else tmp / "eval")
+        stats = _pack(train, cfg.data, tokenizer, actors, tmp / "train", None if evals else tmp / "eval", pad_id)
         log(
             f"[data] tokenized {stats['documents']:,} docs, {stats['tokens']:,} tokens -> {stats['blocks']:,} "
             f"blocks in {time.perf_counter() - t0:.1f}s"
         )
+        if cfg.data.format != "text":
+            log(
+                f"[data] {cfg.data.format}: {stats['loss_tokens']:,} response tokens carry the loss; padding "
+                f"{stats['padding_frac']:.1%} of the blocks; {stats['truncated_examples']} examples truncated to "
+                f"data.seq_len={cfg.data.seq_len}"
+            )
         if stats["blocks"] == 0:
             raise DataError(
                 f"the training text gives {stats['tokens']} tokens, less than one block of data.seq_len="
@@ -597,7 +842,7 @@ def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
             )
         if evals:
             log("[data] 2/2 tokenizing the evaluation text ...")
-            estats = _pack(evals, cfg.data, tokenizer, actors, tmp / "eval", None)
+            estats = _pack(evals, cfg.data, tokenizer, actors, tmp / "eval", None, pad_id)
             log(f"[data] tokenized {estats['documents']:,} eval docs -> {estats['blocks']:,} blocks")
             stats["eval_blocks"] = estats["blocks"]
             stats["eval_tokens"] = estats["tokens"]
@@ -612,8 +857,11 @@ def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
             "eval_source": evals.describe()
             if evals
             else f"held out: every {round(1 / cfg.data.eval_fraction)}th document",
-            **stats,
             "padding_tokens": 0,
+            "padding_frac": 0.0,
+            "truncated_examples": 0,
+            "data_format": cfg.data.format,
+            **stats,
             "prepare_wall_s": round(wall, 3),
             "tokens_per_s": round(stats["tokens"] / wall, 1),
         }
@@ -653,10 +901,10 @@ def global_order(n_blocks: int, seed: int, epoch: int, window: int) -> np.ndarra
 
 
 @functools.lru_cache(maxsize=16)
-def _cache_file(path: str) -> np.ndarray:
+def _cache_file(path: str, column: str = "input_ids") -> np.ndarray:
     import pyarrow.parquet as pq
 
-    col = pq.read_table(path, columns=["input_ids"]).column("input_ids").combine_chunks()
+    col = pq.read_table(path, columns=[column]).column(column).combine_chunks()
     return col.values.to_numpy(zero_copy_only=False).reshape(len(col), -1)
 
 
@@ -681,6 +929,7 @@ class StreamPlan:
     rank: int
     start: int  # global positions already consumed (a multiple of the global batch)
     end: int  # global positions the whole run consumes
+    has_labels: bool = False  # chat/instruction caches carry labels (-100 where no loss)
 
     @property
     def local_range(self) -> tuple[int, int]:
@@ -697,11 +946,13 @@ class StreamPlan:
         for e in np.unique(epoch):
             sel = epoch == e
             block_id[sel] = global_order(self.n_blocks, self.seed, int(e), self.window)[within[sel]]
-        rows = []
+        columns = ("input_ids", "labels") if self.has_labels else ("input_ids",)
+        rows: dict[str, list[np.ndarray]] = {c: [] for c in columns}
         for b in block_id:
             f, r = divmod(int(b), BLOCKS_PER_FILE)
-            rows.append(_cache_file(f"{self.train_dir}/part-{f:05d}.parquet")[r])
-        return {"pos": pos, "block_id": block_id, "input_ids": np.stack(rows)}
+            for c in columns:
+                rows[c].append(_cache_file(f"{self.train_dir}/part-{f:05d}.parquet", c)[r])
+        return {"pos": pos, "block_id": block_id, **{c: np.stack(v) for c, v in rows.items()}}
 
 
 def train_stream(cache: Path, plan: StreamPlan):
@@ -728,7 +979,10 @@ def eval_stream(cache: Path, world_size: int, rank: int, n_eval: int):
     def pick(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         ids = batch["block_id"].astype(np.int64)
         keep = (ids % world_size == rank) & (ids // world_size < per_rank)
-        return {"block_id": ids[keep], "input_ids": np.asarray(batch["input_ids"])[keep]}
+        out = {"block_id": ids[keep], "input_ids": np.asarray(batch["input_ids"])[keep]}
+        if "labels" in batch:
+            out["labels"] = np.asarray(batch["labels"])[keep]
+        return out
 
     ds = ray.data.read_parquet(str(Path(cache) / "eval"), num_cpus=0.25)
     return ds.map_batches(pick, batch_format="numpy", num_cpus=0.25)

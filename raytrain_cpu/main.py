@@ -240,6 +240,7 @@ def build_datasets(cache: Path, meta: dict, cfg: Config, world: int, start: int)
             r,
             start,
             end,
+            has_labels=meta.get("data_format", "text") != "text",
         )
         out[f"train_rank{r}"] = train_stream(cache, plan)
         if meta["eval_blocks"] >= world:
@@ -390,6 +391,9 @@ def run(cfg: Config) -> dict[str, Any]:
         "run_dir": str(run_dir),
         "data_cache": str(cache),
         "padding_tokens": meta["padding_tokens"],
+        "padding_frac": meta.get("padding_frac", 0.0),
+        "truncated_examples": meta.get("truncated_examples", 0),
+        "data_format": meta.get("data_format", "text"),
         "skipped_rows": meta["skipped_rows"],
         "scaling": sizing,
         # From metrics.jsonl rather than the worker: it spans every attempt of a resumed run.

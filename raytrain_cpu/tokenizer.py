@@ -13,6 +13,7 @@ from pathlib import Path
 ASSETS = Path(__file__).parent / "assets"
 BUNDLED_TOKENIZER = ASSETS / "tokenizer"
 BUNDLED_WIKITEXT = ASSETS / "wikitext-2"
+BUNDLED_SFT = ASSETS / "sft"  # chat and instruction examples made from the bundled wikitext
 EOS = "<|endoftext|>"
 
 
