@@ -30,6 +30,8 @@ GIB = 2**30
 
 # ----------------------------------------------------------------------------- model shapes
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -67,6 +69,27 @@ class ModelShape:
     @property
     def layer_params(self) -> int:
         return sum(self.layer_param_numels())
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of each Linear of a decoder layer, by its Llama module name."""
+        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_dim
+        return {
+            "q_proj": (h, h),
+            "k_proj": (kv, h),
+            "v_proj": (kv, h),
+            "o_proj": (h, h),
+            "gate_proj": (i, h),
+            "up_proj": (i, h),
+            "down_proj": (h, i),
+        }
+
+    def lora_params(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
+        """Adapter parameters: A (rank x in) + B (out x rank) beside each targeted Linear."""
+        shapes = self.projection_shapes()
+        unknown = sorted(set(targets) - set(shapes))
+        if unknown:
+            raise ValueError(f"LoRA targets {unknown}: the planner knows the Llama projections {sorted(shapes)}")
+        return rank * sum(sum(shapes[t]) for t in targets) * self.num_layers if rank else 0
 
     @property
     def num_params(self) -> int:
@@ -244,8 +267,34 @@ def memory_breakdown(
     prefetch_bucket_size: int = DS_PREFETCH_BUCKET_SIZE,
     max_live_parameters: int = DS_MAX_LIVE_PARAMETERS,
     param_persistence_threshold: int = DS_PARAM_PERSISTENCE_THRESHOLD,
+    lora_rank: int = 0,
+    lora_targets: tuple[str, ...] = LORA_TARGETS,
 ) -> dict[str, float]:
-    """Per-rank bytes of each component (not cumulative), named after where it comes from."""
+    """Per-rank bytes of each component (not cumulative), named after where it comes from.
+
+    With `lora_rank` the base model is frozen: its weights are held (and gathered) as in full
+    fine-tuning, but it has no fp32 master copy, gradients or optimizer state; those exist
+    only for the adapters, which peft keeps in fp32 and DeepSpeed partitions like any
+    parameter. Activations stay those of full fine-tuning: the backward still runs through
+    every layer to reach the adapters below, and each adapter reads its Linear's input.
+    """
+    if lora_rank:
+        return _lora_breakdown(
+            shape,
+            world_size,
+            lora_rank,
+            tuple(lora_targets),
+            zero_stage=zero_stage,
+            offload=offload,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            activation_checkpointing=activation_checkpointing,
+            dtype=dtype,
+            reduce_bucket_size=reduce_bucket_size,
+            prefetch_bucket_size=prefetch_bucket_size,
+            max_live_parameters=max_live_parameters,
+            param_persistence_threshold=param_persistence_threshold,
+        )
     P, W = shape.num_params, world_size
     b = _bytes_per_param(dtype)
     numels = shape.param_numels()
@@ -307,6 +356,23 @@ def memory_breakdown(
     }
 
 
+def _lora_breakdown(
+    shape: ModelShape, world_size: int, rank: int, targets: tuple[str, ...], **kw: Any
+) -> dict[str, float]:
+    """Full fine-tuning's breakdown with the trainable state swapped for the adapters'."""
+    full = memory_breakdown(shape, world_size, **kw)
+    A, W = shape.lora_params(rank, targets), world_size
+    return full | {
+        "weights": full["weights"] + 4 * A / W,  # + the fp32 adapters, partitioned
+        "master": 4 * A / W,
+        "master_grad": 4 * A / W,
+        "grads": 4 * A / W,  # fp32 like the adapters
+        "adam": 8 * A / W,
+        "adam_temp": 8 * A / W,
+        "grad_bucket": 4 * min(kw.get("reduce_bucket_size", DS_REDUCE_BUCKET_SIZE), A) if full["grad_bucket"] else 0.0,
+    }
+
+
 def memory_stages(parts: dict[str, float]) -> dict[str, float]:
     """Cumulative per-rank bytes at each stage of start-up, and the training peak.
 
@@ -339,8 +405,13 @@ def comm_bytes_per_step(
     grad_accum_steps: int = 1,
     dtype: str = "bf16",
     param_persistence_threshold: int = DS_PARAM_PERSISTENCE_THRESHOLD,
+    lora_rank: int = 0,
+    lora_targets: tuple[str, ...] = LORA_TARGETS,
 ) -> float:
     """Bytes each rank sends (and receives) per optimizer step, ring algorithms.
+
+    With LoRA the frozen base is gathered exactly as in full fine-tuning, but only the fp32
+    adapters' gradients are reduced (and, at ZeRO-1/2, only they are re-gathered after the step).
 
     ZeRO-3 all-gathers the (non-persistent) parameters in forward and again in backward and
     reduce-scatters the gradients, every micro batch: ~3x the model bytes. ZeRO-2 reduce-
@@ -352,19 +423,23 @@ def comm_bytes_per_step(
         return 0.0
     w_bytes = g_bytes = _bytes_per_param(dtype)
     P = shape.num_params
+    if lora_rank:  # gradients (and updated weights) only of the adapters, in fp32
+        P, g_bytes = shape.lora_params(lora_rank, tuple(lora_targets)), 4
     ring = (W - 1) / W
     if zero_stage == 3:
         gathered = sum(n for n in shape.param_numels() if n >= param_persistence_threshold)
         per_micro = 2 * w_bytes * gathered * ring + g_bytes * P * ring
         return per_micro * grad_accum_steps
     if zero_stage == 2:
-        return (g_bytes * P * grad_accum_steps + w_bytes * P) * ring
-    return (g_bytes * P + w_bytes * P) * ring
+        return (g_bytes * P * grad_accum_steps + g_bytes * P) * ring
+    return (g_bytes * P + g_bytes * P) * ring
 
 
-def train_flops_per_step(shape: ModelShape, tokens: int, activation_checkpointing: bool) -> float:
-    """Model FLOPs of forward + backward (6 per parameter per token, 8 when recomputing)."""
-    return (8 if activation_checkpointing else 6) * shape.num_params * tokens
+def train_flops_per_step(shape: ModelShape, tokens: int, activation_checkpointing: bool, lora: bool = False) -> float:
+    """Model FLOPs of forward + backward (6 per parameter per token, 8 when recomputing; LoRA
+    computes no weight gradients for the frozen base: 4, or 6 when recomputing)."""
+    per_param = (4 if lora else 6) + (2 if activation_checkpointing else 0)
+    return per_param * shape.num_params * tokens
 
 
 # ----------------------------------------------------------------------------- recommendation
@@ -438,8 +513,13 @@ def plan(
     grad_accum_steps: int = 1,
     ranks_per_node: int = 1,
     instance: str | None = None,
+    lora_rank: int = 0,
+    lora_targets: tuple[str, ...] = LORA_TARGETS,
 ) -> dict[str, Any]:
     """The whole estimate as a JSON-able dict (what `--json` prints).
+
+    `lora_rank` > 0 plans LoRA fine-tuning: a frozen, partitioned base and trainable adapters
+    on `lora_targets`.
 
     `instance` (e.g. 'c7i.48xlarge') checks the fit on that node and times the communication
     at its network rate; without it, the recommended node is used.
@@ -453,6 +533,10 @@ def plan(
         raise ValueError(f"dtype must be bf16 or fp32, got {dtype!r}")
     if min(world_size, micro_batch, seq_len, grad_accum_steps, ranks_per_node) < 1:
         raise ValueError("world_size, micro_batch, seq_len, grad_accum_steps and ranks_per_node must be >= 1")
+    if lora_rank < 0:
+        raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
+    lora_targets = tuple(lora_targets)
+    trainable = shape.lora_params(lora_rank, lora_targets) if lora_rank else shape.num_params
 
     mem_kwargs = dict(
         zero_stage=zero_stage,
@@ -461,10 +545,13 @@ def plan(
         seq_len=seq_len,
         activation_checkpointing=activation_checkpointing,
         dtype=dtype,
+        lora_rank=lora_rank,
+        lora_targets=lora_targets,
     )
+    lora_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets)
     parts = memory_breakdown(shape, world_size, **mem_kwargs)
     stages = memory_stages(parts)
-    comm = comm_bytes_per_step(shape, world_size, zero_stage, grad_accum_steps, dtype)
+    comm = comm_bytes_per_step(shape, world_size, zero_stage, grad_accum_steps, dtype, **lora_kw)
     rec = recommend(shape, world_size, ranks_per_node=ranks_per_node, **mem_kwargs)
     node = instance or rec["instance"] or "c7i.48xlarge"
     family, _, size = node.partition(".")
@@ -479,21 +566,23 @@ def plan(
     stages_compared = {
         str(z): {
             "peak_gib": _peak(shape, world_size, mem_kwargs | {"zero_stage": z}) / GIB,
-            "comm_gib_per_step": comm_bytes_per_step(shape, world_size, z, grad_accum_steps, dtype) / GIB,
+            "comm_gib_per_step": comm_bytes_per_step(shape, world_size, z, grad_accum_steps, dtype, **lora_kw) / GIB,
         }
         for z in (1, 2, 3)
     }
     return {
-        "model": asdict(shape) | {"num_params": shape.num_params},
+        "model": asdict(shape) | {"num_params": shape.num_params, "trainable_params": trainable},
         "inputs": dict(world_size=world_size, grad_accum_steps=grad_accum_steps, ranks_per_node=ranks_per_node)
-        | mem_kwargs,
+        | mem_kwargs
+        | {"lora_targets": list(lora_targets)},
         "memory_gib": {k: v / GIB for k, v in stages.items()},
         "components_gib": {k: v / GIB for k, v in parts.items()},
         "comm_gib_per_step": comm / GIB,
         "network_node": node,
         # A lower bound: the node's network at line rate, nothing overlapped.
         "comm_seconds_per_step_min": comm * 8 / (net_gbps * 1e9) if comm else 0.0,
-        "train_tflop_per_rank_per_step": train_flops_per_step(shape, tokens, activation_checkpointing) / 1e12,
+        "train_tflop_per_rank_per_step": train_flops_per_step(shape, tokens, activation_checkpointing, lora_rank > 0)
+        / 1e12,
         "zero_stages_compared": stages_compared,
         "recommendation": rec,
     }
@@ -525,6 +614,8 @@ def inputs_from_run_config(path: str) -> dict[str, Any]:
         # whose AMX makes bf16 the faster choice, so plan for bf16.
         dtype="bf16" if m.dtype == "auto" else m.dtype,
         grad_accum_steps=cfg.train.grad_accum_steps,
+        lora_rank=cfg.lora.rank,
+        lora_targets=tuple(cfg.lora.target_modules),
     )
 
 
@@ -546,6 +637,13 @@ def format_table(result: dict[str, Any]) -> str:
         f"setup       {i['world_size']} ranks, ZeRO-{i['zero_stage']}{offload}, {i['dtype']}, micro batch "
         f"{i['micro_batch']} x seq {i['seq_len']}, grad accum {i['grad_accum_steps']}, activation checkpointing "
         f"{'on' if i['activation_checkpointing'] else 'off'}",
+        f"trainable   {_count(m['trainable_params'])} params"
+        + (
+            f" (LoRA rank {i['lora_rank']} on {', '.join(i['lora_targets'])}: "
+            f"{m['trainable_params'] / m['num_params']:.2%} of the model; the base is frozen)"
+            if i["lora_rank"]
+            else " (full fine-tuning)"
+        ),
         "",
         "memory per rank (GiB, resident)",
         f"  after sharded load        {mem['after_load']:10.2f}",
@@ -595,6 +693,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--activation-checkpointing", "-c", action=argparse.BooleanOptionalAction, default=None, help="recompute"
     )
     p.add_argument("--dtype", choices=("bf16", "fp32"))
+    p.add_argument("--lora-rank", type=int, help="plan LoRA fine-tuning with adapters of this rank (0 = full)")
+    p.add_argument(
+        "--lora-targets",
+        help="comma-separated projections that get adapters (default: all of q,k,v,o,gate,up,down _proj)",
+    )
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--instance", help="check the fit on this node and time the traffic at its network rate")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
@@ -613,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
         activation_checkpointing=False,
         dtype="bf16",
         grad_accum_steps=1,
+        lora_rank=0,
+        lora_targets=LORA_TARGETS,
     )
     try:
         if args.config:
@@ -626,6 +731,8 @@ def main(argv: list[str] | None = None) -> int:
             activation_checkpointing=args.activation_checkpointing,
             dtype=args.dtype,
             grad_accum_steps=args.grad_accum,
+            lora_rank=args.lora_rank,
+            lora_targets=tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None,
         )
         inputs |= {k: v for k, v in flags.items() if v is not None}
         if args.model:

@@ -300,3 +300,52 @@ def test_deepspeed_settings_match_the_training_loop():
     assert zero["stage3_prefetch_bucket_size"] == plan.DS_PREFETCH_BUCKET_SIZE
     assert zero["stage3_max_live_parameters"] == plan.DS_MAX_LIVE_PARAMETERS
     assert zero["stage3_param_persistence_threshold"] == plan.DS_PARAM_PERSISTENCE_THRESHOLD
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+LLAMA3_8B = "meta-llama/Meta-Llama-3-8B"
+
+
+def test_lora_params_of_llama3_8b():
+    shape = plan.resolve_shape(LLAMA3_8B)
+    # per layer, r x (in + out) per projection: q, o 8192; k, v 5120; gate, up, down 18432 -> 81920 x 16
+    assert shape.lora_params(16) == 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * 18432) == 41_943_040
+    assert shape.lora_params(8, ("q_proj", "v_proj")) == 32 * 8 * (8192 + 5120)
+    assert shape.lora_params(0) == 0
+    with pytest.raises(ValueError, match="c_attn"):
+        shape.lora_params(8, ("c_attn",))
+
+
+def test_lora_needs_far_less_memory_and_traffic_than_full_fine_tuning():
+    full = plan.plan(LLAMA3_8B, world_size=4, activation_checkpointing=True)
+    lora = plan.plan(LLAMA3_8B, world_size=4, activation_checkpointing=True, lora_rank=16)
+    assert lora["model"]["trainable_params"] == 41_943_040
+    # the base keeps its partitioned bf16 weights; master, grads and AdamW shrink to the adapters'
+    assert lora["components_gib"]["weights"] == pytest.approx(full["components_gib"]["weights"], rel=0.02)
+    for k in ("master", "master_grad", "adam", "adam_temp"):
+        assert lora["components_gib"][k] < full["components_gib"][k] / 100
+    assert lora["memory_gib"]["peak"] < full["memory_gib"]["peak"] / 4
+    # the gathers stay, the gradient reduce-scatter shrinks to the adapters'
+    assert full["comm_gib_per_step"] * 0.6 < lora["comm_gib_per_step"] < full["comm_gib_per_step"]
+    assert lora["train_tflop_per_rank_per_step"] == pytest.approx(full["train_tflop_per_rank_per_step"] * 6 / 8)
+
+
+def test_lora_8b_fits_one_small_node_where_full_fine_tuning_needs_five():
+    lora = plan.plan(LLAMA3_8B, world_size=1, activation_checkpointing=True, lora_rank=16)
+    full = plan.plan(LLAMA3_8B, world_size=1, activation_checkpointing=True)
+    assert lora["recommendation"]["instance"] == "c7i.8xlarge"
+    assert lora["recommendation"]["min_workers_per_c7i_size"]["c7i.8xlarge"] == 1
+    assert full["recommendation"]["min_workers_per_c7i_size"]["c7i.8xlarge"] >= 5
+
+
+def test_cli_lora_flags_and_run_config(capsys):
+    assert plan.main(["--model", LLAMA3_8B, "--lora-rank", "16", "-w", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["inputs"]["lora_rank"] == 16 and out["model"]["trainable_params"] == 41_943_040
+    assert plan.main(["--config", str(ROOT / "configs/llama3-8b-lora-c7i.yaml")]) == 0
+    table = capsys.readouterr().out
+    assert "LoRA rank 16" in table and "the base is frozen" in table
+    assert plan.main(["--model", LLAMA3_8B, "--lora-rank", "8", "--lora-targets", "q_proj,v_proj", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"]["lora_targets"] == ["q_proj", "v_proj"]
