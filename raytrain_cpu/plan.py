@@ -13,6 +13,11 @@ overheads and glibc's fragmentation of freed activation memory were measured on 
 runs (``benchmarks/calibrate_planner.py``); ``tests/test_plan.py`` keeps the estimate within
 15% of the measured peak RSS per rank.
 
+LoRA (``--lora-rank``): the base stays partitioned in bf16 and frozen, only the fp32 adapters
+have a master copy, gradients and AdamW state, the gradient reduce-scatter carries only them,
+while the base is still gathered in forward and backward; activations change as
+``_lora_act_delta`` says (measured with autograd's saved-tensor hooks).
+
 Bytes internally, GiB (2**30) in what it reports.
 """
 
@@ -189,6 +194,13 @@ STEP_OVERHEAD_BYTES = int(0.025 * GIB)
 # checked on two held out ones (activation checkpointing; micro batch 2). jemalloc, preloaded
 # on the cluster, fragments less, so there the estimate errs on the safe side.
 FRAGMENTATION = 1.63
+# LoRA fragments glibc's heap about twice as badly: on llama-37m, micro batch 8, its peak RSS
+# is 3.4 GiB with glibc and 1.5 GiB with MALLOC_MMAP_THRESHOLD_=65536 (every tensor mmapped,
+# so RSS is live memory, which the planner predicts within 5%). Likely the mid-size fp32
+# temporaries each adapter makes (its input cast to fp32, B's output, its scaled copy, their
+# fp32 sum with the base output), freed between the tensors kept for backward. Fitted on that
+# case; tests/test_plan.py checks it on held-out ones (micro batch 2, fp32, checkpointing).
+LORA_FRAGMENTATION = 3.34
 
 
 def _act_bytes_per_token_layer(s: ModelShape) -> int:
@@ -269,32 +281,14 @@ def memory_breakdown(
     param_persistence_threshold: int = DS_PARAM_PERSISTENCE_THRESHOLD,
     lora_rank: int = 0,
     lora_targets: tuple[str, ...] = LORA_TARGETS,
+    lora_dropout: float = 0.0,
 ) -> dict[str, float]:
     """Per-rank bytes of each component (not cumulative), named after where it comes from.
 
     With `lora_rank` the base model is frozen: its weights are held (and gathered) as in full
     fine-tuning, but it has no fp32 master copy, gradients or optimizer state; those exist
-    only for the adapters, which peft keeps in fp32 and DeepSpeed partitions like any
-    parameter. Activations stay those of full fine-tuning: the backward still runs through
-    every layer to reach the adapters below, and each adapter reads its Linear's input.
+    only for the adapters (`_lora_state`). Activations change as `_lora_act_delta` says.
     """
-    if lora_rank:
-        return _lora_breakdown(
-            shape,
-            world_size,
-            lora_rank,
-            tuple(lora_targets),
-            zero_stage=zero_stage,
-            offload=offload,
-            micro_batch=micro_batch,
-            seq_len=seq_len,
-            activation_checkpointing=activation_checkpointing,
-            dtype=dtype,
-            reduce_bucket_size=reduce_bucket_size,
-            prefetch_bucket_size=prefetch_bucket_size,
-            max_live_parameters=max_live_parameters,
-            param_persistence_threshold=param_persistence_threshold,
-        )
     P, W = shape.num_params, world_size
     b = _bytes_per_param(dtype)
     numels = shape.param_numels()
@@ -322,7 +316,10 @@ def memory_breakdown(
     # ---- transients
     checkpoint_pages = min(b * P, CHECKPOINT_SHARD_BYTES)
     tokens = micro_batch * seq_len
-    per_layer = _act_bytes_per_token_layer(shape) * tokens * b // 2
+    per_token_layer = _act_bytes_per_token_layer(shape) * b // 2
+    if lora_rank:
+        per_token_layer += _lora_act_delta(shape, lora_rank, tuple(lora_targets), dtype, lora_dropout)
+    per_layer = per_token_layer * tokens
     if activation_checkpointing:
         # Each layer keeps only its input; backward recomputes one layer at a time.
         activations = b * shape.hidden_size * tokens * shape.num_layers + per_layer
@@ -339,7 +336,7 @@ def memory_breakdown(
         gathered = 0.0
         bucket = b * min(reduce_bucket_size, P) if zero_stage == 2 else 0.0
 
-    return {
+    parts = {
         "baseline": BASELINE_BYTES,
         "overheads": LOAD_OVERHEAD_BYTES + INIT_OVERHEAD_BYTES + STEP_OVERHEAD_BYTES,
         "weights": weights,
@@ -354,26 +351,65 @@ def memory_breakdown(
         "grad_bucket": bucket,
         "adam_temp": adam_temp,
     }
+    if lora_rank:
+        parts |= _lora_state(shape.lora_params(lora_rank, tuple(lora_targets)), W, parts, reduce_bucket_size)
+    return parts
 
 
-def _lora_breakdown(
-    shape: ModelShape, world_size: int, rank: int, targets: tuple[str, ...], **kw: Any
-) -> dict[str, float]:
-    """Full fine-tuning's breakdown with the trainable state swapped for the adapters'."""
-    full = memory_breakdown(shape, world_size, **kw)
-    A, W = shape.lora_params(rank, targets), world_size
-    return full | {
-        "weights": full["weights"] + 4 * A / W,  # + the fp32 adapters, partitioned
+def _lora_state(adapter_params: int, world_size: int, full: dict[str, float], reduce_bucket_size: int):
+    """The trainable state of full fine-tuning swapped for the adapters'.
+
+    peft keeps the adapters in fp32 beside a bf16 base (autocast_adapter_dtype) and
+    `deepspeed.initialize` partitions them like every parameter (ZeRO-3 partitions all
+    trainable tensors, so the adapters count divided by the world size, as their fp32 master
+    copy, gradients and AdamW moments do). Only they reach the optimizer.
+    """
+    A, W = adapter_params, world_size
+    return {
+        "weights": full["weights"] + 4 * A / W,  # the frozen base as before + the fp32 adapters
         "master": 4 * A / W,
         "master_grad": 4 * A / W,
         "grads": 4 * A / W,  # fp32 like the adapters
         "adam": 8 * A / W,
         "adam_temp": 8 * A / W,
-        "grad_bucket": 4 * min(kw.get("reduce_bucket_size", DS_REDUCE_BUCKET_SIZE), A) if full["grad_bucket"] else 0.0,
+        "grad_bucket": 4 * min(reduce_bucket_size, A) if full["grad_bucket"] else 0.0,
     }
 
 
-def memory_stages(parts: dict[str, float]) -> dict[str, float]:
+# o_proj's input (the attention output) is kept by the attention's own backward; q/k/v and
+# gate/up read one tensor each.
+_LORA_SHARED_INPUT = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
+
+
+def _lora_act_delta(shape: ModelShape, rank: int, targets: tuple[str, ...], dtype: str, dropout: float) -> int:
+    """Activation bytes per token per decoder layer that LoRA adds to full fine-tuning's (may be < 0).
+
+    Measured with autograd's saved-tensor hooks on transformers' Llama + peft (exact on 4
+    shapes, bf16 and fp32; tests/test_plan.py keeps the formula). The backward still runs
+    through every frozen layer (the adapters below need the input gradients), so most of
+    full fine-tuning's activations stay, but:
+    - the frozen base keeps (4h + i) elements fewer: the tensors only its weight gradients
+      read (the norms' normalised inputs, Linear inputs no other op keeps);
+    - each adapter's A keeps its input for dA, in fp32: beside a bf16 base peft casts the input
+      to the adapters' fp32, a new tensor per targeted Linear (4 * in bytes each); in fp32
+      training A shares the base's input tensor (q/k/v one, gate/up one, o_proj's is kept
+      anyway, down_proj's its own);
+    - with lora.dropout > 0 each adapter keeps its dropout mask and output, fp32 (8 * in);
+    - each B keeps A's output (4 * rank).
+    """
+    h, shapes = shape.hidden_size, shape.projection_shapes()
+    frozen = -_bytes_per_param(dtype) * (4 * h + shape.intermediate_size)
+    if dropout > 0:
+        inputs = 8 * sum(shapes[t][1] for t in targets)
+    elif dtype == "bf16":
+        inputs = 4 * sum(shapes[t][1] for t in targets)
+    else:
+        kept = {_LORA_SHARED_INPUT.get(t, t): shapes[t][1] for t in targets if t != "o_proj"}
+        inputs = 4 * sum(kept.values())
+    return frozen + inputs + 4 * rank * len(targets)
+
+
+def memory_stages(parts: dict[str, float], lora: bool = False) -> dict[str, float]:
     """Cumulative per-rank bytes at each stage of start-up, and the training peak.
 
     after_load: sharded from_pretrained (weights partitioned under zero.Init, the checkpoint
@@ -383,14 +419,16 @@ def memory_stages(parts: dict[str, float]) -> dict[str, float]:
     after_optimizer: the first optimizer step (AdamW's moments exist from here on).
     peak: the high-water mark from the second step on: the backward's transients (activations,
     logits, ZeRO-3's gathered layers and gradient bucket) times the allocator's fragmentation,
-    plus AdamW's temporaries, which are large fresh allocations on top of that heap.
+    plus AdamW's temporaries, which are large fresh allocations on top of that heap. `lora`:
+    the parts are a LoRA run's, whose transients fragment more (LORA_FRAGMENTATION).
     """
     base = parts["baseline"] + LOAD_OVERHEAD_BYTES + parts["weights"]
     after_load = base + parts["checkpoint_pages"]
     after_master = base + INIT_OVERHEAD_BYTES + parts["master"] + parts["master_grad"] + parts["grads"]
     after_optimizer = after_master + parts["adam"]
     backward = parts["activations"] + parts["logits"] + parts["gathered_params"] + parts["grad_bucket"]
-    peak = after_optimizer + STEP_OVERHEAD_BYTES + FRAGMENTATION * backward + parts["adam_temp"]
+    fragmentation = LORA_FRAGMENTATION if lora else FRAGMENTATION
+    peak = after_optimizer + STEP_OVERHEAD_BYTES + fragmentation * backward + parts["adam_temp"]
     peak = max(peak, after_load)
     return {"after_load": after_load, "after_master": after_master, "after_optimizer": after_optimizer, "peak": peak}
 
@@ -446,7 +484,8 @@ def train_flops_per_step(shape: ModelShape, tokens: int, activation_checkpointin
 
 
 def _peak(shape: ModelShape, world_size: int, mem_kwargs: dict[str, Any]) -> float:
-    return memory_stages(memory_breakdown(shape, world_size, **mem_kwargs))["peak"]
+    lora = bool(mem_kwargs.get("lora_rank"))
+    return memory_stages(memory_breakdown(shape, world_size, **mem_kwargs), lora=lora)["peak"]
 
 
 def _fits(peak_bytes: float, ranks_per_node: int, instance_gib: float) -> bool:
@@ -515,11 +554,12 @@ def plan(
     instance: str | None = None,
     lora_rank: int = 0,
     lora_targets: tuple[str, ...] = LORA_TARGETS,
+    lora_dropout: float = 0.0,
 ) -> dict[str, Any]:
     """The whole estimate as a JSON-able dict (what `--json` prints).
 
     `lora_rank` > 0 plans LoRA fine-tuning: a frozen, partitioned base and trainable adapters
-    on `lora_targets`.
+    on `lora_targets` (`lora_dropout` > 0 keeps more activations).
 
     `instance` (e.g. 'c7i.48xlarge') checks the fit on that node and times the communication
     at its network rate; without it, the recommended node is used.
@@ -535,6 +575,8 @@ def plan(
         raise ValueError("world_size, micro_batch, seq_len, grad_accum_steps and ranks_per_node must be >= 1")
     if lora_rank < 0:
         raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
+    if not 0.0 <= lora_dropout < 1.0:
+        raise ValueError(f"lora_dropout must be in [0, 1), got {lora_dropout}")
     lora_targets = tuple(lora_targets)
     trainable = shape.lora_params(lora_rank, lora_targets) if lora_rank else shape.num_params
 
@@ -547,10 +589,11 @@ def plan(
         dtype=dtype,
         lora_rank=lora_rank,
         lora_targets=lora_targets,
+        lora_dropout=lora_dropout,
     )
     lora_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets)
     parts = memory_breakdown(shape, world_size, **mem_kwargs)
-    stages = memory_stages(parts)
+    stages = memory_stages(parts, lora=lora_rank > 0)
     comm = comm_bytes_per_step(shape, world_size, zero_stage, grad_accum_steps, dtype, **lora_kw)
     rec = recommend(shape, world_size, ranks_per_node=ranks_per_node, **mem_kwargs)
     node = instance or rec["instance"] or "c7i.48xlarge"
@@ -616,6 +659,7 @@ def inputs_from_run_config(path: str) -> dict[str, Any]:
         grad_accum_steps=cfg.train.grad_accum_steps,
         lora_rank=cfg.lora.rank,
         lora_targets=tuple(cfg.lora.target_modules),
+        lora_dropout=cfg.lora.dropout,
     )
 
 
@@ -639,7 +683,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"{'on' if i['activation_checkpointing'] else 'off'}",
         f"trainable   {_count(m['trainable_params'])} params"
         + (
-            f" (LoRA rank {i['lora_rank']} on {', '.join(i['lora_targets'])}: "
+            f" (LoRA rank {i['lora_rank']} on {', '.join(i['lora_targets'])}"
+            + (f", dropout {i['lora_dropout']:g}" if i["lora_dropout"] else "")
+            + ": "
             f"{m['trainable_params'] / m['num_params']:.2%} of the model; the base is frozen)"
             if i["lora_rank"]
             else " (full fine-tuning)"
@@ -698,6 +744,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lora-targets",
         help="comma-separated projections that get adapters (default: all of q,k,v,o,gate,up,down _proj)",
     )
+    p.add_argument("--lora-dropout", type=float, help="adapter dropout (> 0 keeps more activations; default 0)")
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--instance", help="check the fit on this node and time the traffic at its network rate")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
@@ -718,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
         grad_accum_steps=1,
         lora_rank=0,
         lora_targets=LORA_TARGETS,
+        lora_dropout=0.0,
     )
     try:
         if args.config:
@@ -733,6 +781,7 @@ def main(argv: list[str] | None = None) -> int:
             grad_accum_steps=args.grad_accum,
             lora_rank=args.lora_rank,
             lora_targets=tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None,
+            lora_dropout=args.lora_dropout,
         )
         inputs |= {k: v for k, v in flags.items() if v is not None}
         if args.model:

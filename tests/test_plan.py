@@ -326,7 +326,9 @@ def test_lora_needs_far_less_memory_and_traffic_than_full_fine_tuning():
     assert lora["components_gib"]["weights"] == pytest.approx(full["components_gib"]["weights"], rel=0.02)
     for k in ("master", "master_grad", "adam", "adam_temp"):
         assert lora["components_gib"][k] < full["components_gib"][k] / 100
-    assert lora["memory_gib"]["peak"] < full["memory_gib"]["peak"] / 4
+    # glibc fragments LoRA's transients more (LORA_FRAGMENTATION), so the peak shrinks less
+    # than the trainable state does
+    assert lora["memory_gib"]["peak"] < full["memory_gib"]["peak"] / 3
     # the gathers stay, the gradient reduce-scatter shrinks to the adapters'
     assert full["comm_gib_per_step"] * 0.6 < lora["comm_gib_per_step"] < full["comm_gib_per_step"]
     assert lora["train_tflop_per_rank_per_step"] == pytest.approx(full["train_tflop_per_rank_per_step"] * 6 / 8)
@@ -349,3 +351,53 @@ def test_cli_lora_flags_and_run_config(capsys):
     assert "LoRA rank 16" in table and "the base is frozen" in table
     assert plan.main(["--model", LLAMA3_8B, "--lora-rank", "8", "--lora-targets", "q_proj,v_proj", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["inputs"]["lora_targets"] == ["q_proj", "v_proj"]
+
+
+def _saved_bytes_of_one_layer(dtype: str, lora_rank: int = 0, targets=plan.LORA_TARGETS, dropout: float = 0.0) -> int:
+    """Bytes autograd keeps for backward in one decoder layer: a 2-layer model less a 1-layer one
+    (so the embedding and head, frozen or not, cancel out)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kept = []
+    for layers in (1, 2):
+        config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=352, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(torch.bfloat16 if dtype == "bf16" else torch.float32).train()
+        if lora_rank:
+            cfg = LoraConfig(r=lora_rank, lora_dropout=dropout, target_modules=list(targets), task_type="CAUSAL_LM")
+            model = get_peft_model(model, cfg).train()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t, params=params, saved=saved):
+            if t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=torch.randint(0, 64, (1, 64)))
+        kept.append(sum(saved.values()))
+    return kept[1] - kept[0]
+
+
+@pytest.mark.parametrize(
+    "dtype, targets, dropout",
+    [
+        ("bf16", plan.LORA_TARGETS, 0.0),
+        ("bf16", plan.LORA_TARGETS, 0.1),
+        ("fp32", ("q_proj", "v_proj", "down_proj"), 0.0),
+    ],
+    ids=["bf16", "bf16-dropout", "fp32-qv-down"],
+)
+def test_lora_activation_change_matches_autograd(dtype, targets, dropout):
+    """What LoRA adds to (and takes from) full fine-tuning's activations, exactly as autograd keeps it."""
+    shape = plan.ModelShape("probe", vocab_size=64, hidden_size=128, intermediate_size=352, num_layers=2,
+                            num_heads=4, num_kv_heads=2)  # fmt: skip
+    measured = _saved_bytes_of_one_layer(dtype, 8, targets, dropout) - _saved_bytes_of_one_layer(dtype)
+    kw = dict(micro_batch=1, seq_len=64, dtype=dtype)
+    lora = plan.memory_breakdown(shape, 1, lora_rank=8, lora_targets=targets, lora_dropout=dropout, **kw)
+    full = plan.memory_breakdown(shape, 1, **kw)
+    assert (lora["activations"] - full["activations"]) / shape.num_layers == measured
