@@ -52,11 +52,77 @@ class CheckpointError(RuntimeError):
     """A checkpoint that can't be written, or one that is incomplete or unreadable."""
 
 
-def config_hash(config_dict: dict[str, Any]) -> str:
-    """Hash of the settings that must not change across a resume (model, data, batch shape)."""
+def hashed_settings(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """The settings that must not change across a resume: model, data, batch shape, seed and
+    LoRA (the step counter, LR schedule length, logging and checkpoint cadence may).
+
+    LoRA counts only when on (lora.rank > 0), so a full fine-tuning run hashes as it did
+    before LoRA existed and its older checkpoints still resume."""
     keep = {k: config_dict[k] for k in ("model", "data")}
     keep["train"] = {k: config_dict["train"][k] for k in ("micro_batch_size", "grad_accum_steps", "seed")}
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+    if (config_dict.get("lora") or {}).get("rank"):
+        keep["lora"] = config_dict["lora"]
+    return keep
+
+
+def config_hash(config_dict: dict[str, Any]) -> str:
+    """Hash of `hashed_settings`; each checkpoint's manifest records the one it was made with."""
+    return hashlib.sha256(json.dumps(hashed_settings(config_dict), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def changed_settings(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """'key: old → new' for each hashed setting that differs between two resolved configs."""
+    a, b = _flatten(hashed_settings(old)), _flatten(hashed_settings(new))
+    keys = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or a[k] != b[k])
+    return [f"{k}: {_show(a, k)} → {_show(b, k)}" for k in keys]
+
+
+def _show(settings: dict[str, Any], key: str) -> str:
+    return json.dumps(settings[key]) if key in settings else "(unset)"
+
+
+def resume_conflict(manifest: dict[str, Any], path: str | Path, config_dict: dict[str, Any]) -> str | None:
+    """Why `config_dict` can't resume from checkpoint `path` (its `manifest`); None when it can.
+
+    The old values come from the manifest's "settings" (hashed_settings) where it records them,
+    else from the run directory's config.yaml (the resolved config of the last run), trusted
+    only when it hashes to the checkpoint's value. Checked on the driver before Ray starts;
+    `load_into` repeats the hash check on every worker as the last line of defence.
+    """
+    if manifest["config_hash"] == config_hash(config_dict):
+        return None
+    run_dir = Path(path).parent
+    saved = run_dir / "config.yaml"
+    old = manifest.get("settings") or _saved_config(saved)
+    if old is not None and config_hash(old) == manifest["config_hash"]:
+        changes = "; ".join(changed_settings(old, config_dict))
+    else:  # config.yaml is gone or was written by another version: only the hashes are known
+        changes = f"config hash {manifest['config_hash']} → {config_hash(config_dict)} ({saved} does not record the old values)"
+    return (
+        f"run {run_dir.name!r} resumes from {path} (step {manifest['step']}), which was made with other "
+        f"model/data/batch settings: {changes}. Either run again with the old values (or choose a new run.name to "
+        f"start from scratch), or export the checkpoint (python -m raytrain_cpu.export {path} <dir>) and start a "
+        "new run.name with model.name_or_path=<dir>."
+    )
+
+
+def _saved_config(path: Path) -> dict[str, Any] | None:
+    """A run directory's config.yaml, or None when it is missing, unreadable or lacks a hashed section."""
+    import yaml
+
+    try:
+        old = yaml.safe_load(path.read_text())
+        hashed_settings(old)
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    return old
 
 
 def checkpoint_dir_name(step: int) -> str:

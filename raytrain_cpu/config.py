@@ -425,6 +425,11 @@ class RunSettings:
     export_on_finish: bool = False
     """When training ends, write <run dir>/export (a Hugging Face model: safetensors, config,
     tokenizer) from the final checkpoint and check its logits against the trained model."""
+    verbose: bool = False
+    """Also show Ray's own driver and worker log lines on the console, as before (Ray Train's and
+    Ray Data's logs, worker tracebacks, raylet notices). Off, the console keeps raytrain's lines
+    (progress, phases, restarts with their reason, the summary); Ray's logs stay in its log
+    directory either way (the run's first lines name it)."""
 
     def __post_init__(self) -> None:
         _require(

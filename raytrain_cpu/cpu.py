@@ -364,18 +364,18 @@ def choose_dtype(
 
 
 def gemms_for_model(model_dir: str, tokens: int) -> list[Gemm]:
-    """llama_gemms for a Hugging Face model directory (config.json only, no weights)."""
-    import json
+    """llama_gemms for a Hugging Face model directory (config.json only, no weights; GPT-2 style
+    key names too)."""
+    from raytrain_cpu.model import model_dims
 
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    heads = c["num_attention_heads"]
+    d = model_dims(model_dir)
     return llama_gemms(
-        hidden=c["hidden_size"],
-        intermediate=c["intermediate_size"],
-        num_heads=heads,
-        num_kv_heads=c.get("num_key_value_heads") or heads,
-        vocab=c["vocab_size"],
-        num_layers=c["num_hidden_layers"],
+        hidden=d["hidden_size"],
+        intermediate=d["intermediate_size"],
+        num_heads=d["num_heads"],
+        num_kv_heads=d["num_kv_heads"],
+        vocab=d["vocab_size"],
+        num_layers=d["num_layers"],
         tokens=tokens,
     )
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import hashlib
 import json
 import os
@@ -418,7 +419,7 @@ class Tokenize:
         alone fills data.seq_len fails naming its file and row, or is skipped and counted."""
         import pyarrow as pa
 
-        from raytrain_cpu.sft import IGNORE, RowError, labelled_ids
+        from raytrain_cpu.sft import RowError, example_tokens
 
         d = self.data
         ids_col, labels_col, skipped = [], [], [int(x) for x in batch["skipped"]]
@@ -437,13 +438,15 @@ class Tokenize:
         encodings = self.tok.encode_batch([t for _, t, _ in rendered], add_special_tokens=False) if rendered else []
         done: dict[int, tuple[list[int], list[int]]] = {}
         for (i, _, spans), enc in zip(rendered, encodings):
-            ids, labels = labelled_ids(enc, spans, d.train_on_prompt)
-            first = next((k for k, lab in enumerate(labels) if lab != IGNORE), None)
-            if first is None or first >= d.seq_len:
-                self._bad(
-                    payloads[i]["ref"],
-                    f"its prompt alone takes {first or len(ids)} tokens, data.seq_len={d.seq_len} leaves no room for the response; raise data.seq_len or shorten the prompt",
+            ids, labels, prompt = example_tokens(enc, spans, d.train_on_prompt, self.eos)
+            if prompt is None or prompt >= d.seq_len:
+                why = (
+                    "no response token survives the template: nothing to train on"
+                    if prompt is None
+                    else f"its prompt alone takes {prompt} tokens, so data.seq_len={d.seq_len} leaves no room "
+                    "for the response; raise data.seq_len or shorten the prompt"
                 )
+                self._bad(payloads[i]["ref"], why)
                 skipped[i] += 1
                 continue
             done[i] = (ids, labels)
@@ -519,7 +522,13 @@ def _unwrap(e: BaseException) -> DataError | None:
     chain: list[BaseException] = []
     while e is not None and all(e is not c for c in chain):
         if isinstance(e, DataError):
-            return DataError(e.args[0] if e.args else str(e))
+            # Only our one-line message, no object of the chain: Ray's dual-class error may hold
+            # the original (and append its retry hint to the text), and the original's traceback
+            # holds the execution and its tokenizer actors (see _pack).
+            msg = e.args[0] if e.args else str(e)
+            while isinstance(msg, BaseException):
+                msg = msg.args[0] if msg.args else str(msg)
+            return DataError(str(msg).strip().splitlines()[0])
         chain.append(e)
         e = getattr(e, "cause", None) or e.__cause__
     # Ray Data may hand back only the remote traceback's text (the chained DataError object does
@@ -566,11 +575,10 @@ def cache_key(cfg: Config, train: SourceSpec, evals: SourceSpec | None, tokenize
 
         payload["sft"] = {
             "format": d.format,
-            "template": template_fingerprint(Path(tokenizer_path), d)
-            if Path(tokenizer_path).is_dir()
-            else tokenizer_path,
+            "template": template_fingerprint(tokenizer_path, d),
             "train_on_prompt": d.train_on_prompt,
             "columns": [d.messages_column, d.prompt_column, d.response_column, d.system_column],
+            "packing": f"first-fit-{PACK_WINDOW}",  # how examples share blocks (_ExampleWriter)
         }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -627,22 +635,27 @@ class _BlockWriter:
         return self.pending
 
 
+PACK_WINDOW = 16  # blocks the example packer keeps open at once
+
+
 class _ExampleWriter(_BlockWriter):
     """Packs whole examples into seq_len blocks, padded: several per block, none split.
 
-    Greedy in order: an example that does not fit the current block's room starts the next
-    block (the room left is padding, label -100); one longer than seq_len is truncated to it
-    (its prompt fits, the tokenizer checked) and counted. In-order greedy keeps the cache's
-    order the data's order, and on short examples wastes little (measured in meta.json's
-    padding_frac).
+    First fit over a bounded window: an example goes into the oldest of the PACK_WINDOW open
+    blocks with room for it, else opens a new block; when more than PACK_WINDOW are open, or
+    the oldest is full, the oldest closes (its room left is padding, label -100), so blocks
+    are written in the order they opened. Measured on the bundled chat examples at seq_len 256: 22% padding
+    in order (a window of 1), 10% with 4, 9.5% with 16, 8.8% with 64; so a small window takes
+    most of the gain while keeping the cache close to the data's order, its memory bounded
+    and the result deterministic. An example longer than seq_len is truncated to it (its
+    prompt fits, the tokenizer checked) and counted.
     """
 
-    def __init__(self, out: Path, seq_len: int, pad_id: int):
+    def __init__(self, out: Path, seq_len: int, pad_id: int, window: int = PACK_WINDOW):
         super().__init__(out, seq_len)
-        self.pad_id = pad_id
-        self.cur_ids: list[np.ndarray] = []
-        self.cur_labels: list[np.ndarray] = []
-        self.cur_len = 0
+        self.pad_id, self.window = pad_id, window
+        self.open: list[tuple[list[np.ndarray], list[np.ndarray]]] = []  # (ids pieces, labels pieces)
+        self.used: list[int] = []
         self.labels: list[np.ndarray] = []
         self.truncated = self.padding = self.loss_tokens = 0
 
@@ -650,23 +663,27 @@ class _ExampleWriter(_BlockWriter):
         if len(ids) > self.seq_len:
             ids, labels = ids[: self.seq_len], labels[: self.seq_len]
             self.truncated += 1
-        if self.cur_len + len(ids) > self.seq_len:
+        k = next((k for k, used in enumerate(self.used) if used + len(ids) <= self.seq_len), None)
+        if k is None:
+            self.open.append(([], []))
+            self.used.append(0)
+            k = len(self.open) - 1
+        self.open[k][0].append(ids)
+        self.open[k][1].append(labels)
+        self.used[k] += len(ids)
+        # Blocks are written in the order they opened: the oldest closes when full or pushed out.
+        while self.open and (self.used[0] == self.seq_len or len(self.open) > self.window):
             self._close_block()
-        self.cur_ids.append(ids)
-        self.cur_labels.append(labels)
-        self.cur_len += len(ids)
 
     def _close_block(self) -> None:
-        if not self.cur_len:
-            return
-        pad = self.seq_len - self.cur_len
-        ids = np.concatenate([*self.cur_ids, np.full(pad, self.pad_id, dtype=np.int32)])
-        labels = np.concatenate([*self.cur_labels, np.full(pad, -100, dtype=np.int32)])
+        (ids, labels), used = self.open.pop(0), self.used.pop(0)
+        pad = self.seq_len - used
+        ids = np.concatenate([*ids, np.full(pad, self.pad_id, dtype=np.int32)])
+        labels = np.concatenate([*labels, np.full(pad, -100, dtype=np.int32)])
         self.padding += pad
         self.loss_tokens += int((labels[1:] != -100).sum())  # targets after the model's shift
         self.blocks.append(ids)
         self.labels.append(labels)
-        self.cur_ids, self.cur_labels, self.cur_len = [], [], 0
         if len(self.blocks) >= BLOCKS_PER_FILE:
             self._flush()
 
@@ -686,7 +703,8 @@ class _ExampleWriter(_BlockWriter):
         self.blocks, self.labels = [], []
 
     def close(self) -> int:
-        self._close_block()
+        while self.open:
+            self._close_block()
         self._flush()
         return 0
 
@@ -738,6 +756,25 @@ def _read_documents(spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int
     )
 
 
+def _kill_tokenizer_actors() -> None:
+    """Ends the tokenizer actors of a failed execution in this process.
+
+    Ray Data shuts a failed execution down without killing its actors, leaving them to reference
+    counting, but a task-done callback of the failed task keeps a handle (Ray 2.60), and so do
+    tracebacks kept in log records. Each actor holds a CPU: in a process that trains next (a
+    notebook, the tests) the training workers would wait for those CPUs forever.
+    """
+    import ray
+    from ray.actor import ActorHandle
+
+    gc.collect()
+    for obj in gc.get_objects():
+        if isinstance(obj, ActorHandle):
+            descriptor = obj.__dict__.get("_ray_actor_creation_function_descriptor")  # no __getattr__
+            if descriptor is not None and "MapBatches(Tokenize)" in descriptor.class_name:
+                ray.kill(obj)
+
+
 def _pack(
     spec: SourceSpec,
     cfg: DataConfig,
@@ -761,6 +798,7 @@ def _pack(
     eval_writer = make(holdout) if holdout else None
     every = round(1 / cfg.eval_fraction) if holdout else 0
     docs = skipped = tokens = 0
+    failure = None
     try:
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             skipped += int(pa.compute.sum(batch.column("skipped")).as_py() or 0)
@@ -781,10 +819,13 @@ def _pack(
                 else:
                     w.add(ids)
     except Exception as e:
-        err = _unwrap(e)
-        if err is None:
+        failure = _unwrap(e)
+        if failure is None:
             raise
-        raise err from None
+    if failure is not None:
+        del ds
+        _kill_tokenizer_actors()
+        raise failure  # outside the handler: no link to Ray's exception, whose traceback holds them too
     dropped = writer.close() + (eval_writer.close() if eval_writer else 0)
     if docs == 0:
         raise DataError(
@@ -946,13 +987,18 @@ class StreamPlan:
         for e in np.unique(epoch):
             sel = epoch == e
             block_id[sel] = global_order(self.n_blocks, self.seed, int(e), self.window)[within[sel]]
-        columns = ("input_ids", "labels") if self.has_labels else ("input_ids",)
-        rows: dict[str, list[np.ndarray]] = {c: [] for c in columns}
-        for b in block_id:
-            f, r = divmod(int(b), BLOCKS_PER_FILE)
-            for c in columns:
-                rows[c].append(_cache_file(f"{self.train_dir}/part-{f:05d}.parquet", c)[r])
-        return {"pos": pos, "block_id": block_id, **{c: np.stack(v) for c, v in rows.items()}}
+        return {"pos": pos, "block_id": block_id, **_read_blocks(self.train_dir, block_id, self.has_labels)}
+
+
+def _read_blocks(split_dir: str, block_ids: np.ndarray, has_labels: bool) -> dict[str, np.ndarray]:
+    """Rows `block_ids` of a cache split (BLOCKS_PER_FILE to a parquet file), stacked per column."""
+    columns = ("input_ids", "labels") if has_labels else ("input_ids",)
+    rows: dict[str, list[np.ndarray]] = {c: [] for c in columns}
+    for b in block_ids:
+        f, r = divmod(int(b), BLOCKS_PER_FILE)
+        for c in columns:
+            rows[c].append(_cache_file(f"{split_dir}/part-{f:05d}.parquet", c)[r])
+    return {c: np.stack(v) for c, v in rows.items()}
 
 
 def train_stream(cache: Path, plan: StreamPlan):
@@ -969,23 +1015,28 @@ def train_stream(cache: Path, plan: StreamPlan):
     )
 
 
-def eval_stream(cache: Path, world_size: int, rank: int, n_eval: int):
-    """Rank r evaluates eval blocks r, r+W, ...; every rank gets the same count (ZeRO-3 needs
-    every rank in every forward), so up to W-1 trailing blocks are left out."""
+def eval_stream(cache: Path, world_size: int, rank: int, n_eval: int, max_blocks: int = 0, has_labels: bool = False):
+    """Rank r evaluates eval blocks r, r+W, ... (its first `max_blocks`; 0: all); every rank
+    gets the same count (ZeRO-3 needs every rank in every forward), so up to W-1 trailing
+    blocks are left out.
+
+    Fetched by index like the training stream: an evaluation reads the blocks it evaluates,
+    not the whole split (reading and filtering the split cost seconds an evaluation).
+    """
     import ray
 
     per_rank = n_eval // world_size
+    if max_blocks:
+        per_rank = min(per_rank, max_blocks)
+    split_dir = str(Path(cache) / "eval")
 
-    def pick(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        ids = batch["block_id"].astype(np.int64)
-        keep = (ids % world_size == rank) & (ids // world_size < per_rank)
-        out = {"block_id": ids[keep], "input_ids": np.asarray(batch["input_ids"])[keep]}
-        if "labels" in batch:
-            out["labels"] = np.asarray(batch["labels"])[keep]
-        return out
+    def fetch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        block_id = batch["id"].astype(np.int64) * world_size + rank
+        return {"block_id": block_id, **_read_blocks(split_dir, block_id, has_labels)}
 
-    ds = ray.data.read_parquet(str(Path(cache) / "eval"), num_cpus=0.25)
-    return ds.map_batches(pick, batch_format="numpy", num_cpus=0.25)
+    return ray.data.range(per_rank, override_num_blocks=max(1, min(64, per_rank // 256))).map_batches(
+        fetch, batch_format="numpy", batch_size=256, num_cpus=0.25
+    )
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -1024,6 +1075,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "cache": str(cache),
                 **{k: meta[k] for k in ("blocks", "eval_blocks", "tokens", "skipped_rows", "tokens_per_s")},
+                **{k: meta[k] for k in ("truncated_examples", "padding_frac", "loss_tokens") if k in meta},
             },
             indent=2,
         )

@@ -7,17 +7,24 @@ TorchTrainer(gloo) -> summary. Re-running the same command with the same run.nam
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import json
+import logging
 import os
+import re
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from raytrain_cpu.config import Config, ConfigError, load_config, options_help
+from raytrain_cpu.metrics import CONSOLE_LINE
 
 # ----------------------------------------------------------------------------- validation
 
@@ -45,10 +52,14 @@ def check_storage(path: Path) -> None:
 
 def validate_before_ray(cfg: Config) -> None:
     from raytrain_cpu.data import DataError, source_specs
-    from raytrain_cpu.model import check_model_path
+    from raytrain_cpu.model import check_causal_lm, check_context_length, check_model_path
 
     if not cfg.model.is_tiny:
         check_model_path(cfg.model.name_or_path)
+        local = Path(cfg.model.name_or_path).expanduser()
+        if local.is_dir():  # a hub id is checked once downloaded
+            check_causal_lm(str(local))
+            check_context_length(str(local), cfg.data.seq_len)
     if cfg.model.tokenizer not in ("bundled", ""):
         p = Path(cfg.model.tokenizer).expanduser()
         if cfg.model.tokenizer.startswith((".", "/", "~")) and not p.is_dir():
@@ -61,6 +72,25 @@ def validate_before_ray(cfg: Config) -> None:
             source_specs(cfg.data)
         except DataError as e:
             raise ConfigError(str(e)) from None
+    check_resume(cfg)
+
+
+def check_resume(cfg: Config) -> None:
+    """A run.name that already has a checkpoint resumes from it: its model/data/batch settings
+    (and an explicit worker count) must match, else the workers would fail on it after start-up.
+    Reads only files (Ray's checkpoint snapshot, the manifest, config.yaml), so it runs before Ray."""
+    from raytrain_cpu.checkpoint import resume_conflict, world_size_remedy
+
+    latest = newest_checkpoint(cfg.run.run_dir)
+    if latest is None:
+        return
+    conflict = resume_conflict(latest, latest["path"], cfg.to_dict())
+    if conflict:
+        raise ConfigError(f"run.name: {conflict}")
+    if cfg.scaling.num_workers and cfg.scaling.num_workers != latest["world_size"]:
+        raise ConfigError(
+            f"scaling.num_workers: {world_size_remedy(latest['path'], latest['world_size'], cfg.scaling.num_workers)}"
+        )
 
 
 def check_lora_before_ray(cfg: Config) -> dict[str, int] | None:
@@ -201,6 +231,208 @@ def newest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
         ) from None
 
 
+# ----------------------------------------------------------------------------- console
+#
+# The default console keeps raytrain's own lines: the driver's ([raytrain], [data], the
+# summary), the workers' (metrics.console: "[rank N] ..." progress, [load], eval, resume) and
+# one line per failed attempt. Everything else Ray prints stays complete in its log
+# directory: the workers' and actors' stdout/stderr files, the core workers' logs, and this
+# driver's Ray log records (raytrain-driver.log). run.verbose=true prints it all here, as before.
+
+
+RAY_CONSOLE_FILTER = (CONSOLE_LINE.pattern, "^")
+"""(RAY_DEDUP_LOGS_ALLOW_REGEX, RAY_DEDUP_LOGS_SKIP_REGEX) of the quiet console: of the lines Ray
+forwards to the driver, raytrain's are always printed and every other one never."""
+
+
+def quiet_ray_console(cfg: Config) -> bool:
+    """Whether run()'s console is quiet: a Ray it starts (not the caller's) and run.verbose off.
+    Then, of what Ray forwards to this driver (worker and actor output, raylet notices), only
+    raytrain's lines are printed (metrics.CONSOLE_LINE), without Ray's "(RayTrainWorker pid=...)".
+
+    Ray's documented log-deduplication knobs do it: a line matching RAY_DEDUP_LOGS_ALLOW_REGEX is
+    always printed, one matching RAY_DEDUP_LOGS_SKIP_REGEX never. Autoscaler events (a request
+    the cluster can't place) bypass them and still show. Ray reads the knobs when it is imported,
+    so this runs before `import ray`; where Ray was imported already (a notebook), the same values
+    go onto the objects Ray built from them, and a Ray without those objects prints everything.
+    """
+    ray = sys.modules.get("ray")
+    if cfg.run.verbose or (ray is not None and ray.is_initialized()):
+        return False
+    knobs = {
+        "RAY_DEDUP_LOGS_ALLOW_REGEX": RAY_CONSOLE_FILTER[0],
+        "RAY_DEDUP_LOGS_SKIP_REGEX": RAY_CONSOLE_FILTER[1],
+        "RAY_DISABLE_WORKER_LOG_PREFIX": "1",
+    }
+    for key, value in knobs.items():
+        os.environ.setdefault(key, value)  # a value the user set wins
+    if ray is not None:
+        try:
+            from ray._private import ray_constants, ray_logging
+
+            for dedup in (ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator):
+                dedup.allow_re = re.compile(os.environ["RAY_DEDUP_LOGS_ALLOW_REGEX"])
+                dedup.skip_re = re.compile(os.environ["RAY_DEDUP_LOGS_SKIP_REGEX"])
+            ray_constants.RAY_DISABLE_WORKER_LOG_PREFIX = os.environ["RAY_DISABLE_WORKER_LOG_PREFIX"] == "1"
+        except (ImportError, AttributeError):
+            pass
+    return True
+
+
+def quiet_ray_loggers() -> logging.Handler:
+    """Ray's Python loggers in this process ("ray", and "ray.data" with its own console handler)
+    print ERROR and above only. The rest is kept by the returned handler, which buffers it until
+    ray_log_file() writes it to Ray's log directory (ray.data writes its own ray-data.log there)."""
+    import logging.handlers
+
+    import ray.data  # noqa: F401  (sets up ray.data's handlers, to quiet them here)
+
+    for name in ("ray", "ray.data"):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                handler.setLevel(logging.ERROR)
+    buffer = logging.handlers.MemoryHandler(capacity=10_000, flushLevel=logging.CRITICAL + 1)
+    logging.getLogger("ray").addHandler(buffer)
+    return buffer
+
+
+def ray_log_file(buffer: logging.Handler, logs_dir: Path) -> None:
+    """Moves quiet_ray_loggers' buffer (what Ray logged during ray.init) into raytrain-driver.log."""
+    handler = logging.FileHandler(logs_dir / "raytrain-driver.log")
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s\t%(levelname)s %(name)s %(filename)s:%(lineno)s -- %(message)s")
+    )
+    ray_logger = logging.getLogger("ray")
+    buffer.setTarget(handler)
+    buffer.flush()
+    ray_logger.removeHandler(buffer)
+    ray_logger.addHandler(handler)
+
+
+# A line of Ray's C++ logging: "[2026-11-24 10:26:06,453 E 14559 14559] core_worker.cc:2465: ..."
+CORE_LOG_LINE = re.compile(rb"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [IWE] \d+ \d+\] \S+:\d+: ")
+
+
+def hide_core_log_lines() -> Callable[[], None]:
+    """Ray's C++ core worker in this process writes its warnings and errors to fd 2 besides its log
+    file (python-core-driver-*.log in Ray's log directory), e.g. "Actor ... has constructor
+    arguments in the object store" each time Ray Data starts its tokenizer actors. A pipe in
+    front of fd 2 drops those lines and passes everything else straight through (fatal errors
+    included). Returns what puts fd 2 back; it also runs at exit, after a last traceback."""
+    try:
+        sys.stderr.flush()
+        terminal = os.fdopen(os.dup(2), "wb")
+        read, write = os.pipe()
+    except (OSError, ValueError):  # no usable fd 2
+        return lambda: None
+    os.dup2(write, 2)
+    os.close(write)
+    pump = threading.Thread(target=_pass_stderr, args=(read, terminal), name="raytrain-stderr", daemon=True)
+    pump.start()
+
+    def restore() -> None:
+        if pump.is_alive():
+            sys.stderr.flush()
+            os.dup2(terminal.fileno(), 2)  # the pipe's last write end goes: the pump drains it and ends
+            pump.join(timeout=5)
+
+    atexit.register(restore)
+    return restore
+
+
+def _pass_stderr(read: int, out: Any) -> None:
+    """Copies the pipe to the terminal as it comes (a progress bar's partial line too), holding
+    back only the start of a line that may turn out to be one of Ray's C++ log lines."""
+    held, mode = b"", "undecided"  # what happens to the current line: undecided (held), pass, drop
+    with os.fdopen(read, "rb", buffering=0) as pipe:
+        while chunk := pipe.read(1 << 16):
+            for piece in filter(None, re.split(rb"(?<=\n)", chunk)):
+                if mode == "undecided":
+                    held += piece
+                    if not (held.endswith(b"\n") or not held.startswith(b"[") or len(held) > 80):
+                        continue
+                    mode = "drop" if CORE_LOG_LINE.match(held) else "pass"
+                    piece, held = held, b""
+                if mode == "pass":
+                    out.write(piece)
+                if piece.endswith(b"\n"):
+                    mode = "undecided"
+            out.flush()
+    if held and not CORE_LOG_LINE.match(held):
+        out.write(held)
+    out.flush()
+
+
+def failure_reason(errors: dict[int, BaseException]) -> tuple[str, bool]:
+    """("rank 1 on node 10.0.0.5: ActorDiedError: ...", preempted) for one failed attempt.
+
+    Names the error that most likely caused the others: a worker that died, then one that hung
+    (its health check timed out), before the collective errors its peers raise in turn.
+    """
+
+    def cause(e: BaseException) -> BaseException:  # a failed health check wraps the actor's death
+        return getattr(e, "health_check_failure", None) or e
+
+    def likely_first(rank: int) -> tuple[int, int]:
+        e = cause(errors[rank])
+        dead = hasattr(e, "actor_init_failed")  # a RayActorError: the worker process is gone
+        return (0 if dead else 1 if "Timeout" in type(e).__name__ else 2, rank)
+
+    rank = min(errors, key=likely_first)
+    e = cause(errors[rank])
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()] or [""]
+    exit_detail = re.search(r"Worker exit type: (\w+) Worker exit detail: (.+?\.)(?:\s|$)", " ".join(lines))
+    if exit_detail:  # a dead worker: Ray's account of how its process ended
+        message = f"{type(e).__name__}: {exit_detail.group(2)} ({exit_detail.group(1)})"
+    elif lines[0].startswith("Traceback"):  # an exception in the training loop: its last line
+        message = re.sub(r"^(?:\w+\.)+(?=\w+:)", "", lines[-1])
+    else:
+        message = f"{type(e).__name__}: {lines[0]}"
+    node = re.search(r"(?:\bip: |node_ip=')([\w.:-]+)", str(errors[rank]))
+    pid = re.search(r"\bpid(?:: |=)(\d+)", str(errors[rank]))
+    where = f"rank {rank}" + (f", pid {pid.group(1)}" if pid else "") + (f" on node {node.group(1)}" if node else "")
+    others = sorted(set(errors) - {rank})
+    also = f"; rank {', '.join(map(str, others))} failed too" if others else ""
+    preempted = any(getattr(cause(x), "preempted", False) for x in errors.values())
+    return f"{where}: {message[:300]}{also}", preempted
+
+
+def restart_notice(max_failures: int, start_checkpoint: str | None) -> Any:
+    """A Ray Train callback that prints one line per failed attempt on the console: the reason
+    and what Ray Train does next (as its FailureConfig decides: run.max_failures, preemptions not
+    counted). Ray's own report, every rank's traceback, stays in the controller's log.
+
+    Defined here, not at module level, so that importing this module doesn't import Ray (its
+    console knobs are read at import); the class travels to the controller by value.
+    """
+    import ray.train
+
+    from raytrain_cpu.metrics import console
+
+    class RestartNotice(ray.train.UserCallback):
+        def __init__(self) -> None:
+            self.checkpoint, self.failures = start_checkpoint, 0
+
+        def after_report(self, run_context, metrics, checkpoint) -> None:
+            if checkpoint is not None:
+                self.checkpoint = Path(checkpoint.path).name
+
+        def after_exception(self, run_context, worker_exceptions) -> None:
+            reason, preempted = failure_reason(worker_exceptions)
+            start = self.checkpoint or "step 0"
+            self.failures += not preempted
+            if preempted:
+                then = f"restarting from {start} (a preempted node: not counted in run.max_failures)"
+            elif max_failures == -1 or self.failures <= max_failures:
+                of = "" if max_failures == -1 else f" of {max_failures + 1}"
+                then = f"restarting from {start} (attempt {self.failures + 1}{of})"
+            else:
+                then = f"no restarts left (run.max_failures={max_failures}), the run stops"
+            console(f"[raytrain] worker group failed ({reason}); {then}")
+
+    return RestartNotice()
+
+
 # ----------------------------------------------------------------------------- run
 
 
@@ -211,11 +443,13 @@ def quiet_worker_logs() -> None:
     Ray Train's placement-group cleaner, which asks the dashboard's state API every second
     whether the controller is still alive, then logs a warning each time: ~100 lines a run.
     Its job (freeing the placement group when the controller dies) ends with the local Ray
-    anyway, so only its warnings are dropped.
+    anyway, so only its warnings are dropped. It asks the cluster named by RAY_ADDRESS, else the
+    one it finds on the machine, and stops with a traceback where it finds several.
     """
-    import logging
+    import ray
 
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
 
 
 def build_datasets(cache: Path, meta: dict, cfg: Config, world: int, start: int) -> dict[str, Any]:
@@ -228,6 +462,8 @@ def build_datasets(cache: Path, meta: dict, cfg: Config, world: int, start: int)
     datathrottle.install(DataContext.get_current())
 
     end = cfg.train.max_steps * cfg.train.derive_global_batch(world)
+    has_labels = meta.get("data_format", "text") != "text"
+    eval_blocks = cfg.train.eval_batches * cfg.train.micro_batch_size  # 0: the whole split
     out = {}
     for r in range(world):
         plan = StreamPlan(
@@ -240,16 +476,21 @@ def build_datasets(cache: Path, meta: dict, cfg: Config, world: int, start: int)
             r,
             start,
             end,
-            has_labels=meta.get("data_format", "text") != "text",
+            has_labels=has_labels,
         )
         out[f"train_rank{r}"] = train_stream(cache, plan)
         if meta["eval_blocks"] >= world:
-            out[f"eval_rank{r}"] = eval_stream(cache, world, r, meta["eval_blocks"])
+            out[f"eval_rank{r}"] = eval_stream(cache, world, r, meta["eval_blocks"], eval_blocks, has_labels)
     return out
 
 
 def run(cfg: Config) -> dict[str, Any]:
-    """Runs (or resumes) the job; returns the summary written to summary.json."""
+    """Runs (or resumes) the job; returns the summary written to summary.json.
+
+    A Ray it starts prints raytrain's lines only, unless run.verbose (see "console" above); a
+    Ray the caller started keeps the caller's console.
+    """
+    quiet = quiet_ray_console(cfg)  # before `import ray`: Ray reads its console knobs on import
     import ray
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -257,7 +498,7 @@ def run(cfg: Config) -> dict[str, Any]:
     from raytrain_cpu.checkpoint import config_hash
     from raytrain_cpu.data import prepare, read_meta
     from raytrain_cpu.metrics import count_events, read_metrics
-    from raytrain_cpu.model import count_parameters, write_tiny_model
+    from raytrain_cpu.model import check_causal_lm, check_context_length, count_parameters, write_tiny_model
     from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
     from raytrain_cpu.train import train_loop
 
@@ -265,17 +506,30 @@ def run(cfg: Config) -> dict[str, Any]:
     run_dir = cfg.run.run_dir
     ray_env = {"TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
     os.environ.update(ray_env)
+    restore_stderr = None
     if not ray.is_initialized():
         local = cfg.run.ray_init_address == "local"
-        ray.init(
+        # Joining a running cluster (under `ray job submit` RAY_ADDRESS is its GCS): every process
+        # of the job gets the address, so helpers that look the cluster up themselves (Ray Train's
+        # placement-group cleaner) don't fail with "multiple active Ray instances" on a machine
+        # that runs several Rays.
+        joined = {} if local or "://" in cfg.run.ray_init_address else {"RAY_ADDRESS": cfg.run.ray_init_address}
+        ray_logs = quiet_ray_loggers() if quiet else None
+        context = ray.init(
             address=cfg.run.ray_init_address,
-            runtime_env={"env_vars": ray_env}
+            runtime_env={"env_vars": ray_env | joined}
             | ({"worker_process_setup_hook": "raytrain_cpu.main.quiet_worker_logs"} if local else {}),
             include_dashboard=False,
             log_to_driver=True,
             configure_logging=True,
             logging_level="WARNING",
         )
+        logs_dir = Path(context.address_info["session_dir"]) / "logs"
+        if ray_logs is not None:
+            ray_log_file(ray_logs, logs_dir)
+            restore_stderr = hide_core_log_lines()
+        verbose_hint = "" if cfg.run.verbose else "; run.verbose=true prints them here too"
+        print(f"[raytrain] Ray's own logs: {logs_dir} (on each node){verbose_hint}", flush=True)
     # Helper processes (e.g. Ray Train's placement-group cleaner) find this cluster, not another.
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     # One progress line from rank 0 instead of Ray Data's bars and per-operator logs (which it
@@ -311,7 +565,14 @@ def run(cfg: Config) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.model.is_tiny:
         tok = load_tokenizer(resolve_tokenizer_path(cfg.model.tokenizer, "tiny"))
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        if quiet:
+            hf_logging.disable_progress_bar()  # its "Writing model shards" bar, for one small shard
         model_dir = str(write_tiny_model(cfg, tok, run_dir / "base_model"))
+        if quiet and bars:
+            hf_logging.enable_progress_bar()
     else:
         model_dir = cfg.model.name_or_path
         if "/" in model_dir and not Path(model_dir).exists():
@@ -324,6 +585,10 @@ def run(cfg: Config) -> dict[str, Any]:
                 allow_patterns=["*.json", "*.safetensors", "tokenizer*"],
             )
     n_params = count_parameters(model_dir)
+    if not cfg.model.is_tiny:  # again for a hub id, now that it is downloaded
+        check_causal_lm(model_dir)
+        check_context_length(model_dir, cfg.data.seq_len)
+    check_resume(cfg)  # again for callers of run() (main() did it before Ray), before config.yaml is replaced
 
     # ---- resolved config and resume position
     cfg_dict = cfg.to_dict()
@@ -340,6 +605,10 @@ def run(cfg: Config) -> dict[str, Any]:
         raise ConfigError(f"scaling.num_workers: {world_size_remedy(latest['path'], latest['world_size'], world)}")
     start = start_step * global_batch
     datasets = build_datasets(cache, meta, cfg, world, start)
+    # A dataset execution that failed earlier in this process (a notebook's, a test's) leaves its
+    # tokenizer actors referenced from garbage cycles (tracebacks in log records); each holds a
+    # CPU the training workers would otherwise wait for forever. Collect them now.
+    gc.collect()
 
     # ---- trainer
     loop_config = {
@@ -376,11 +645,14 @@ def run(cfg: Config) -> dict[str, Any]:
             # notices) have their own, unlimited budget.
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures, max_preemption_failures=-1),
             worker_runtime_env={"env_vars": {**ray_env, **worker_env(cfg, sizing["workers_per_node"])}},
+            callbacks=[restart_notice(cfg.run.max_failures, latest and Path(latest["path"]).name)],
         ),
         datasets=datasets,
         dataset_config=ray.train.DataConfig(datasets_to_split=[]),
     )
     result = trainer.fit()
+    if restore_stderr is not None:
+        restore_stderr()
 
     # ---- summary
     worker_summary = json.loads((run_dir / ".worker_summary.json").read_text())

@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Iterable
@@ -138,30 +139,46 @@ def allreduce_max(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def flops_per_token(n_params: dict[str, int], seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls (N = non-embedding parameters) plus
-    12·L·d·seq for attention scores and values (forward + backward), as in the PaLM paper."""
+def flops_per_token(n_params: dict[str, int | None], seq_len: int) -> float | None:
+    """Training FLOPs per token: 6N for the matmuls (N = model.count_parameters' non_embedding:
+    all but the input embeddings) plus 12·L·d·seq for attention scores and values (forward +
+    backward), as in the PaLM paper. None when the model's config names no layer count or width."""
+    if not n_params.get("num_layers") or not n_params.get("hidden_size"):
+        return None
     return 6.0 * n_params["non_embedding"] + 12.0 * n_params["num_layers"] * n_params["hidden_size"] * seq_len
 
 
-def mfu(tokens_per_s: float, n_params: dict[str, int], seq_len: int, peak_flops: float | None) -> float | None:
+def mfu(tokens_per_s: float, n_params: dict[str, int | None], seq_len: int, peak_flops: float | None) -> float | None:
     """Model FLOPs utilisation: achieved training FLOP/s over the peak FLOP/s of all workers.
 
-    None when the peak is unknown, so no made-up number is ever logged.
+    None when the peak or the model's shape is unknown, so no made-up number is ever logged.
     """
-    if not peak_flops:
+    fpt = flops_per_token(n_params, seq_len)
+    if not peak_flops or fpt is None:
         return None
-    return tokens_per_s * flops_per_token(n_params, seq_len) / peak_flops
+    return tokens_per_s * fpt / peak_flops
 
 
 # ----------------------------------------------------------------------------- progress line
 
 
+CONSOLE_LINE = re.compile(r"^\[(?:rank \d+|raytrain)\] ")
+"""How every line raytrain prints inside Ray's processes starts. Of all that Ray forwards from
+its workers and actors, the driver's default console shows only lines like these
+(main.quiet_ray_console); run.verbose=true shows the rest too."""
+
+
 def console(msg: str) -> None:
-    """One flushed line on stdout. Written to the stream, not with print(): Ray Train patches
-    print() in its workers to also log through the root logger, so the driver (and `ray job
-    logs`) would show every line twice."""
-    sys.stdout.write(msg + "\n")
+    """Flushed line(s) on stdout, each starting "[rank N] " or "[raytrain] " (CONSOLE_LINE; a line
+    with neither gets the first line's prefix, or "[raytrain] "), so the driver's console shows them.
+
+    Written to the stream, not with print(): Ray Train patches print() in its workers to also
+    log through the root logger, so the driver (and `ray job logs`) would show every line twice.
+    """
+    lines = msg.split("\n")
+    head = CONSOLE_LINE.match(lines[0])
+    prefix = head.group(0) if head else "[raytrain] "
+    sys.stdout.write("".join(f"{line if CONSOLE_LINE.match(line) else prefix + line}\n" for line in lines))
     sys.stdout.flush()
 
 

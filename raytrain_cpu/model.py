@@ -1,16 +1,19 @@
-"""Model: build the tiny Llama on the driver, load any Llama sharded on the workers.
+"""Model: build the tiny Llama on the driver, load any causal LM sharded on the workers.
 
 The driver never loads a real model's weights: for 'tiny' it creates one from a config and
 writes it as safetensors, so the workers go through the same loading path a Llama-3-8B
-takes. On the workers, transformers builds the model already partitioned when an
-`HfDeepSpeedConfig` is alive, and each rank reads only its own slice of every tensor from
-the safetensors files: no rank ever holds (or reads) the whole model.
+takes. Before Ray starts it checks a model directory from its files alone (config.json for
+the architecture and context length, the safetensors headers for the parameter count). On the
+workers, transformers builds the model already partitioned when an `HfDeepSpeedConfig` is
+alive, and each rank reads only its own slice of every tensor from the safetensors files: no
+rank ever holds (or reads) the whole model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -77,24 +80,6 @@ def check_model_path(name_or_path: str) -> None:
         raise ConfigError(f"model.name_or_path: {p} has config.json but no *.safetensors weights.")
 
 
-def count_parameters(model_dir: str) -> dict[str, int]:
-    """Parameter counts from config.json alone (no weights loaded)."""
-    from transformers import AutoConfig
-
-    c = AutoConfig.from_pretrained(model_dir)
-    d, L, v = c.hidden_size, c.num_hidden_layers, c.vocab_size
-    kv = c.num_key_value_heads * (d // c.num_attention_heads)
-    per_layer = d * d * 2 + d * kv * 2 + 3 * d * c.intermediate_size + 2 * d
-    embed = v * d
-    head = 0 if c.tie_word_embeddings else v * d
-    return {
-        "total": embed + head + L * per_layer + d,
-        "non_embedding": head + L * per_layer + d,
-        "num_layers": L,
-        "hidden_size": d,
-    }
-
-
 def _checkpoint_files(model_dir: str) -> dict[str, str] | None:
     """Tensor name -> safetensors file of a local model directory; None when it has none."""
     d = Path(model_dir)
@@ -128,6 +113,125 @@ _SAFETENSORS_DTYPES = {
     "U8": "uint8",
     "BOOL": "bool",
 }
+
+
+# ----------------------------------------------------------------------------- shape and size from the files
+
+# config.json names the same quantity differently across architectures (GPT-2: n_layer, n_embd, n_positions).
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
+_HIDDEN = ("hidden_size", "n_embd", "d_model")
+_HEADS = ("num_attention_heads", "n_head")
+_CONTEXT = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+# Checkpoint modules (the name part before ".weight") of the input embeddings and the output head.
+_TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "embed_in")
+_POSITION_EMBEDDINGS = ("wpe", "position_embeddings", "embed_positions")
+_OUTPUT_HEADS = ("lm_head", "embed_out")
+
+
+def read_model_config(model_dir: str) -> dict[str, Any]:
+    """config.json as a dict; a multimodal model's text_config is merged over its top level."""
+    c = json.loads((Path(model_dir).expanduser() / "config.json").read_text())
+    return {**c, **(c.get("text_config") or {})}
+
+
+def config_value(config: dict[str, Any], keys: tuple[str, ...]) -> tuple[str, int] | None:
+    """(key, value) of the first of `keys` that config.json sets to a number, else None."""
+    for k in keys:
+        if isinstance(config.get(k), int) and not isinstance(config.get(k), bool):
+            return k, config[k]
+    return None
+
+
+def model_dims(model_dir: str) -> dict[str, int | None]:
+    """The shape numbers the FLOP formula and the GEMM probe need, whatever config.json calls
+    them; None where the config doesn't say."""
+    c = read_model_config(model_dir)
+    layers, hidden, heads = (config_value(c, keys) for keys in (_LAYERS, _HIDDEN, _HEADS))
+    dims = {
+        "num_layers": layers and layers[1],
+        "hidden_size": hidden and hidden[1],
+        "num_heads": heads and heads[1],
+        "vocab_size": c.get("vocab_size"),
+    }
+    dims["num_kv_heads"] = c.get("num_key_value_heads") or dims["num_heads"]
+    # GPT-2 style configs leave the MLP width unset (n_inner: None) for 4 x hidden.
+    dims["intermediate_size"] = c.get("intermediate_size") or c.get("n_inner") or (hidden and 4 * hidden[1])
+    return dims
+
+
+def check_causal_lm(model_dir: str) -> None:
+    """The model type must have a transformers causal-LM class: the workers build every model
+    with AutoModelForCausalLM.from_config (encoder-decoder and vision-language types have none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    c = json.loads((Path(model_dir).expanduser() / "config.json").read_text())
+    model_type = c.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(
+            f"model.name_or_path: {model_dir} holds a {model_type!r} model ({', '.join(c.get('architectures') or [])}), "
+            "which transformers has no AutoModelForCausalLM class for; raytrain_cpu trains decoder-only causal LMs "
+            "(Llama, Qwen2, Mistral, Gemma, GPT-2, Phi-3 and the others transformers maps). Choose such a model."
+        )
+
+
+def check_context_length(model_dir: str, seq_len: int) -> None:
+    """data.seq_len must fit the positions the model has: a learned-position model (GPT-2)
+    would crash mid-run past them, a rotary one trains on positions it never saw."""
+    found = config_value(read_model_config(model_dir), _CONTEXT)
+    if found is not None and seq_len > found[1]:
+        key, limit = found
+        raise ConfigError(
+            f"data.seq_len: {seq_len} exceeds the model's context: {model_dir}/config.json has {key}={limit}. "
+            f"Set data.seq_len={limit} or lower, or train a model with a longer context."
+        )
+
+
+def _tensor_numels(model_dir: str) -> dict[str, int]:
+    """Tensor name -> element count: from the safetensors headers (no weights read), else from
+    a meta-device copy of the model (.bin checkpoints). Both hold a tied weight once."""
+    files = _checkpoint_files(model_dir)
+    if files is not None:
+        out = {}
+        for path in sorted(set(files.values())):
+            for name, meta in _safetensors_header(path)[0].items():
+                if meta["dtype"] not in ("BOOL", "U8"):  # attention-mask buffers old GPT-2 saves carry
+                    out[name] = math.prod(meta["shape"])
+        return out
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return {name: p.numel() for name, p in model.named_parameters()}
+
+
+def count_parameters(model_dir: str) -> dict[str, int | None]:
+    """Parameter counts as the model holds them, exact for any architecture, and the FLOP
+    formula's shape (metrics.flops_per_token).
+
+    total: every tensor of the checkpoint (a tied embedding is stored, and counted, once).
+    non_embedding: the parameters each token's matmuls go through: total less the input
+        embeddings (token and learned-position tables), plus the output head when it is tied
+        to the token embedding (its matmul still runs).
+    num_layers, hidden_size: from config.json; None when it names neither (MFU is then not logged).
+    """
+    numels = _tensor_numels(model_dir)
+    by_module: dict[str, int] = {}
+    for name, n in numels.items():
+        module = name.split(".")[-2] if "." in name else name
+        by_module[module] = by_module.get(module, 0) + n
+    tokens = sum(by_module.get(m, 0) for m in _TOKEN_EMBEDDINGS)
+    positions = sum(by_module.get(m, 0) for m in _POSITION_EMBEDDINGS)
+    tied = not any(m in by_module for m in _OUTPUT_HEADS)  # the head is the token embedding
+    total = sum(numels.values())
+    non_embedding = total - positions - (0 if tied else tokens)
+    dims = model_dims(model_dir)
+    return {
+        "total": total,
+        "non_embedding": non_embedding,
+        "num_layers": dims["num_layers"],
+        "hidden_size": dims["hidden_size"],
+    }
 
 
 def _read_own_partitions(model, files: dict[str, str]) -> None:

@@ -16,16 +16,26 @@ the tokenizer merges across the template's seams.
     <|assistant|>
     {assistant content}<eos>
 
-Role markers are plain text (no tokenizer change, any tokenizer works); each turn is
-followed by a newline; an assistant turn ends with the tokenizer's EOS, which is trained
-with the content (the model learns to stop). A generation prompt ends with "<|assistant|>\n".
-Known roles: system, user, assistant.
+Role markers are plain text (no tokenizer change, any tokenizer works); turns are joined by
+a newline; an assistant turn ends with the tokenizer's EOS, which is trained with the content
+(the model learns to stop), so an example ending with its answer ends with EOS, as a packed
+pretraining document does. A generation prompt is the conversation so far, a newline, and
+"<|assistant|>\n". Known roles: system, user, assistant. `PLAIN_TEMPLATE` is the same
+template in Jinja: export writes it into the exported tokenizer, so transformers'
+`apply_chat_template` renders exactly the text training saw (a test checks it).
 
 **A tokenizer's own template** (`tokenizer_config.json`'s `chat_template`, or
-`data.chat_template` naming a .jinja file) is rendered with Jinja as transformers does; the
-assistant spans are found by rendering each prefix of the conversation: for assistant
+`data.chat_template` naming a .jinja file) is rendered by transformers' `apply_chat_template`,
+as at inference; the assistant spans are found by rendering each prefix of the conversation: for assistant
 message i, everything between render(messages[:i], add_generation_prompt=True) and
-render(messages[:i+1]) is its turn (content and end-of-turn tokens).
+render(messages[:i+1]) is its turn (content and end-of-turn tokens). A role the template
+rejects (raise_exception) or drops (its message's text is not in the rendering) is an error.
+
+**Labels**: the rendered text is tokenized once, with character offsets; a token is trained
+when it starts inside an assistant span. An example whose tokens don't end with EOS (a
+template closing turns with its own end-of-turn token, a conversation ending with a user
+turn) gets one appended, trained when the token before it is: packed examples are always
+separated by EOS, and the model learns to emit it after an answer.
 """
 
 from __future__ import annotations
@@ -39,10 +49,13 @@ from raytrain_cpu.config import DataConfig
 
 IGNORE = -100  # the label of a token without loss (PyTorch's cross-entropy ignore_index)
 PLAIN_ROLES = ("system", "user", "assistant")
+# Newlines as {{ '\n' }}: transformers renders with trim_blocks, which eats a literal newline
+# right after a {% ... %} tag.
 PLAIN_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{% for m in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ '\\n' }}{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{% if messages %}{{ '\\n' }}{% endif %}<|assistant|>{{ '\\n' }}{% endif %}"
 )
 """The plain template as Jinja (written into exported tokenizers; `render_plain` is its twin)."""
 
@@ -69,6 +82,8 @@ def row_messages(row: dict[str, Any], cfg: DataConfig) -> list[dict[str, str]]:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise RowError(f"message {i} is not a {{role, content}} object with text content")
             out.append({"role": m["role"], "content": m["content"]})
+        if not any(m["role"] == "assistant" for m in out):
+            raise RowError("no assistant message: nothing to train on")
         return out
     prompt, response = _instruction_fields(row, cfg)
     system = row.get(cfg.system_column) if cfg.system_column else None
@@ -101,27 +116,33 @@ def _instruction_fields(row: dict[str, Any], cfg: DataConfig) -> tuple[str, str]
 def render_plain(messages: list[dict[str, str]], eos: str, add_generation_prompt: bool = False):
     """(text, trainable character spans) with the plain template."""
     parts, spans, pos = [], [], 0
-    for m in messages:
+    for i, m in enumerate(messages):
         if m["role"] not in PLAIN_ROLES:
             raise RowError(f"role {m['role']!r} is not one the plain template knows ({', '.join(PLAIN_ROLES)})")
-        head = f"<|{m['role']}|>\n"
+        head = ("\n" if i else "") + f"<|{m['role']}|>\n"
         body = m["content"] + (eos if m["role"] == "assistant" else "")
         if m["role"] == "assistant":
             spans.append((pos + len(head), pos + len(head) + len(body)))
-        parts += [head, body, "\n"]
-        pos += len(head) + len(body) + 1
+        parts += [head, body]
+        pos += len(head) + len(body)
     if add_generation_prompt:
-        parts.append("<|assistant|>\n")
+        parts.append(("\n" if messages else "") + "<|assistant|>\n")
     return "".join(parts), spans
 
 
 @dataclass
 class Template:
-    """A chat template bound to a tokenizer's special tokens; renders text and assistant spans."""
+    """A chat template bound to a tokenizer; renders text and assistant spans.
+
+    A Jinja template is rendered by transformers' own `apply_chat_template` (same sandbox,
+    globals, special tokens and undefined-variable rules as at inference), on a tokenizer
+    loaded from `tokenizer_dir` the first time one is needed (~2 s of imports, once an actor).
+    """
 
     source: str | None  # Jinja source, or None for the plain template
     eos: str
-    bos: str = ""
+    tokenizer_dir: str | None = None
+    hf: Any = None  # a transformers tokenizer, loaded lazily from tokenizer_dir
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False):
         if self.source is None:
@@ -131,46 +152,45 @@ class Template:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
+            if i == 0:  # transformers renders no empty conversation: the prompt before it is unknown
+                raise RowError("the conversation opens with an assistant turn; give a user turn before it")
             before = self._jinja(messages[:i], True)
             upto = self._jinja(messages[: i + 1], False)
             if not (upto.startswith(before) and text.startswith(upto)):
                 raise RowError("the chat template renders earlier turns differently as the conversation grows")
             spans.append((len(before), len(upto)))
+        for i, m in enumerate(messages):
+            if m["content"].strip() and m["content"].strip() not in text:
+                raise RowError(f"message {i}'s role {m['role']!r} is not one the chat template renders (it drops it)")
         return text, spans
 
     def _jinja(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         from jinja2 import TemplateError
 
+        if self.hf is None:
+            from transformers import AutoTokenizer
+
+            self.hf = AutoTokenizer.from_pretrained(self.tokenizer_dir)
         try:
-            return _compiled(self.source).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, eos_token=self.eos, bos_token=self.bos
+            return self.hf.apply_chat_template(
+                messages, chat_template=self.source, tokenize=False, add_generation_prompt=add_generation_prompt
             )
-        except TemplateError as e:  # e.g. raise_exception('Conversation roles must alternate ...')
+        except (TemplateError, ValueError) as e:  # e.g. raise_exception('Conversation roles must alternate ...')
             raise RowError(f"the chat template rejects this conversation: {e}") from None
-
-
-_COMPILED: dict[str, Any] = {}
-
-
-def _compiled(source: str):
-    if source not in _COMPILED:
-        from jinja2 import StrictUndefined
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            from jinja2 import TemplateError
-
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=StrictUndefined)
-        env.globals["raise_exception"] = raise_exception
-        _COMPILED[source] = env.from_string(source)
-    return _COMPILED[source]
 
 
 def _special(config: dict[str, Any], name: str) -> str:
     v = config.get(name)
     return (v.get("content") if isinstance(v, dict) else v) or ""
+
+
+def _own_template(conf: dict[str, Any], tdir: Path) -> str | None:
+    t = conf.get("chat_template")
+    if isinstance(t, list):  # named templates: [{name, template}, ...]; the default one renders chats
+        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+    if isinstance(t, str):
+        return t
+    return (tdir / "chat_template.jinja").read_text() if (tdir / "chat_template.jinja").is_file() else None
 
 
 def template_for_dir(tokenizer_dir: str | Path, cfg: DataConfig) -> Template:
@@ -180,21 +200,18 @@ def template_for_dir(tokenizer_dir: str | Path, cfg: DataConfig) -> Template:
     conf = (
         json.loads((tdir / "tokenizer_config.json").read_text()) if (tdir / "tokenizer_config.json").is_file() else {}
     )
-    source = None
-    if cfg.chat_template:
-        source = Path(cfg.chat_template).expanduser().read_text()
-    elif isinstance(conf.get("chat_template"), str):
-        source = conf["chat_template"]
-    elif (tdir / "chat_template.jinja").is_file():
-        source = (tdir / "chat_template.jinja").read_text()
-    return Template(source, _special(conf, "eos_token"), _special(conf, "bos_token"))
+    source = Path(cfg.chat_template).expanduser().read_text() if cfg.chat_template else _own_template(conf, tdir)
+    return Template(source, _special(conf, "eos_token"), str(tdir))
 
 
-def template_fingerprint(tokenizer_dir: str | Path, cfg: DataConfig) -> str:
-    """What the cache key holds of the template: its source (or 'plain')."""
+def template_fingerprint(tokenizer_path: str | Path, cfg: DataConfig) -> str:
+    """What the cache key holds of the template: a hash of its source (or of 'plain'). A hub
+    tokenizer not saved locally yet is keyed by its name (its own template, or the plain one)."""
     import hashlib
 
-    t = template_for_dir(tokenizer_dir, cfg)
+    if not Path(tokenizer_path).is_dir() and not cfg.chat_template:
+        return f"own-or-plain:{tokenizer_path}"
+    t = template_for_dir(tokenizer_path, cfg)
     return hashlib.sha256((t.source or "plain").encode()).hexdigest()[:16]
 
 
@@ -215,30 +232,49 @@ def labelled_ids(encoding, spans: list[tuple[int, int]], train_on_prompt: bool) 
     return ids, labels
 
 
+def example_tokens(
+    encoding, spans: list[tuple[int, int]], train_on_prompt: bool, eos_id: int
+) -> tuple[list[int], list[int], int | None]:
+    """(ids, labels, prompt tokens) of one encoded example, ending with EOS.
+
+    The prompt is what comes before the first response token (None: no response token at
+    all); it is measured on the masked labels whatever train_on_prompt says, so an example
+    whose prompt alone fills a block is caught either way.
+    """
+    ids, labels = labelled_ids(encoding, spans, False)
+    prompt = next((k for k, lab in enumerate(labels) if lab != IGNORE), None)
+    if train_on_prompt:
+        labels = ids[:]
+    if not ids or ids[-1] != eos_id:  # packed examples are always separated by EOS
+        ids.append(eos_id)
+        labels.append(eos_id if len(labels) and labels[-1] != IGNORE else IGNORE)
+    return ids, labels, prompt
+
+
 # ----------------------------------------------------------------------------- for generate and export
 
 
-def _dir_of(tokenizer) -> str | None:
-    return getattr(tokenizer, "name_or_path", None)
+def _data_config(cfg: DataConfig | dict[str, Any]) -> DataConfig:
+    return DataConfig(**cfg) if isinstance(cfg, dict) else cfg
 
 
-def chat_template_for(tokenizer, cfg: DataConfig) -> str:
+def chat_template_for(tokenizer, cfg: DataConfig | dict[str, Any]) -> str:
     """The Jinja source a run rendered with (the plain template when the tokenizer had none)."""
+    cfg = _data_config(cfg)
     if cfg.chat_template:
         return Path(cfg.chat_template).expanduser().read_text()
     return tokenizer.chat_template or PLAIN_TEMPLATE
 
 
 def render_generation_prompt(
-    tokenizer, cfg: DataConfig, *, prompt: str | None = None, messages: list[dict] | None = None
+    tokenizer, cfg: DataConfig | dict[str, Any], *, prompt: str | None = None, messages: list[dict] | None = None
 ) -> list[int]:
     """Token ids of a prompt rendered as training rendered its examples, the assistant turn opened."""
+    cfg = _data_config(cfg)
     if messages is None:
         messages = [{"role": "user", "content": prompt or ""}]
     source = chat_template_for(tokenizer, cfg)
-    template = Template(
-        None if source == PLAIN_TEMPLATE else source, tokenizer.eos_token or "", tokenizer.bos_token or ""
-    )
+    template = Template(None if source == PLAIN_TEMPLATE else source, tokenizer.eos_token or "", hf=tokenizer)
     try:
         text, _ = template.render(messages, add_generation_prompt=True)
     except RowError as e:

@@ -480,6 +480,7 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
         "blocks_consumed": st.step * w.global_batch,
         "tokens_seen": st.step * w.tokens_per_step,
         "config_hash": w.loop_config["config_hash"],
+        "settings": ckpt_io.hashed_settings(w.loop_config["config"]),  # names what changed on a bad resume
         "zero_stage": cfg.deepspeed.zero_stage,
         "dtype": cfg.model.dtype,
         "model_dir": w.loop_config["model_dir"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -171,5 +172,21 @@ def test_prepare_cache_keyed_reused_and_bad_sources(ray_session, tmp_path, make_
         prepare(make_config(f"data.cache_dir={tmp_path / 'cache'}", "data.source=text", f"data.path={empty}"))
     jl = tmp_path / "docs.jsonl"
     jl.write_text("\n".join(json.dumps({"body": "hello world " * 20}) for _ in range(30)))
-    with pytest.raises(DataError, match=r"docs.jsonl, line 1: no 'text' field"):
+    with pytest.raises(DataError, match=r"docs.jsonl, line 1: no 'text' field") as failed:
         prepare(make_config(f"data.cache_dir={tmp_path / 'cache'}", "data.source=jsonl", f"data.path={jl}"))
+    # While the error is held (as pytest or a notebook holds it), no tokenizer actor keeps a CPU:
+    # leaked ones once left the next run waiting forever for its training workers.
+    assert failed.value is not None and _alive_tokenizer_actors(timeout=15) == []
+
+
+def _alive_tokenizer_actors(timeout: float) -> list[int]:
+    import ray._private.state as state
+
+    deadline = time.time() + timeout
+    while True:
+        alive = [
+            a["Pid"] for a in state.actors().values() if a["State"] == "ALIVE" and "Tokenize" in a["ActorClassName"]
+        ]
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.2)

@@ -5,8 +5,10 @@
 For each article: "What is the article <title> about?" -> its first sentences; for each
 section: "What does the article <title> say about <section>?" -> the section's first
 sentence. instruction_*.jsonl holds them as prompt/response rows; chat_*.jsonl as
-conversations (a system message, the article question, then up to two section questions
-as follow-ups). train = the test split, eval = the validation split. Deterministic.
+conversations (a system message, the article question, then the first section question as
+a follow-up; further sections as one-turn conversations). Answers are cut at a word to stay
+short (240 characters, 120 for sections): a conversation fits a 256-token block of the
+bundled tokenizer. train = the test split, eval = the validation split. Deterministic.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ HERE = Path(__file__).parent
 WIKITEXT = HERE.parent / "wikitext-2"
 SYSTEM = "You answer questions about Wikipedia articles in one or two sentences."
 MAX_CHARS = 240
+FOLLOW_UPS = 1  # section questions asked as follow-up turns of an article's conversation
 
 
 def _clean(text: str) -> str:
@@ -35,7 +38,9 @@ def _first_sentences(paragraph: str, limit: int = MAX_CHARS) -> str:
         if len(out) + 1 + len(s) > limit:
             break
         out += " " + s
-    return out if len(out) <= limit * 2 else out[: limit * 2].rsplit(" ", 1)[0] + " ..."
+    # A first sentence longer than the limit is cut at a word: examples stay short enough that
+    # a conversation fits a 256-token block of the bundled tokenizer.
+    return out if len(out) <= limit else out[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def articles(path: Path) -> list[dict]:
@@ -73,7 +78,7 @@ def examples(path: Path) -> tuple[list[dict], list[dict]]:
             sq = f"What does the article {a['title']} say about {name}?"
             answer = _first_sentences(para, MAX_CHARS // 2)
             instruction.append({"prompt": sq, "response": answer})
-            if i < 2:
+            if i < FOLLOW_UPS:
                 turns += [{"role": "user", "content": f"What does it say about {name}?"}]
                 turns += [{"role": "assistant", "content": answer}]
             else:

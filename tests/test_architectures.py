@@ -1,0 +1,103 @@
+"""Architectures other than Llama, built from configs with the bundled tokenizer (vocab 2048):
+Qwen2 (biases, tied embeddings), Mistral, Gemma (tied, scaled embeddings), GPT-2 (Conv1D
+weights, learned positions, tied) and Phi-3 (fused projections). Each one trains on 2 workers,
+resumes with more steps and is exported at the end, its logits checked against the trained
+model's. Tiny Llama, the default, is covered by tests/test_train_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+# Small enough that a leg costs little more than Ray Train's start-up.
+_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {**_SHAPE, "num_key_value_heads": 2}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {**_SHAPE, "num_key_value_heads": 2, "tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {**_SHAPE, "num_key_value_heads": 2, "sliding_window": None}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {**_SHAPE, "num_key_value_heads": 1, "head_dim": 16}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 4}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {**_SHAPE, "num_key_value_heads": 2}),
+}
+CONTEXT = 256  # max_position_embeddings / n_positions
+
+
+def build_model(arch: str, out: Path) -> Path:
+    """A randomly initialised `arch` written with save_pretrained (safetensors) + the bundled tokenizer."""
+    import torch
+    import transformers
+
+    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+
+    tok = load_tokenizer(resolve_tokenizer_path("bundled", "tiny"))
+    config_cls, model_cls, shape = ARCHS[arch]
+    positions = {"n_positions": CONTEXT} if arch == "gpt2" else {"max_position_embeddings": CONTEXT}
+    config = getattr(transformers, config_cls)(
+        vocab_size=len(tok),
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=None,
+        **positions,
+        **shape,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("archs")
+    return {arch: build_model(arch, root / arch) for arch in ARCHS}
+
+
+def test_count_parameters_is_exact_for_every_architecture(model_dirs):
+    """count_parameters (safetensors headers) = the parameters transformers' model holds."""
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_cpu.model import count_parameters
+
+    for arch, d in model_dirs.items():
+        model = AutoModelForCausalLM.from_pretrained(d)
+        n = count_parameters(str(d))
+        held = sum(p.numel() for p in model.parameters())  # a tied weight once
+        assert n["total"] == held, arch
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        positions = model.transformer.wpe.weight.numel() if arch == "gpt2" else 0
+        embedding = 0 if tied else model.get_input_embeddings().weight.numel()
+        assert n["non_embedding"] == held - positions - embedding, arch  # a tied head's matmul still counts
+        assert (n["num_layers"], n["hidden_size"]) == (2, 64), arch
+        assert tied == (arch in ("qwen2", "gemma", "gpt2")), arch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
+def test_train_resume_and_export(arch, model_dirs, ray_session, make_config):
+    """2 workers train 2 steps, resume to 3 with the export check at the end."""
+    from raytrain_cpu.main import run, validate_before_ray
+
+    common = [
+        f"model.name_or_path={model_dirs[arch]}",
+        "model.tokenizer=bundled",
+        "scaling.num_workers=2",
+        "train.checkpoint_every=0",
+        "train.eval_batches=1",
+        "train.lr=1e-2",
+        f"run.name={arch}",
+    ]
+    first = run(make_config(*common, "train.max_steps=2"))
+    assert first["steps"] == 2 and first["n_params"]["num_layers"] == 2
+
+    resume = make_config(*common, "train.max_steps=3", "run.export_on_finish=true")
+    validate_before_ray(resume)  # the driver's resume check agrees with the checkpoint's hash
+    second = run(resume)
+    assert second["resumed_from_step"] == 2 and second["steps"] == 3
+    assert second["optimizer_step_at_resume"] == 2
+    assert second["export"]["export_max_abs_logit_diff"] == 0.0  # the export computes as training did
+    config = json.loads((Path(second["export"]["export_dir"]) / "config.json").read_text())
+    assert config["model_type"] == json.loads((model_dirs[arch] / "config.json").read_text())["model_type"]

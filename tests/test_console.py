@@ -1,0 +1,247 @@
+"""A quiet console (issue 13, point 5): raytrain's own lines by default, Ray's with run.verbose=true.
+
+Fast tests check the parts (the line marker, Ray's filter knobs, the stderr filter, the one-line
+failure reason); the slow ones run the real entry point and a real Ray: the default console of
+`python -m raytrain_cpu.main` holds raytrain's lines only, while run.verbose=true (and a Ray the
+caller imported first, as in a notebook) gets the lines Ray forwards as before.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAST
+
+from raytrain_cpu.main import RAY_CONSOLE_FILTER, _pass_stderr, failure_reason
+from raytrain_cpu.metrics import CONSOLE_LINE, console
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What the default console used to show (issue 13), none of which it may show now.
+RAY_NOISE = [
+    "has constructor arguments in the object store",
+    "exclude_resources",
+    "PYTHON worker processes have been started",
+    "registers for logging while another dataset",
+    "Progress bars disabled",
+    "execution finished",
+    "Reporting training result",
+    "TrainingReport(",
+    "Setting up process group",
+    "Started training worker group",
+    "(RayTrainWorker pid=",
+    "(TrainController pid=",
+    "(raylet)",
+    "Traceback",
+    "Token authentication",
+    "Writing model shards",
+]
+
+
+def _env() -> dict[str, str]:
+    """This environment without a Ray address or console knobs: the child starts its own Ray."""
+    drop = ("RAY_ADDRESS", "RAY_DEDUP_LOGS_ALLOW_REGEX", "RAY_DEDUP_LOGS_SKIP_REGEX", "RAY_DISABLE_WORKER_LOG_PREFIX")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+# ----------------------------------------------------------------------------- fast: the parts
+
+
+def test_console_lines_carry_the_marker(capsys):
+    console("[rank 0] step 1/2 | loss 7.6")
+    console("[rank 3] two\nlines")
+    console("no prefix")
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["[rank 0] step 1/2 | loss 7.6", "[rank 3] two", "[rank 3] lines", "[raytrain] no prefix"]
+    assert all(CONSOLE_LINE.match(line) for line in out)
+
+
+def test_ray_filter_knobs_pass_only_raytrain_lines():
+    """Ray's own deduplicator, set up with the knobs quiet_ray_console sets, on the lines of a run."""
+    from ray._private.ray_logging import LogDeduplicator
+
+    ours = [
+        "[rank 0] step 10/40 (25%) | loss 6.7121 | lr 2.82e-03",
+        "[rank 1] cpu: AMD EPYC (avx2, 2 cores / 2 vCPUs)",
+        "[raytrain] worker group failed (rank 1 on node 10.0.0.5: ActorDiedError: ...); restarting",
+    ]
+    theirs = [
+        "Actor with class name: 'PreemptionWatcher' has constructor arguments in the object store and max_restarts > 0.",
+        "  self.exclude_resources = exclude_resources",
+        "WARNING: 8 PYTHON worker processes have been started on node: abc with address: 10.0.0.5",
+        "Reporting training result 1: TrainingReport(checkpoint=Checkpoint(filesystem=local, path=/x))",
+        "✔️  Dataset train_rank0 execution finished in 3.79 seconds",
+        "Traceback (most recent call last):",
+        "",
+    ]
+    dedup = LogDeduplicator(5, *RAY_CONSOLE_FILTER)
+    printed = []
+    for pid, line in enumerate(ours + theirs + ours):  # ours twice, from other processes: never merged
+        for batch in dedup.deduplicate({"ip": "10.0.0.5", "pid": pid, "lines": [line]}):
+            printed += batch["lines"]
+    assert printed == ours + ours
+
+
+def test_stderr_filter_drops_ray_core_lines_only():
+    read, write = os.pipe()
+    out_read, out_write = os.pipe()
+    pump = threading.Thread(target=_pass_stderr, args=(read, os.fdopen(out_write, "wb")))
+    pump.start()
+    core = b"[2026-11-24 10:26:06,453 E 14559 14559] core_worker.cc:2465: Actor with class name: 'MapWorker' has "
+    pieces = [
+        b"error: data.path: /x does not exist\n",
+        core + b"constructor arguments in the object store and max_restarts > 0.\n",
+        b"\rdownloading 10%",  # a progress bar's partial line goes out before its newline
+        b"\rdownloading 100%\n",
+        core[:30],  # one of Ray's lines, split across writes
+        core[30:] + b"...\n",
+        b"[2026-11-24 10:26:06,453 F 1 2] logging.cc:1: a fatal line stays\n",
+        b"Traceback (most recent call last):\n",
+        b"no newline at the end",
+    ]
+    for piece in pieces:
+        os.write(write, piece)
+        time.sleep(0.01)
+    os.close(write)
+    pump.join(timeout=10)
+    got = os.read(out_read, 1 << 16)
+    assert got == (
+        b"error: data.path: /x does not exist\n\rdownloading 10%\rdownloading 100%\n"
+        b"[2026-11-24 10:26:06,453 F 1 2] logging.cc:1: a fatal line stays\n"
+        b"Traceback (most recent call last):\nno newline at the end"
+    )
+
+
+def test_failure_reason_names_the_worker_that_died():
+    """With Ray's own error types: the dead worker first, then a hung one, then the others."""
+    from ray.exceptions import RayActorError
+    from ray.train.v2._internal.exceptions import (
+        UserExceptionWithTraceback,
+        WorkerHealthCheckFailedError,
+        WorkerHealthCheckTimeoutError,
+    )
+
+    died = RayActorError(
+        "a1",
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: RayTrainWorker\n\tpid: 29446\n"
+        "\tip: 10.0.0.5\nThe actor is dead because its worker process has died. Worker exit type: NODE_OUT_OF_MEMORY "
+        "Worker exit detail: Task was killed due to the node running low on memory. Memory on the node was 61 GB.",
+    )
+    dead = WorkerHealthCheckFailedError("A worker health check failed.\nWorker info: Worker(node_ip='10.0.0.5')", died)
+    peer = UserExceptionWithTraceback(
+        RuntimeError("x"),
+        'Traceback (most recent call last):\n  File "train.py", line 116\n    dist.all_reduce(t)\n'
+        "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer\n",
+    )
+    data = UserExceptionWithTraceback(
+        ValueError("x"),
+        'Traceback (most recent call last):\n  File "data.py"\nraytrain_cpu.data.DataError: bad row 7\n',
+    )
+    hung = WorkerHealthCheckTimeoutError(
+        "A worker health check has been hanging for 21.04 seconds. Marking the worker as dead.\n"
+        "Worker info: Worker(node_ip='10.0.0.7', pid=31)"
+    )
+    assert failure_reason({0: peer, 1: dead}) == (
+        "rank 1, pid 29446 on node 10.0.0.5: RayActorError: Task was killed due to the node running low on "
+        "memory. (NODE_OUT_OF_MEMORY); rank 0 failed too",
+        False,
+    )
+    reason, _ = failure_reason({0: peer, 3: hung})
+    assert reason.startswith("rank 3, pid 31 on node 10.0.0.7: WorkerHealthCheckTimeoutError: A worker health check")
+    assert failure_reason({2: data}) == ("rank 2: DataError: bad row 7", False)
+
+
+# ----------------------------------------------------------------------------- slow: the real thing
+
+
+@pytest.mark.slow
+def test_default_console_is_raytrain_lines_only(tmp_path, shared_cache, record_property):
+    """The entry point as a user runs it: its console holds raytrain's lines, every one of them."""
+    t0 = time.time()
+    args = [f"run.storage_path={tmp_path}", f"data.cache_dir={shared_cache}", *FAST, "train.max_steps=2"]
+    p = subprocess.run(
+        [sys.executable, "-m", "raytrain_cpu.main", *args, "data.tokenize_actors=1"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    console_lines = (p.stdout + p.stderr).splitlines()
+    record_property("console_lines", len(console_lines))
+    print(f"\n[console] {len(console_lines)} lines in {time.time() - t0:.0f}s:\n" + "\n".join(console_lines))
+    assert p.returncode == 0, p.stderr[-3000:]
+    for noise in RAY_NOISE:
+        assert not any(noise in line for line in console_lines), noise
+    ours = re.compile(r"^(\[(?:raytrain|data|rank \d+)\] |== raytrain_cpu summary ==$|[a-z][a-z/ ]+ {2,}\S|$)")
+    assert [line for line in console_lines if not ours.match(line)] == []
+    text = "\n".join(console_lines)
+    assert "[rank 0] step 1/2 " in text and "[rank 0] step 2/2 " in text and "[rank 0] step 2 eval loss" in text
+    assert "== raytrain_cpu summary ==" in text and "\nsteps            2\n" in text
+    logs = re.search(r"^\[raytrain\] Ray's own logs: (\S+) ", text, re.M)
+    assert logs and (Path(logs.group(1)) / "raytrain-driver.log").is_file()  # Ray's lines went there
+
+
+CHILD = """
+import sys
+from raytrain_cpu.config import load_config
+from raytrain_cpu.main import quiet_ray_console
+
+if sys.argv[2] == "import-first":  # as a notebook does: `import ray` before run()
+    import ray
+print("quiet", quiet_ray_console(load_config(None, [f"run.verbose={sys.argv[1]}"])), flush=True)
+import ray
+
+ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=True, logging_level="WARNING")
+
+@ray.remote(num_cpus=0)
+def noisy():
+    print("Progress bars disabled. To enable, set ...", flush=True)
+    print("[rank 0] done", flush=True)
+
+ray.get(noisy.remote())
+sys.stdin.readline()  # the test saw the last line
+ray.shutdown()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("verbose", "order"), [("true", "import-after"), ("false", "import-first")])
+def test_verbose_shows_ray_lines(verbose, order):
+    """run.verbose=true keeps what Ray forwards (its own lines, with their process prefix); quiet also
+    works where Ray was imported before (a notebook). Ray lines of one worker arrive in order, so
+    once "[rank 0] done" is here, the line before it is too, or was dropped."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", CHILD, verbose, order],
+        cwd=ROOT,
+        env=_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    watchdog = threading.Timer(180, p.kill)
+    watchdog.start()
+    lines = []
+    for line in p.stdout:
+        lines.append(line.rstrip("\n"))
+        if line.rstrip().endswith("[rank 0] done"):
+            break
+    p.stdin.write("\n")
+    p.stdin.flush()
+    p.communicate(timeout=120)
+    watchdog.cancel()
+    assert lines[0] == f"quiet {verbose == 'false'}", lines
+    forwarded = [line for line in lines if "Progress bars disabled" in line or "[rank 0] done" in line]
+    if verbose == "true":
+        assert re.match(r"^\S*\(noisy pid=\d+\)\S* Progress bars disabled", forwarded[0]), lines
+        assert re.match(r"^\S*\(noisy pid=\d+\)\S* \[rank 0\] done$", forwarded[1]), lines
+    else:
+        assert forwarded == ["[rank 0] done"], lines

@@ -1,0 +1,164 @@
+"""Checks the driver makes before Ray starts, against files already on disk (no training):
+a resume whose model/data/batch settings differ from its checkpoint's (named key by key), and a
+data.seq_len longer than the model's context."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raytrain_cpu.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fake_run_dir(cfg, step: int = 2, world: int = 2) -> Path:
+    """A run directory as run() leaves it after a checkpoint: config.yaml, a checkpoint with its
+    manifest (the settings' hash, no shards), and Ray Train's snapshot naming it as the latest."""
+    from raytrain_cpu import checkpoint as ck
+
+    run_dir = cfg.run.run_dir
+    ckpt = run_dir / ck.checkpoint_dir_name(step)
+    ckpt.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    manifest = {"step": step, "world_size": world, "config_hash": ck.config_hash(cfg.to_dict())}
+    (ckpt / ck.MANIFEST).write_text(json.dumps({**manifest, "format": ck.FORMAT, "ds_tag": ck.DS_TAG, "files": {}}))
+    snapshot = {"latest_checkpoint_result": {"checkpoint_dir_name": ckpt.name}}
+    (run_dir / ck.SNAPSHOT).write_text(json.dumps(snapshot))
+    return run_dir
+
+
+def test_changed_settings_are_named_before_ray(make_config):
+    from raytrain_cpu.main import validate_before_ray
+
+    old = make_config("run.name=r")
+    run_dir = fake_run_dir(old)
+    validate_before_ray(old)  # the same settings resume
+    # The step count, LR, logging and checkpoint cadence may change on a resume.
+    validate_before_ray(make_config("run.name=r", "train.max_steps=500", "train.lr=1e-3", "train.checkpoint_every=7"))
+
+    with pytest.raises(ConfigError) as e:
+        validate_before_ray(make_config("run.name=r", "data.seq_len=32", "train.seed=7"))
+    msg = str(e.value)
+    assert msg.startswith(f"run.name: run 'r' resumes from {run_dir / 'checkpoint_000002'} (step 2)")
+    assert "data.seq_len: 64 → 32; train.seed: 1234 → 7." in msg
+    assert "run again with the old values (or choose a new run.name" in msg
+    assert f"python -m raytrain_cpu.export {run_dir / 'checkpoint_000002'} <dir>" in msg
+    assert "model.name_or_path=<dir>" in msg
+    assert "train.max_steps" not in msg
+
+
+def test_lora_settings_are_hashed_only_when_lora_is_on(make_config):
+    """A LoRA checkpoint holds adapter state for its rank and targets: changing them (or turning
+    LoRA off) can't resume; a full fine-tuning run hashes as before LoRA existed."""
+    from raytrain_cpu.checkpoint import config_hash
+    from raytrain_cpu.main import validate_before_ray
+
+    assert config_hash(make_config().to_dict()) == config_hash(make_config("lora.alpha=64").to_dict())
+    fake_run_dir(make_config("run.name=r", "lora.rank=4"))
+    validate_before_ray(make_config("run.name=r", "lora.rank=4", "train.max_steps=9"))
+    with pytest.raises(ConfigError, match=r"lora.rank: 4 → 8"):
+        validate_before_ray(make_config("run.name=r", "lora.rank=8"))
+    with pytest.raises(ConfigError, match=r"lora.rank: 4 → \(unset\)"):
+        validate_before_ray(make_config("run.name=r"))
+
+
+def test_without_config_yaml_the_hashes_are_named(make_config):
+    from raytrain_cpu.main import validate_before_ray
+
+    run_dir = fake_run_dir(make_config("run.name=r"))
+    (run_dir / "config.yaml").unlink()
+    with pytest.raises(ConfigError, match=r"config hash [0-9a-f]{16} → [0-9a-f]{16} \(.*config.yaml does not record"):
+        validate_before_ray(make_config("run.name=r", "data.seq_len=32"))
+
+
+def test_explicit_worker_count_must_match_the_checkpoint(make_config):
+    from raytrain_cpu.main import validate_before_ray
+
+    fake_run_dir(make_config("run.name=r"), world=2)
+    validate_before_ray(make_config("run.name=r", "scaling.num_workers=2"))
+    with pytest.raises(
+        ConfigError, match=r"^scaling.num_workers: .*holds ZeRO shards for 2 workers but this run has 1"
+    ):
+        validate_before_ray(make_config("run.name=r", "scaling.num_workers=1"))
+
+
+def test_cli_exits_2_before_ray(make_config):
+    """`python -m raytrain_cpu.main` with a changed setting: exit 2, the old → new values, no Ray."""
+    from conftest import FAST
+
+    old = make_config("run.name=r")
+    fake_run_dir(old)
+    argv = [f"run.storage_path={old.run.storage_path}", f"data.cache_dir={old.data.cache_dir}", *FAST, "run.name=r"]
+    env = {**os.environ, "RAY_ADDRESS": ""}  # would Ray start, it would be a new local one
+    p = subprocess.run(
+        [sys.executable, "-m", "raytrain_cpu.main", *argv, "data.seq_len=128"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "error: run.name: run 'r' resumes from" in p.stderr and "data.seq_len: 64 → 128" in p.stderr
+    assert "Traceback" not in p.stderr and "[raytrain]" not in p.stdout  # stopped before ray.init
+
+
+# ----------------------------------------------------------------------------- seq_len vs the model's context
+
+
+def model_dir(tmp_path: Path, **config) -> Path:
+    d = tmp_path / config["model_type"]
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    (d / "model.safetensors").write_bytes(b"")  # the check reads config.json only
+    return d
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        ({"model_type": "qwen2", "max_position_embeddings": 1024}, "max_position_embeddings"),
+        ({"model_type": "gpt2", "n_positions": 1024, "n_embd": 64}, "n_positions"),
+    ],
+)
+def test_seq_len_above_the_models_context(tmp_path, make_config, config, key):
+    from raytrain_cpu.main import validate_before_ray
+
+    d = model_dir(tmp_path, **config)
+    validate_before_ray(make_config(f"model.name_or_path={d}", "data.seq_len=1024"))
+    with pytest.raises(ConfigError) as e:
+        validate_before_ray(make_config(f"model.name_or_path={d}", "data.seq_len=2048"))
+    assert str(e.value) == (
+        f"data.seq_len: 2048 exceeds the model's context: {d}/config.json has {key}=1024. "
+        "Set data.seq_len=1024 or lower, or train a model with a longer context."
+    )
+
+
+def test_a_model_type_without_a_causal_lm_class(tmp_path, make_config):
+    from raytrain_cpu.main import validate_before_ray
+
+    d = model_dir(tmp_path, model_type="t5", architectures=["T5ForConditionalGeneration"], n_positions=512)
+    with pytest.raises(ConfigError, match=r"^model.name_or_path: .* holds a 't5' model \(T5ForConditionalGeneration\)"):
+        validate_before_ray(make_config(f"model.name_or_path={d}"))
+
+
+def test_settings_recorded_in_the_manifest_win_over_config_yaml(make_config):
+    """A manifest that records its hashed settings names the changes even when config.yaml was replaced."""
+    from raytrain_cpu import checkpoint as ck
+    from raytrain_cpu.main import validate_before_ray
+
+    old = make_config("run.name=r")
+    run_dir = fake_run_dir(old)
+    manifest_path = run_dir / "checkpoint_000002" / ck.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "settings": ck.hashed_settings(old.to_dict())}))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(make_config("run.name=r", "train.seed=9").to_dict()))
+    with pytest.raises(ConfigError, match=r"train.micro_batch_size: 4 → 2\. "):
+        validate_before_ray(make_config("run.name=r", "train.micro_batch_size=2"))
