@@ -819,13 +819,10 @@ def _pack(
                 else:
                     w.add(ids)
     except Exception as e:
-        failure = _unwrap(e)
-        if failure is None:
-            raise
+        failure = _unwrap(e) or e  # ours as one line; anything else as it came
     if failure is not None:
-        del ds
         _kill_tokenizer_actors()
-        raise failure  # outside the handler: no link to Ray's exception, whose traceback holds them too
+        raise failure  # outside the handler: no link to Ray's exception when it is ours
     dropped = writer.close() + (eval_writer.close() if eval_writer else 0)
     if docs == 0:
         raise DataError(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import gc
 import json
 import logging
 import os
@@ -75,22 +74,24 @@ def validate_before_ray(cfg: Config) -> None:
     check_resume(cfg)
 
 
-def check_resume(cfg: Config) -> None:
+def check_resume(cfg: Config, world: int | None = None) -> dict[str, Any] | None:
     """A run.name that already has a checkpoint resumes from it: its model/data/batch settings
-    (and an explicit worker count) must match, else the workers would fail on it after start-up.
-    Reads only files (Ray's checkpoint snapshot, the manifest, config.yaml), so it runs before Ray."""
+    and worker count (`world`, else an explicit scaling.num_workers) must match, else the
+    workers would fail on it after start-up. Returns that checkpoint (newest_checkpoint), None
+    for a new run. Reads only files (Ray's checkpoint snapshot, the manifest, config.yaml), so
+    it runs before Ray."""
     from raytrain_cpu.checkpoint import resume_conflict, world_size_remedy
 
     latest = newest_checkpoint(cfg.run.run_dir)
     if latest is None:
-        return
+        return None
     conflict = resume_conflict(latest, latest["path"], cfg.to_dict())
     if conflict:
         raise ConfigError(f"run.name: {conflict}")
-    if cfg.scaling.num_workers and cfg.scaling.num_workers != latest["world_size"]:
-        raise ConfigError(
-            f"scaling.num_workers: {world_size_remedy(latest['path'], latest['world_size'], cfg.scaling.num_workers)}"
-        )
+    world = world or cfg.scaling.num_workers
+    if world and world != latest["world_size"]:
+        raise ConfigError(f"scaling.num_workers: {world_size_remedy(latest['path'], latest['world_size'], world)}")
+    return latest
 
 
 def check_lora_before_ray(cfg: Config) -> dict[str, int] | None:
@@ -588,27 +589,20 @@ def run(cfg: Config) -> dict[str, Any]:
     if not cfg.model.is_tiny:  # again for a hub id, now that it is downloaded
         check_causal_lm(model_dir)
         check_context_length(model_dir, cfg.data.seq_len)
-    check_resume(cfg)  # again for callers of run() (main() did it before Ray), before config.yaml is replaced
+    # Again for callers of run() (main() did it before Ray), now with the derived worker count,
+    # before config.yaml is replaced.
+    latest = check_resume(cfg, world)
 
     # ---- resolved config and resume position
     cfg_dict = cfg.to_dict()
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
     if cfg.train.record_block_ids:
         (run_dir / "block_ids").mkdir(exist_ok=True)
-    latest = newest_checkpoint(run_dir)
     start_step = latest["step"] if latest else 0
     if latest and latest["step"] >= cfg.train.max_steps:
         print(f"[raytrain] {latest['path']} is already at step {latest['step']} >= train.max_steps; nothing to do.")
-    if latest and latest["world_size"] != world:
-        from raytrain_cpu.checkpoint import world_size_remedy
-
-        raise ConfigError(f"scaling.num_workers: {world_size_remedy(latest['path'], latest['world_size'], world)}")
     start = start_step * global_batch
     datasets = build_datasets(cache, meta, cfg, world, start)
-    # A dataset execution that failed earlier in this process (a notebook's, a test's) leaves its
-    # tokenizer actors referenced from garbage cycles (tracebacks in log records); each holds a
-    # CPU the training workers would otherwise wait for forever. Collect them now.
-    gc.collect()
 
     # ---- trainer
     loop_config = {

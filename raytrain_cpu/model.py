@@ -128,9 +128,13 @@ _POSITION_EMBEDDINGS = ("wpe", "position_embeddings", "embed_positions")
 _OUTPUT_HEADS = ("lm_head", "embed_out")
 
 
+def _config_json(model_dir: str) -> dict[str, Any]:
+    return json.loads((Path(model_dir).expanduser() / "config.json").read_text())
+
+
 def read_model_config(model_dir: str) -> dict[str, Any]:
     """config.json as a dict; a multimodal model's text_config is merged over its top level."""
-    c = json.loads((Path(model_dir).expanduser() / "config.json").read_text())
+    c = _config_json(model_dir)
     return {**c, **(c.get("text_config") or {})}
 
 
@@ -164,7 +168,7 @@ def check_causal_lm(model_dir: str) -> None:
     with AutoModelForCausalLM.from_config (encoder-decoder and vision-language types have none)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    c = json.loads((Path(model_dir).expanduser() / "config.json").read_text())
+    c = _config_json(model_dir)  # the top level: the type AutoModelForCausalLM sees
     model_type = c.get("model_type")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ConfigError(
