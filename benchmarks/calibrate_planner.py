@@ -1,13 +1,14 @@
 """Measure peak RSS per rank of real ZeRO training, to calibrate ``raytrain_cpu.plan``.
 
 Starts ``--world-size`` Ray Train workers (or plain processes, gloo on 127.0.0.1), and in each
-one does what a worker of this project does: load a Llama with ``from_pretrained`` under
-ZeRO-3's ``zero.Init`` (so each rank only ever holds its shard), ``deepspeed.initialize`` with
-the project's DeepSpeed config (``raytrain_cpu.train.deepspeed_config``: torch AdamW, bf16),
-then a few optimizer steps on random tokens. Each rank records its resident set size
+one does what a worker of this project does: start with the worker's allocator settings
+(``cpu.preload_env``), load a Llama with the project's sharded loader (``model.load_sharded``:
+built under ZeRO-3's ``zero.Init``, each rank reading only its bytes), ``deepspeed.initialize``
+with the project's DeepSpeed config (``raytrain_cpu.train.deepspeed_config``: torch's fused
+AdamW, bf16), then a few optimizer steps on random tokens. Each rank records its resident set size
 (VmRSS) after every stage of start-up and its high-water mark (VmHWM); rank-wise maxima are
 written, with the planner's prediction for the same case next to them, to
-``benchmarks/results/planner_calibration.json``.
+``benchmarks/results/<machine>/planner_calibration.json``.
 
     python benchmarks/calibrate_planner.py                          # every case in plan.CALIBRATION_CASES
     python benchmarks/calibrate_planner.py --case llama-37m:8:ac    # one case (model:micro_batch[:ac])
@@ -41,8 +42,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from raytrain_cpu import plan  # noqa: E402
+from raytrain_cpu.cpu import GLIBC_MMAP_THRESHOLD, cpu_features, preload_env  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results" / "planner_calibration.json"
+# jemalloc where installed, as on the cluster; else glibc with a fixed mmap threshold, which
+# measured the same peak RSS as jemalloc (its dynamic default fragments: ~30% more).
+ALLOCATOR_ENV = preload_env("auto", GLIBC_MMAP_THRESHOLD)
+# This machine's folder; the planner's constants were fitted on plan.CALIBRATION_FILE's machine.
+RESULTS = REPO / "benchmarks" / "results" / cpu_features().slug / "planner_calibration.json"
 
 
 # ----------------------------------------------------------------------------- memory probes
@@ -73,6 +79,7 @@ def _ds_config(micro_batch: int, zero_stage: int, world_size: int) -> dict[str, 
     from raytrain_cpu.train import deepspeed_config
 
     overrides = [
+        "model.dtype=bf16",  # a worker resolves 'auto' before building this config; bf16 is planned
         f"train.micro_batch_size={micro_batch}",
         "train.grad_accum_steps=1",
         f"deepspeed.zero_stage={zero_stage}",
@@ -104,21 +111,20 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
     torch.set_num_threads(1)  # 2 cores shared by 2 ranks (and by other people's tests)
     importlib.import_module("torch._dynamo")  # before zero.Init patches Tensor.__new__
     import deepspeed
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from raytrain_cpu.cpu import malloc_setting
+    from raytrain_cpu.model import load_sharded
 
     points: dict[str, float] = {"imports": _rss_gib()}
     deepspeed.init_distributed(dist_backend="gloo")  # reuses the initialised group
     points["process_group"] = _rss_gib()
 
     ds_config = _ds_config(case["micro_batch"], case["zero_stage"], torch.distributed.get_world_size())
-    model_dir = case["model_dir"]
-    hf_config = AutoConfig.from_pretrained(model_dir)  # before zero.Init is switched on
-    dschf = transformers.integrations.HfDeepSpeedConfig(ds_config)  # noqa: F841  (keep alive: enables zero.Init)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=torch.bfloat16)
+    # The project's own loader: partitioned under zero.Init, each rank reading only its bytes.
+    model, dschf = load_sharded(case["model_dir"], ds_config, torch.bfloat16)  # noqa: F841  (keep dschf alive)
+    hf_config = model.config
     if case["activation_checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
     points["after_load"] = _rss_gib()
     points["load_peak"] = _hwm_gib()
 
@@ -144,7 +150,14 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
     points["end"] = _rss_gib()
     points["peak"] = _hwm_gib()
 
-    result = {"rank": rank, "rss_gib": points, "phases": phases, "step_s": step_times, "loss": loss.item()}
+    result = {
+        "rank": rank,
+        "malloc": malloc_setting(),
+        "rss_gib": points,
+        "phases": phases,
+        "step_s": step_times,
+        "loss": loss.item(),
+    }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
 
@@ -177,6 +190,7 @@ def _save_model(shape: plan.ModelShape, path: str) -> None:
 
 
 def _launch_mp(world_size: int, case: dict[str, Any], out_dir: str) -> None:
+    os.environ.update(ALLOCATOR_ENV)  # read by the children at start
     args = (world_size, _free_port(), case, out_dir)
     mp.start_processes(_rank_main, args=args, nprocs=world_size, join=True, start_method="spawn")
 
@@ -192,7 +206,8 @@ def _launch_ray(world_size: int, case: dict[str, Any], out_dir: str) -> None:
     sys.path.insert(0, here)
     calibrate = importlib.import_module(Path(__file__).stem)
     pythonpath = os.pathsep.join(p for p in (str(REPO), here, os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=world_size, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    env = ALLOCATOR_ENV | {"PYTHONPATH": pythonpath}
+    ray.init(num_cpus=world_size, include_dashboard=False, runtime_env={"env_vars": env})
     try:
         TorchTrainer(
             calibrate._ray_train_loop,
@@ -242,6 +257,8 @@ def measure(
         "micro_batch": micro_batch,
         "seq_len": seq_len,
         "activation_checkpointing": ac,
+        "malloc": ranks[0]["malloc"],
+        "fused_adamw": _ds_config(micro_batch, 3, world_size)["optimizer"]["params"]["fused"],
         "steps": steps,
         "measured_rss_gib": {k: round(v, 4) for k, v in measured.items()},
         "hwm_by_phase_gib": hwm,
@@ -252,6 +269,15 @@ def measure(
 
 
 # ----------------------------------------------------------------------------- CLI
+
+
+# Each phase the planner predicts, against what the ranks measured: the load's high-water
+# mark, resident memory once deepspeed.initialize has returned, the training high-water mark.
+PHASES = {
+    "load": ("after_load", "load_peak"),
+    "initialize": ("after_master", "after_initialize"),
+    "training peak": ("peak", "peak"),
+}
 
 
 def add_prediction(case: dict[str, Any]) -> dict[str, Any]:
@@ -265,8 +291,20 @@ def add_prediction(case: dict[str, Any]) -> dict[str, Any]:
         activation_checkpointing=case["activation_checkpointing"],
     )["memory_gib"]
     case["predicted_gib"] = {k: round(v, 4) for k, v in predicted.items()}
-    case["peak_ratio_predicted_over_measured"] = round(predicted["peak"] / case["measured_rss_gib"]["peak"], 4)
+    case["predicted_over_measured"] = {
+        phase: round(predicted[p] / case["measured_rss_gib"][m], 4) for phase, (p, m) in PHASES.items()
+    }
+    case.pop("peak_ratio_predicted_over_measured", None)  # the older files' single ratio
     return case
+
+
+def _print_case(case: dict[str, Any]) -> None:
+    name = f"{case['model']} mb{case['micro_batch']}{' ac' if case['activation_checkpointing'] else ''}"
+    cols = []
+    for phase, (p, m) in PHASES.items():
+        measured, predicted = case["measured_rss_gib"][m], case["predicted_gib"][p]
+        cols.append(f"{phase} {measured:.3f} / {predicted:.3f} (x{predicted / measured:.3f})")
+    print(f"{name:18} measured / predicted GiB: " + ", ".join(cols), flush=True)
 
 
 def _parse_case(text: str) -> tuple[str, int, bool]:
@@ -301,11 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         doc = json.loads(RESULTS.read_text())
         for case in doc["cases"]:
             add_prediction(case)
-            measured, predicted = case["measured_rss_gib"]["peak"], case["predicted_gib"]["peak"]
-            name = f"{case['model']} mb{case['micro_batch']}{' ac' if case['activation_checkpointing'] else ''}"
-            print(
-                f"{name:18} peak measured {measured:.3f} GiB, predicted {predicted:.3f} GiB (x{predicted / measured:.3f})"
-            )
+            _print_case(case)
         RESULTS.write_text(json.dumps(doc, indent=2) + "\n")
         return
 
@@ -314,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"measuring {name}, micro batch {micro_batch}, activation checkpointing {ac} ...", flush=True)
         r = add_prediction(measure(name, args.world_size, micro_batch, args.seq_len, args.steps, ac, args.launcher))
         print(json.dumps(r, indent=2), flush=True)
+        _print_case(r)
         cases.append(r)
 
     if not args.no_write:
@@ -326,7 +361,12 @@ def main(argv: list[str] | None = None) -> None:
             "command": " ".join(
                 ["python benchmarks/calibrate_planner.py", *(argv if argv is not None else sys.argv[1:])]
             ),
-            "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
+            "host": {
+                "cpu": cpu_features().describe(),
+                "cpus": os.cpu_count(),
+                "machine": platform.machine(),
+                "python": platform.python_version(),
+            },
             "versions": {
                 "torch": torch.__version__,
                 "deepspeed": deepspeed.__version__,

@@ -7,7 +7,7 @@ one after the other in one run (this machine is shared and noisy: compare the ra
 absolute figures). Also reports packing efficiency (non-padding tokens / tokens trained, for
 our blocks and for the seed recipe's `padding="max_length"` at 512) and, with
 --train-steps, the share of step time a worker waits for data in a default-shaped run.
-Writes benchmarks/results/data_pipeline.json and .md.
+Writes benchmarks/results/<machine>/data_pipeline.json and .md.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 
 from raytrain_cpu.config import load_config
+from raytrain_cpu.cpu import cpu_features
 from raytrain_cpu.tokenizer import BUNDLED_TOKENIZER, BUNDLED_WIKITEXT
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent / "results" / cpu_features().slug  # one folder per machine
 
 
 def make_corpus(out: Path, copies: int) -> list[str]:
@@ -162,7 +163,7 @@ def main() -> None:
             result["data_stall"] = data_stall(args.train_steps, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "data_pipeline.json").write_text(json.dumps(result, indent=2))
     rows = [
         ("Ray Data tokenize+pack (tokens/s)", f"{ours['tokens_per_s']:,.0f}"),

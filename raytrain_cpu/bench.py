@@ -1,8 +1,9 @@
-"""`python -m raytrain_cpu.bench [gemm|train|load|scaling|placement|options|all]`: CPU benchmarks.
+"""`python -m raytrain_cpu.bench [gemm|train|load|scaling|placement|options|reference|all]`: CPU benchmarks.
 
 Every comparison is measured side by side in one invocation (the machines this runs on are
 often shared, so absolute figures drift; ratios taken minutes apart hold). Results go to
-benchmarks/results/<suite>.json and a markdown table next to it (or --json PATH).
+benchmarks/results/<machine>/<suite>.json and a markdown table next to it (or --json PATH),
+<machine> naming the CPU model and its best matrix ISA (e.g. amd-epyc-avx512_bf16).
 
 * gemm      bf16 and fp32 GEMM FLOP/s at the model's own training GEMM shapes (forward,
             input-gradient and weight-gradient products), in one process per worker running
@@ -13,9 +14,15 @@ benchmarks/results/<suite>.json and a markdown table next to it (or --json PATH)
             of the same model, and the bound 2*params/world + largest tensor + 1.5 GB.
 * scaling   tokens/s at 1 and 2 workers with the same threads per worker.
 * placement this project's thread placement against Ray's plain settings (and pinning).
-* options   torch.compile, activation checkpointing and bf16 against the defaults.
+* options   torch.compile, activation checkpointing, bf16, the per-tensor AdamW loop and
+            glibc malloc (fixed or dynamic mmap threshold) against the defaults.
 * lora      LoRA (r=16, every projection) against full fine-tuning: tokens/s, peak RSS per
             rank, optimizer state bytes per rank, trainable parameters.
+* reference the 2-worker ZeRO-3 run against plain single-process PyTorch (no DeepSpeed, no
+            Ray) on the same model, dtype, tokens per step and cores, interleaved zero3,
+            reference, zero3: tokens/s per core and their ratio (issue 12's goal: >= 0.95).
+            bf16 runs get two references, autocast and bf16 weights with fp32 master
+            weights; `--variants compile` adds torch.compile on the faster of them.
 
 --size tiny runs everything on a 0.4M-parameter model in seconds (the smoke test).
 """
@@ -115,12 +122,13 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str] | None = None)
 
 
 def write_results(suite: str, result: dict[str, Any], json_path: str | None, workdir: Path | None = None) -> Path:
-    """<suite>.json plus <suite>.md (the tables) under benchmarks/results, or at --json.
+    """<suite>.json plus <suite>.md (the tables) in this machine's folder of benchmarks/results
+    (`cpu.CpuFeatures.slug`: model and best matrix ISA), or at --json.
 
     Paths under the scratch directory are recorded as <workdir>/...: results are committed,
     and this machine's temporary paths mean nothing elsewhere.
     """
-    path = Path(json_path) if json_path else RESULTS / f"{suite}.json"
+    path = Path(json_path) if json_path else RESULTS / cpu.cpu_features().slug / f"{suite}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(result, indent=2, default=str)
     if workdir is not None:
@@ -264,6 +272,8 @@ class Runner:
             "steps_timed": bd["steps"],
             "final_loss": s["final_loss"],
             "load_peak_rss_gb": max(s["cpu"]["load_peak_rss_bytes"]) / GB,
+            "train_peak_rss_gb_max_rank": _train_peak_rss_gb(s["run_dir"]),
+            "malloc": s["cpu"].get("malloc", s["cpu"]["allocator"]),
             "probe_peak_flops_per_worker": s["cpu"]["dtype"]["peak_flops_per_s"],
             "mfu_vs_worker_probe": mfu_of(
                 bd["tokens_per_s"] or 0.0,
@@ -277,6 +287,14 @@ class Runner:
         }
         print(f"[bench] {name}: {row['tokens_per_s']:.0f} tokens/s, step {row['step_s']:.2f}s", flush=True)
         return row
+
+
+def _train_peak_rss_gb(run_dir: str) -> float | None:
+    """The training high-water mark of the rank that peaked highest (metrics.jsonl's memory rows)."""
+    from raytrain_cpu.metrics import read_metrics
+
+    peaks = [m["mem_peak_max_gib"] for m in read_metrics(run_dir).train if "mem_peak_max_gib" in m]
+    return max(peaks) * 2**30 / GB if peaks else None
 
 
 BREAKDOWN_COLUMNS = [
@@ -398,7 +416,10 @@ def suite_placement(r: Runner, args) -> dict[str, Any]:
 
 
 def suite_options(r: Runner, args) -> dict[str, Any]:
-    """Each switch against the defaults, interleaved: bf16 forced, activation checkpointing, compile."""
+    """Each switch against the defaults, interleaved: bf16 forced, activation checkpointing, compile,
+    PyTorch's per-tensor AdamW loop in place of the fused kernel, and glibc malloc with the
+    workers' fixed mmap threshold and with its own dynamic one (against jemalloc or tcmalloc
+    where the defaults find them installed)."""
     variants = {
         "defaults": [],
         "model.dtype=bf16": ["model.dtype=bf16"],
@@ -406,6 +427,9 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
         "activation_checkpointing": ["model.activation_checkpointing=true"],
         "params persistent": ["deepspeed.param_persistence_threshold=100000000"],
         "compile": ["model.compile=true"],
+        "AdamW per-tensor": ["train.fused_adamw=false"],
+        "glibc dynamic mmap threshold": ["scaling.allocator=system"],
+        "glibc fixed mmap threshold": ["scaling.allocator=system", f"scaling.glibc_mmap_threshold={1 << 20}"],
     }
     only = set(args.variants.split(",")) if args.variants else None
     rows = []
@@ -419,20 +443,16 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
 
 def suite_lora(r: Runner, args) -> dict[str, Any]:
     """LoRA (rank 16 on every projection) against full fine-tuning, interleaved, same data and steps."""
-    from raytrain_cpu.metrics import read_metrics
-
     variants = {"full fine-tuning": [], "LoRA r=16": ["lora.rank=16", "lora.alpha=32"]}
     rows = []
     for rep in range(args.repeats):
         for name, ov in variants.items():
             row = r.run(f"lora-{len(rows)}", ov) | {"variant": name, "rep": rep}
             s = json.loads((Path(row["run_dir"]) / "summary.json").read_text())
-            steps = [m for m in read_metrics(row["run_dir"]).train if "mem_peak_max_gib" in m]
             row |= {
                 "trainable_params": s["trainable_params"],
                 "total_params": s["total_params"],
                 "optimizer_state_mb_per_rank": max(s["optimizer_state_bytes"]) / 1e6,
-                "train_peak_rss_gb_max_rank": max(m["mem_peak_max_gib"] for m in steps) * 2**30 / GB,
             }
             rows.append(row)
     table = _compare(rows, "full fine-tuning")
@@ -458,8 +478,10 @@ def _compare(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
                 "tokens/s (median)": med[k],
                 "vs " + baseline: med[k] / med[baseline] if med.get(baseline) else None,
                 "tokens/s each": ", ".join(f"{x['tokens_per_s']:.0f}" for x in v),
+                "optimizer step s (median)": sorted(x.get("optimizer_step_s") or 0.0 for x in v)[len(v) // 2],
+                "peak RSS GB, max rank": max((x.get("train_peak_rss_gb_max_rank") or 0.0) for x in v) or None,
                 "dtype": v[0]["dtype"],
-                "allocator": v[0]["allocator"],
+                "allocator": v[0].get("malloc", v[0]["allocator"]),
                 "threads": v[0]["threads"],
                 "pinned": v[0]["pinned"],
                 "final loss": v[0]["final_loss"],
@@ -536,6 +558,305 @@ def suite_seed(r: Runner, args) -> dict[str, Any]:
             ],
             "ratio": [{"raytrain_cpu / seed (useful tokens/s, lower of the two runs)": ratio}],
         },
+    }
+
+
+# ----------------------------------------------------------------------------- plain PyTorch reference
+
+# How the reference trains in bf16 (fp32 runs ignore it):
+#  'autocast'    fp32 weights, gradients and AdamW; the forward under torch.autocast(bf16), so
+#                every GEMM runs in bf16 and autograd runs the backward GEMMs in bf16 too.
+#  'bf16_master' bf16 weights (no per-step weight casts) and bf16 gradients, with an fp32
+#                master copy that clipping and AdamW work on, copied back after each step:
+#                DeepSpeed's own bf16 recipe, done by hand.
+REFERENCE_PRECISIONS = ("autocast", "bf16_master")
+
+
+def _reference_worker(
+    spec: dict[str, Any],
+    dtype: str,
+    threads: int,
+    batch: int,
+    steps: int,
+    compile: bool,
+    precision: str,
+    warmup: int,
+    out,
+) -> None:
+    """One process, no DeepSpeed, no Ray: the project's Llama trained on random tokens."""
+    import contextlib
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.model import tiny_llama_config
+
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)  # as the workers (cpu.place_threads): only jit.fork uses it
+    cfg = load_config(None, model_overrides(spec["model"], spec["seq_len"]))
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    # The training runs' model, built as write_tiny_model builds it (untied unless configured);
+    # the eos id only names a token, it changes no shape.
+    config = tiny_llama_config(cfg, VOCAB, eos_token_id=0)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).train()
+    bf16 = dtype == "bf16"
+    master = bf16 and precision == "bf16_master"
+    if master:
+        model.to(torch.bfloat16)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt_params = [p.detach().float().requires_grad_() for p in params]
+        for m in opt_params:
+            m.grad = torch.empty_like(m)  # allocated once; each step copies the bf16 grads in
+    else:
+        params = opt_params = [p for p in model.parameters() if p.requires_grad]
+    # The project's optimizer: AdamW without weight decay on norms, its lr, betas and eps.
+    groups = [
+        {"params": [p for p in opt_params if p.ndim >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in opt_params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps, fused=True)
+    fwd = torch.compile(model) if compile else model
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 and not master)
+    gen = torch.Generator().manual_seed(0)
+    totals = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_step_s": 0.0, "step_s": 0.0}
+    loss_value = float("nan")
+    for step in range(warmup + steps):
+        ids = torch.randint(0, VOCAB, (batch, spec["seq_len"]), generator=gen)
+        t0 = time.perf_counter()
+        with autocast:
+            loss = fwd(input_ids=ids, labels=ids).loss
+        loss_value = float(loss.detach())
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if master:
+            torch._foreach_copy_([m.grad for m in opt_params], [p.grad for p in params])
+            model.zero_grad(set_to_none=True)
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(opt_params, t.grad_clip, foreach=True)
+        opt.step()
+        if not master:  # the master grads are overwritten by the next copy: nothing to zero
+            opt.zero_grad(set_to_none=True)
+        if master:
+            with torch.no_grad():
+                torch._foreach_copy_(params, opt_params)
+        t3 = time.perf_counter()
+        if step >= warmup:  # warm-up steps allocate, fill caches and compile: not steady state
+            for k, v in (("forward_s", t1 - t0), ("backward_s", t2 - t1), ("optimizer_step_s", t3 - t2)):
+                totals[k] += v
+            totals["step_s"] += t3 - t0
+    per_step = {k: v / steps for k, v in totals.items()}
+    tokens = batch * spec["seq_len"]
+    out.put(
+        {
+            "threads": torch.get_num_threads(),
+            "dtype": dtype,
+            "precision": (precision if bf16 else "fp32") + (" + compile" if compile else ""),
+            "tokens_per_step": tokens,
+            "tokens_per_s": tokens / per_step["step_s"],
+            **per_step,
+            "steps_timed": steps,
+            "final_loss": loss_value,
+            "allocator": cpu.allocator_in_use(),
+            "grad_clip": t.grad_clip,
+            "attention": model.config._attn_implementation,
+        }
+    )
+
+
+def reference_run(
+    spec: dict[str, Any],
+    dtype: str,
+    threads: int,
+    batch: int,
+    steps: int,
+    compile: bool = False,
+    precision: str = "autocast",
+    warmup: int | None = None,
+    allocator: str = "auto",
+    compile_cache_dir: str | None = None,
+    timeout_s: float = 3600,
+) -> dict[str, Any]:
+    """Plain single-process PyTorch training of the bench model (`spec`, a SIZES entry).
+
+    `batch` sequences of spec["seq_len"] random tokens per step, in one micro batch, with
+    `threads` intra-op threads; `dtype` is 'bf16' or 'fp32' (what model.dtype resolved to).
+    Runs in a fresh spawned process so its thread pool and allocator start clean, preloading
+    the allocator a training worker gets (`allocator`, cpu.preload_env); compiled kernels go
+    to `compile_cache_dir` (inductor's cache, reused by later runs). Returns tokens/s and
+    the mean forward, backward and optimizer seconds of `steps` steps after `warmup` (1, or
+    2 with compile: the first call compiles the forward and backward graphs).
+    """
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"dtype must be 'bf16' or 'fp32', not {dtype!r}")
+    if precision not in REFERENCE_PRECISIONS:
+        raise ValueError(f"precision must be one of {REFERENCE_PRECISIONS}, not {precision!r}")
+    warmup = (2 if compile else 1) if warmup is None else warmup
+    args = (spec, dtype, threads, batch, steps, compile, precision, warmup)
+    env = cpu.preload_env(allocator)
+    if compile_cache_dir:
+        env["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir
+    return _run_child(_reference_worker, args, env, timeout_s)
+
+
+def _run_child(target: Callable, args: tuple, env: dict[str, str], timeout_s: float) -> dict[str, Any]:
+    """target(*args, queue) in a spawned process with `env` added to its environment; its result.
+
+    A spawned child inherits this process's environment at start, which is the only point
+    an LD_PRELOAD allocator can still take effect; the parent's own is restored right after.
+    """
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, q))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            res = q.get(timeout=5)
+            break
+        except queue_mod.Empty:
+            if not p.is_alive():  # it died without a result (an exception, or the OOM killer)
+                raise RuntimeError(f"{target.__name__} exited with code {p.exitcode} and no result") from None
+            if time.monotonic() > deadline:
+                p.kill()
+                raise TimeoutError(f"{target.__name__} gave no result in {timeout_s:.0f}s") from None
+    p.join()
+    return res
+
+
+def _reference_row(name: str, res: dict[str, Any]) -> dict[str, Any]:
+    """A reference result in the training runs' row layout (one process; no data wait or comm)."""
+    return {
+        "variant": name,
+        "workers": 1,
+        "threads": res["threads"],
+        "dtype": res["dtype"],
+        "precision": res["precision"],
+        "allocator": res["allocator"],
+        "tokens_per_step": res["tokens_per_step"],
+        "tokens_per_s": res["tokens_per_s"],
+        "step_s": res["step_s"],
+        "data_wait_s": 0.0,
+        "forward_s": res["forward_s"],
+        "backward_s": res["backward_s"],
+        "optimizer_step_s": res["optimizer_step_s"],
+        "comm_s": None,
+        # The three phases tile the step; what is left is rounding.
+        "other_s": max(0.0, res["step_s"] - res["forward_s"] - res["backward_s"] - res["optimizer_step_s"]),
+        "steps_timed": res["steps_timed"],
+        "final_loss": res["final_loss"],
+        "grad_clip": res["grad_clip"],
+        "attention": res["attention"],
+    }
+
+
+def suite_reference(r: Runner, args) -> dict[str, Any]:
+    """The 2-worker ZeRO-3 run against plain single-process PyTorch on the same model, dtype,
+    tokens per step and cores, interleaved: zero3, references, zero3."""
+    zero3 = [r.run("zero3-0", [f"scaling.num_workers={args.workers}"])]
+    z = zero3[0]
+    # tokens/s is tokens per step over the mean step time, so this is the run's exact batch.
+    tokens_per_step = round(z["tokens_per_s"] * z["step_s"])
+    batch = tokens_per_step // r.spec["seq_len"]
+    cores = z["workers"] * z["threads"]
+    precisions = REFERENCE_PRECISIONS if z["dtype"] == "bf16" else ("autocast",)  # fp32 has one recipe
+    only = set(args.variants.split(",")) if args.variants else set()
+    named = only & set(precisions)  # --variants may name recipes; 'compile' alone keeps them all
+    eager = [p for p in precisions if not named or p in named]
+
+    def reference(name: str, precision: str, compiled: bool) -> dict[str, Any]:
+        print(f"[bench] {name}: {batch} x {r.spec['seq_len']} tokens, {cores} threads, {z['dtype']}", flush=True)
+        res = reference_run(
+            r.spec, z["dtype"], cores, batch, r.spec["steps"] - 1, compile=compiled, precision=precision,
+            allocator=z["allocator"], compile_cache_dir=str(r.workdir / "inductor_cache"),
+        )  # fmt: skip
+        print(f"[bench] {name}: {res['tokens_per_s']:.0f} tokens/s, step {res['step_s']:.2f}s", flush=True)
+        return _reference_row(name, res) | {"recipe": precision}
+
+    refs = [reference("reference" if len(eager) == 1 else f"reference {p}", p, False) for p in eager]
+    if "compile" in only:  # opt-in: inductor's C++ build takes minutes on a few cores
+        best_eager = max(refs, key=lambda x: x["tokens_per_s"])
+        refs.append(reference("reference + compile", best_eager["recipe"], True))
+    zero3.append(r.run("zero3-1", [f"scaling.num_workers={args.workers}"]))
+    for x in zero3:
+        x["tokens_per_step"] = round(x["tokens_per_s"] * x["step_s"])
+        x["precision"] = "DeepSpeed " + x["dtype"]
+
+    def per_core(x: dict[str, Any]) -> float:
+        return x["tokens_per_s"] / (x["workers"] * x["threads"])
+
+    best = max(refs, key=per_core)
+    z_pc = [per_core(x) for x in zero3]
+    z_mean = sum(z_pc) / len(z_pc)  # two runs, so mean and median agree
+    ratio = z_mean / per_core(best)
+    throughput = [
+        {
+            "run": x["variant"],
+            "processes x threads": f"{x['workers']} x {x['threads']}",
+            "cores": x["workers"] * x["threads"],
+            "dtype": x["dtype"],
+            "precision": x["precision"],
+            "tokens per step": x["tokens_per_step"],
+            "tokens/s": x["tokens_per_s"],
+            "tokens/s per core": per_core(x),
+            "s per step": x["step_s"],
+            "final loss": x["final_loss"],
+        }
+        for x in (zero3[0], *refs, zero3[1])
+    ]
+    ratios = [
+        {
+            "reference": x["variant"],
+            "ZeRO-3 / reference, per core (mean of the ZeRO-3 runs)": z_mean / per_core(x),
+            "lower ZeRO-3 run": min(z_pc) / per_core(x),
+            "higher ZeRO-3 run": max(z_pc) / per_core(x),
+            "goal": 0.95,
+            "meets goal": z_mean / per_core(x) >= 0.95,
+        }
+        for x in refs
+    ]
+    return {
+        "zero3": zero3,
+        "reference": refs,
+        "best_reference": best["variant"],
+        "ratio": ratio,
+        "tables": {
+            "throughput: same model, dtype, tokens per step and cores": throughput,
+            "per-core throughput ratio, ZeRO-3 / plain PyTorch (goal >= 0.95)": ratios,
+            "step-time breakdown (s per optimizer step; comm is inside forward/backward/step)": [
+                {k: x.get(k) for k in ("variant", "precision", *BREAKDOWN_COLUMNS[1:])}
+                for x in (zero3[0], *refs, zero3[1])
+            ],
+        },
+        "notes": [
+            f"reference: one process, no DeepSpeed, no Ray; the same LlamaForCausalLM (SDPA attention), "
+            f"{batch} x {r.spec['seq_len']} random tokens per step in one micro batch, {cores} threads, "
+            "AdamW(fused=True) with the project's lr, betas, eps and weight-decay groups, gradient clipping "
+            f"at {refs[0]['grad_clip']}; the first step excluded, as in the training runs.",
+            "bf16 recipes: 'autocast' = fp32 weights and optimizer, forward under torch.autocast(bf16); "
+            "'bf16_master' = bf16 weights and gradients with an fp32 master copy for clipping and AdamW "
+            "(DeepSpeed's bf16 recipe by hand). The ratio row of the faster one is the goal's. "
+            "A compiled reference excludes two warm-up steps (the first compiles).",
+            "final loss: the training runs read the bench corpus, the reference random tokens "
+            "(ln 2048 = 7.62 is chance), so the two losses are not comparable.",
+            f"best reference here: {best['variant']} ({per_core(best):.0f} tokens/s per core); "
+            f"ZeRO-3 / best, per core = {ratio:.3f} (mean of {len(zero3)} interleaved ZeRO-3 runs).",
+        ],
     }
 
 
@@ -684,6 +1005,7 @@ SUITES = {
     "options": suite_options,
     "seed": suite_seed,
     "lora": suite_lora,
+    "reference": suite_reference,
 }
 
 
@@ -695,9 +1017,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--repeats", type=int, default=1, help="interleaved repetitions of each variant (placement, options)"
     )
-    ap.add_argument("--variants", default="", help="options: comma-separated subset of variants to run")
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="options: comma-separated subset of variants to run; reference: recipes (autocast, "
+        "bf16_master) and/or compile",
+    )
     ap.add_argument("--workdir", default="/tmp/raytrain_bench", help="runs, data cache and model files")
-    ap.add_argument("--json", default=None, help="result file (default benchmarks/results/<suite>.json)")
+    ap.add_argument("--json", default=None, help="result file (default benchmarks/results/<machine>/<suite>.json)")
     ap.add_argument("overrides", nargs="*", help="extra key=value config overrides for every training run")
     args = ap.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

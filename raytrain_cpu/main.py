@@ -197,14 +197,14 @@ def derive_scaling(cfg: Config) -> dict[str, Any]:
 def worker_env(cfg: Config, workers_per_node: int) -> dict[str, str]:
     """Env vars the training workers must have at process start (set by Ray's runtime env).
 
-    The allocator has to be preloaded before the process starts. OMP_PROC_BIND is turned off
-    when ranks share a node: libgomp binds at import time to the node's first cores, the same
-    ones for every rank (the cluster images set it for one rank per node); placement then
-    comes from scaling.pin_cores instead.
+    The allocator has to be preloaded (and glibc's tunables set) before the process starts.
+    OMP_PROC_BIND is turned off when ranks share a node: libgomp binds at import time to the
+    node's first cores, the same ones for every rank (the cluster images set it for one rank
+    per node); placement then comes from scaling.pin_cores instead.
     """
     from raytrain_cpu.cpu import preload_env
 
-    env = preload_env(cfg.scaling.allocator)
+    env = preload_env(cfg.scaling.allocator, cfg.scaling.glibc_mmap_threshold)
     if workers_per_node > 1:
         env["OMP_PROC_BIND"] = "false"
     return env

@@ -5,13 +5,15 @@
     python -m raytrain_cpu.plan --model path/to/config.json --zero-stage 2 --json
 
 Memory follows what DeepSpeed 0.19 allocates on a CPU node: per parameter 2 bytes of bf16
-weights, 4 of fp32 master copy, 4 of fp32 gradient for the optimizer, 8 of AdamW moments and 2
-of bf16 gradient partition, divided over the ranks as the ZeRO stage says; then what a step
-adds on top: activations (with or without activation checkpointing), logits, ZeRO-3's
-gathered layers and gradient bucket, AdamW's temporaries. The per-process baseline, the fixed
-overheads and glibc's fragmentation of freed activation memory were measured on real ZeRO-3
-runs (``benchmarks/calibrate_planner.py``); ``tests/test_plan.py`` keeps the estimate within
-15% of the measured peak RSS per rank.
+weights, 4 of fp32 master copy, 8 of AdamW moments and 2 of bf16 gradient partition, divided
+over the ranks as the ZeRO stage says; loading holds the partitioned weights plus the one
+tensor zero.Init builds whole (the sharded loader maps nothing); then what a step adds on top:
+activations (with or without activation checkpointing), logits, ZeRO-3's gathered parameters
+and gradient bucket, and in the optimizer step the fp32 gradient (4 bytes) and, with the
+per-tensor AdamW only, its temporaries. The per-process baseline, the fixed overheads and the
+allocator's share were measured on real ZeRO-3 runs up to a 0.5B model
+(``benchmarks/calibrate_planner.py``, ``CALIBRATION_FILE``); ``tests/test_plan.py`` keeps each
+phase (load, initialize, training peak) within 10% of the measured RSS per rank.
 
 LoRA (``--lora-rank``): the base stays partitioned in bf16 and frozen, only the fp32 adapters
 have a master copy, gradients and AdamW state, the gradient reduce-scatter carries only them,
@@ -130,20 +132,26 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
     ]
 }
 
-# The two models benchmarks/calibrate_planner.py measures (and tests/test_plan.py predicts):
-# the project's tiny default and a ~37M-parameter Llama with the same 2048-token vocabulary.
+# The models benchmarks/calibrate_planner.py measures (and tests/test_plan.py predicts): the
+# project's tiny default, a ~37M-parameter Llama with the same 2048-token vocabulary, and
+# the largest this 2-core, 24 GiB machine trains at world size 2: a 0.5B Llama with
+# Llama-2's 32000-token vocabulary, where the model's state, not the process, dominates.
 CALIBRATION_SHAPES: dict[str, ModelShape] = {
     "tiny": KNOWN_SHAPES["tiny"],
     "llama-37m": _shape("llama-37m", v=2048, h=640, i=1728, layers=8, heads=10, kv=2),
+    "llama-0.5b": _shape("llama-0.5b", v=32000, h=1536, i=4096, layers=16, heads=12, kv=4),
 }
 CALIBRATION_SEQ_LEN = 256  # configs/local.yaml
+# The measurements the constants below are fitted to (written by the script; one folder per machine).
+CALIBRATION_FILE = "benchmarks/results/amd-epyc-avx512_bf16/planner_calibration.json"
 # (model, micro batch, activation checkpointing), 2 ranks, ZeRO-3, bf16. The first two fit the
-# fixed overheads and FRAGMENTATION below; the other two are held out to check the fit.
+# fixed overheads and FRAGMENTATION below; the others are held out to check the fit.
 CALIBRATION_CASES: list[tuple[str, int, bool]] = [
     ("tiny", 8, False),
     ("llama-37m", 8, False),
     ("llama-37m", 8, True),
     ("llama-37m", 2, False),
+    ("llama-0.5b", 2, False),
 ]
 
 
@@ -183,24 +191,25 @@ def resolve_shape(model: str) -> ModelShape:
 # Resident memory of one Ray Train worker before the model exists: Python, torch, transformers,
 # DeepSpeed and Ray's core worker imported, the gloo process group up (measured: 0.48 GiB).
 BASELINE_BYTES = int(0.48 * GIB)
-# Fixed costs that do not grow with the model: from_pretrained's module objects and zero.Init
-# hooks (load), the DeepSpeed engine (initialize), autograd / oneDNN state of a step.
+# Fixed costs that do not grow with the model: the module objects and zero.Init hooks (load),
+# the DeepSpeed engine (initialize), autograd / oneDNN state of a step.
 LOAD_OVERHEAD_BYTES = int(0.035 * GIB)
 INIT_OVERHEAD_BYTES = int(0.04 * GIB)
-STEP_OVERHEAD_BYTES = int(0.025 * GIB)
-# glibc malloc keeps the memory of freed activations in pieces it cannot always reuse: from
-# the second step on, a step's transients cost this many times their live size. Fitted, with
-# STEP_OVERHEAD_BYTES, on two calibration runs (tiny and llama-37m at micro batch 8) and
-# checked on two held out ones (activation checkpointing; micro batch 2). jemalloc, preloaded
-# on the cluster, fragments less, so there the estimate errs on the safe side.
-FRAGMENTATION = 1.63
-# LoRA fragments glibc's heap about twice as badly: on llama-37m, micro batch 8, its peak RSS
-# is 3.4 GiB with glibc and 1.5 GiB with MALLOC_MMAP_THRESHOLD_=65536 (every tensor mmapped,
-# so RSS is live memory, which the planner predicts within 5%). Likely the mid-size fp32
-# temporaries each adapter makes (its input cast to fp32, B's output, its scaled copy, their
-# fp32 sum with the base output), freed between the tensors kept for backward. Fitted on that
-# case; tests/test_plan.py checks it on held-out ones (micro batch 2, fp32, checkpointing).
-LORA_FRAGMENTATION = 3.34
+STEP_OVERHEAD_BYTES = int(0.04 * GIB)
+# A step's transients cost this many times their live size. With glibc's own dynamic mmap
+# threshold they fragmented its heap (1.63, and 3.34 for LoRA's mid-size fp32 temporaries,
+# fitted on an AVX2 host: benchmarks/results/amd-epyc-avx2/planner_calibration.json); the
+# workers now start with a fixed threshold (cpu.GLIBC_MMAP_THRESHOLD), and the five cases of
+# CALIBRATION_FILE (tiny to 0.5B) fit 1.0 with STEP_OVERHEAD_BYTES, within 2% for all but
+# llama-37m at micro batch 2, whose activations are tensors under the threshold, left on the
+# heap (measured 14% above). jemalloc and tcmalloc, preloaded where installed, also hold a
+# step at about its live size.
+FRAGMENTATION = 1.0
+# LoRA's mid-size fp32 temporaries (each adapter's input cast to fp32, B's output, its scaled
+# copy, their sum with the base output) still leave some holes: on llama-37m, micro batch 8, a
+# raytrain_cpu.main run peaked at 1.60 GiB per rank (full fine-tuning: 1.54, predicted 1.54),
+# against 3.4 GiB with glibc's dynamic threshold. Fitted on that run.
+LORA_FRAGMENTATION = 1.16
 
 
 def _act_bytes_per_token_layer(s: ModelShape) -> int:
@@ -217,8 +226,9 @@ def _act_bytes_per_token_layer(s: ModelShape) -> int:
 # Logits per token: the bf16 logits, their fp32 copy in the loss, log-softmax's fp32 output
 # and its fp32 gradient live together at the start of backward.
 LOGITS_BYTES_PER_VOCAB = 2 + 4 + 4 + 4
-# from_pretrained reads the checkpoint through mmap; the pages of the shard being loaded
-# count as resident (Hugging Face checkpoints are sharded at about 5 GB).
+# Without ZeRO-3 every rank loads the whole model with from_pretrained, which maps the
+# checkpoint; the pages of the shard being read count as resident (Hugging Face checkpoints
+# are sharded at about 5 GB). ZeRO-3's sharded load maps nothing (model.load_sharded).
 CHECKPOINT_SHARD_BYTES = 5 * 10**9
 
 # ZeRO settings as raytrain_cpu.train.deepspeed_config writes them (tests/test_plan.py checks);
@@ -282,8 +292,12 @@ def memory_breakdown(
     lora_rank: int = 0,
     lora_targets: tuple[str, ...] = LORA_TARGETS,
     lora_dropout: float = 0.0,
+    fused_adamw: bool = True,
 ) -> dict[str, float]:
     """Per-rank bytes of each component (not cumulative), named after where it comes from.
+
+    `fused_adamw` (train.fused_adamw): PyTorch's fused AdamW updates each partition in one
+    pass with no temporaries; the per-tensor loop makes two partition-sized ones.
 
     With `lora_rank` the base model is frozen: its weights are held (and gathered) as in full
     fine-tuning, but it has no fp32 master copy, gradients or optimizer state; those exist
@@ -305,16 +319,23 @@ def memory_breakdown(
     master = 4 * P / W  # fp32 partition the optimizer updates (a copy even in fp32 training)
     master_grad = 4 * P / W  # its fp32 gradient
     adam = 8 * P / W  # exp_avg + exp_avg_sq
-    adam_temp = 8 * P / W  # torch AdamW on CPU: sqrt(v) and its quotient are new tensors
+    adam_temp = 0.0 if fused_adamw else 8 * P / W  # unfused: sqrt(v) and its quotient are new tensors
     if offload == "nvme":
         # Master weights, moments and fp32 gradients live on disk; ~2 sub-groups of 1e8
         # elements are swapped in at a time (set zero_optimization.sub_group_size=1e8).
         swap = min(P / W, 2e8)
-        master, master_grad, adam, adam_temp = 4 * swap, 4 * swap, 8 * swap, 8 * min(P / W, 1e8)
+        master, master_grad, adam = 4 * swap, 4 * swap, 8 * swap
+        adam_temp = 0.0 if fused_adamw else 8 * min(P / W, 1e8)
     # offload 'cpu' moves nothing on a CPU node: the states are in host memory either way.
 
     # ---- transients
-    checkpoint_pages = min(b * P, CHECKPOINT_SHARD_BYTES)
+    if zero_stage == 3:
+        # zero.Init partitions each parameter as its module is built, so the largest tensor
+        # exists whole for a moment; each rank then reads its 1/W of every tensor into a
+        # buffer of that size (model.load_sharded).
+        load_transient = b * max(numels)
+    else:
+        load_transient = min(b * P, CHECKPOINT_SHARD_BYTES)
     tokens = micro_batch * seq_len
     per_token_layer = _act_bytes_per_token_layer(shape) * b // 2
     if lora_rank:
@@ -327,10 +348,12 @@ def memory_breakdown(
         activations = per_layer * shape.num_layers
     logits = LOGITS_BYTES_PER_VOCAB * shape.vocab_size * tokens
     if zero_stage == 3:
-        # The module running now plus the prefetched ones, gathered whole, and the bucket
-        # that collects whole gradients before the reduce-scatter.
+        # Gathered whole parameters, and the bucket that collects whole gradients before the
+        # reduce-scatter. Once the first step has recorded the module order, ZeRO-3 keeps what
+        # it gathered in forward live for the backward, up to stage3_max_live_parameters
+        # (measured on the 0.5B calibration model: +1.3 GiB per rank at 1e9 against 1e8).
         largest_unit = max(shape.layer_params, shape.vocab_size * shape.hidden_size)
-        gathered = b * min(max_live_parameters, largest_unit + prefetch_bucket_size, P)
+        gathered = b * min(max(max_live_parameters, largest_unit + prefetch_bucket_size), P)
         bucket = b * min(reduce_bucket_size, P)
     else:
         gathered = 0.0
@@ -344,7 +367,7 @@ def memory_breakdown(
         "master_grad": master_grad,
         "grads": grads,
         "adam": adam,
-        "checkpoint_pages": checkpoint_pages,
+        "load_transient": load_transient,
         "activations": activations,
         "logits": logits,
         "gathered_params": gathered,
@@ -352,11 +375,14 @@ def memory_breakdown(
         "adam_temp": adam_temp,
     }
     if lora_rank:
-        parts |= _lora_state(shape.lora_params(lora_rank, tuple(lora_targets)), W, parts, reduce_bucket_size)
+        adapters = shape.lora_params(lora_rank, tuple(lora_targets))
+        parts |= _lora_state(adapters, W, parts, reduce_bucket_size, fused_adamw)
     return parts
 
 
-def _lora_state(adapter_params: int, world_size: int, full: dict[str, float], reduce_bucket_size: int):
+def _lora_state(
+    adapter_params: int, world_size: int, full: dict[str, float], reduce_bucket_size: int, fused_adamw: bool
+) -> dict[str, float]:
     """The trainable state of full fine-tuning swapped for the adapters'.
 
     peft keeps the adapters in fp32 beside a bf16 base (autocast_adapter_dtype) and
@@ -371,7 +397,7 @@ def _lora_state(adapter_params: int, world_size: int, full: dict[str, float], re
         "master_grad": 4 * A / W,
         "grads": 4 * A / W,  # fp32 like the adapters
         "adam": 8 * A / W,
-        "adam_temp": 8 * A / W,
+        "adam_temp": 0.0 if fused_adamw else 8 * A / W,
         "grad_bucket": 4 * min(reduce_bucket_size, A) if full["grad_bucket"] else 0.0,
     }
 
@@ -412,23 +438,26 @@ def _lora_act_delta(shape: ModelShape, rank: int, targets: tuple[str, ...], dtyp
 def memory_stages(parts: dict[str, float], lora: bool = False) -> dict[str, float]:
     """Cumulative per-rank bytes at each stage of start-up, and the training peak.
 
-    after_load: sharded from_pretrained (weights partitioned under zero.Init, the checkpoint
-    shard being read still mapped).
-    after_master: deepspeed.initialize (fp32 master partition and gradient buffers; the
-    checkpoint is closed by then).
+    after_load: the high-water mark of loading (weights partitioned under zero.Init, plus the
+    largest tensor built whole or, without ZeRO-3, the checkpoint shard being mapped).
+    after_master: deepspeed.initialize (fp32 master partition and the gradient partition in
+    the training dtype; the load's transients are gone). The fp32 gradient the optimizer reads
+    (master_grad) is made inside each optimizer step and freed after it.
     after_optimizer: the first optimizer step (AdamW's moments exist from here on).
-    peak: the high-water mark from the second step on: the backward's transients (activations,
-    logits, ZeRO-3's gathered layers and gradient bucket) times the allocator's fragmentation,
-    plus AdamW's temporaries, which are large fresh allocations on top of that heap. `lora`:
-    the parts are a LoRA run's, whose transients fragment more (LORA_FRAGMENTATION).
+    peak: the high-water mark from the second step on, the larger of the forward/backward's
+    transients (activations, logits, ZeRO-3's gathered parameters and gradient bucket, times
+    the allocator's FRAGMENTATION) and the optimizer step's (master_grad, and with the
+    per-tensor AdamW its two temporaries). `lora`: the parts are a LoRA run's
+    (LORA_FRAGMENTATION).
     """
     base = parts["baseline"] + LOAD_OVERHEAD_BYTES + parts["weights"]
-    after_load = base + parts["checkpoint_pages"]
-    after_master = base + INIT_OVERHEAD_BYTES + parts["master"] + parts["master_grad"] + parts["grads"]
+    after_load = base + parts["load_transient"]
+    after_master = base + INIT_OVERHEAD_BYTES + parts["master"] + parts["grads"]
     after_optimizer = after_master + parts["adam"]
     backward = parts["activations"] + parts["logits"] + parts["gathered_params"] + parts["grad_bucket"]
     fragmentation = LORA_FRAGMENTATION if lora else FRAGMENTATION
-    peak = after_optimizer + STEP_OVERHEAD_BYTES + fragmentation * backward + parts["adam_temp"]
+    optimizer_step = parts["master_grad"] + parts["adam_temp"]
+    peak = after_optimizer + STEP_OVERHEAD_BYTES + max(fragmentation * backward, optimizer_step)
     peak = max(peak, after_load)
     return {"after_load": after_load, "after_master": after_master, "after_optimizer": after_optimizer, "peak": peak}
 
@@ -555,6 +584,7 @@ def plan(
     lora_rank: int = 0,
     lora_targets: tuple[str, ...] = LORA_TARGETS,
     lora_dropout: float = 0.0,
+    fused_adamw: bool = True,
 ) -> dict[str, Any]:
     """The whole estimate as a JSON-able dict (what `--json` prints).
 
@@ -590,6 +620,7 @@ def plan(
         lora_rank=lora_rank,
         lora_targets=lora_targets,
         lora_dropout=lora_dropout,
+        fused_adamw=fused_adamw,
     )
     lora_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets)
     parts = memory_breakdown(shape, world_size, **mem_kwargs)
@@ -660,6 +691,7 @@ def inputs_from_run_config(path: str) -> dict[str, Any]:
         lora_rank=cfg.lora.rank,
         lora_targets=tuple(cfg.lora.target_modules),
         lora_dropout=cfg.lora.dropout,
+        fused_adamw=cfg.train.fused_adamw,
     )
 
 
@@ -680,7 +712,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"hidden {m['hidden_size']}, vocab {m['vocab_size']})",
         f"setup       {i['world_size']} ranks, ZeRO-{i['zero_stage']}{offload}, {i['dtype']}, micro batch "
         f"{i['micro_batch']} x seq {i['seq_len']}, grad accum {i['grad_accum_steps']}, activation checkpointing "
-        f"{'on' if i['activation_checkpointing'] else 'off'}",
+        f"{'on' if i['activation_checkpointing'] else 'off'}, AdamW {'fused' if i['fused_adamw'] else 'per-tensor'}",
         f"trainable   {_count(m['trainable_params'])} params"
         + (
             f" (LoRA rank {i['lora_rank']} on {', '.join(i['lora_targets'])}"
@@ -697,6 +729,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"  after optimizer states    {mem['after_optimizer']:10.2f}",
         f"  peak during training      {mem['peak']:10.2f}",
         "  of which: " + ", ".join(f"{k} {v:.2f}" for k, v in result["components_gib"].items() if v >= 0.005),
+        "  (for jemalloc or tcmalloc, which the cluster images preload, or glibc with"
+        " scaling.glibc_mmap_threshold=1048576; glibc's default measured ~30% higher at the peak)",
         "",
         f"communication per rank per step   {result['comm_gib_per_step']:.3g} GiB "
         f"(>= {result['comm_seconds_per_step_min']:.2f} s at {result['network_node']}'s line rate)",
@@ -745,6 +779,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated projections that get adapters (default: all of q,k,v,o,gate,up,down _proj)",
     )
     p.add_argument("--lora-dropout", type=float, help="adapter dropout (> 0 keeps more activations; default 0)")
+    p.add_argument(
+        "--fused-adamw",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="PyTorch's fused AdamW (the default, train.fused_adamw); --no-fused-adamw adds its 8 B/param temporaries",
+    )
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--instance", help="check the fit on this node and time the traffic at its network rate")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
@@ -766,6 +806,7 @@ def main(argv: list[str] | None = None) -> int:
         lora_rank=0,
         lora_targets=LORA_TARGETS,
         lora_dropout=0.0,
+        fused_adamw=True,
     )
     try:
         if args.config:
@@ -782,6 +823,7 @@ def main(argv: list[str] | None = None) -> int:
             lora_rank=args.lora_rank,
             lora_targets=tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None,
             lora_dropout=args.lora_dropout,
+            fused_adamw=args.fused_adamw,
         )
         inputs |= {k: v for k, v in flags.items() if v is not None}
         if args.model:

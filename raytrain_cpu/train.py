@@ -68,7 +68,9 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         "gradient_clipping": t.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.model.dtype == "bf16"},
-        # torch_adam: DeepSpeed's fused CPU Adam would JIT-compile C++ on every worker.
+        # torch_adam: DeepSpeed's fused CPU Adam would JIT-compile C++ on every worker;
+        # PyTorch's own fused AdamW (a CPU kernel since 2.4) needs no build. DeepSpeed
+        # passes "fused" through to torch.optim.AdamW.
         "optimizer": {
             "type": "AdamW",
             "params": {
@@ -77,6 +79,7 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
                 "eps": t.eps,
                 "weight_decay": t.weight_decay,
                 "torch_adam": True,
+                "fused": t.fused_adamw,
             },
         },
         "steps_per_print": 10**9,

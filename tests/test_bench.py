@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -67,3 +68,49 @@ def test_gemm_and_load_suites_at_tiny_size(tmp_path):
     res = json.loads((tmp_path / "load.json").read_text())["train model"]
     for row in res["rows"]:
         assert 0 < row["sharded peak RSS (GB)"] < 10 and row["naive peak RSS (GB)"] > 0
+
+
+@pytest.mark.parametrize("precision", bench.REFERENCE_PRECISIONS)
+def test_reference_run_trains_the_tiny_model_in_one_plain_process(precision):
+    res = bench.reference_run(bench.SIZES["tiny"], "bf16", threads=1, batch=2, steps=2, precision=precision)
+    assert res["tokens_per_step"] == 2 * bench.SIZES["tiny"]["seq_len"] and res["tokens_per_s"] > 0
+    assert res["threads"] == 1 and res["dtype"] == "bf16" and res["precision"] == precision
+    assert res["steps_timed"] == 2 and math.isfinite(res["final_loss"]) and res["attention"] == "sdpa"
+    parts = res["forward_s"] + res["backward_s"] + res["optimizer_step_s"]
+    assert 0 < parts <= res["step_s"] * 1.001
+
+
+def test_reference_run_rejects_an_unknown_dtype():
+    with pytest.raises(ValueError, match="dtype"):
+        bench.reference_run(bench.SIZES["tiny"], "fp16", threads=1, batch=1, steps=1)
+
+
+def test_reference_suite_matches_dtype_tokens_and_cores_of_the_run(monkeypatch, tmp_path):
+    seq = bench.SIZES["tiny"]["seq_len"]
+
+    class FakeRunner:
+        spec, workdir, runs = bench.SIZES["tiny"], tmp_path, []
+
+        def run(self, name, overrides):
+            tps = 1000.0 if not self.runs else 1200.0
+            self.runs.append(overrides)
+            return {"variant": name, "workers": 2, "threads": 1, "dtype": "bf16", "allocator": "system",
+                    "tokens_per_s": tps, "step_s": 8 * seq / tps, "final_loss": 7.0}  # fmt: skip
+
+    calls = []
+
+    def fake_reference_run(spec, dtype, threads, batch, steps, compile=False, precision="autocast", **kw):
+        calls.append((dtype, threads, batch, compile, precision))
+        tps = {"autocast": 800.0, "bf16_master": 1000.0}[precision]
+        return {"threads": threads, "dtype": dtype, "precision": precision, "allocator": "system",
+                "tokens_per_step": batch * seq, "tokens_per_s": tps, "step_s": batch * seq / tps,
+                "forward_s": 0.1, "backward_s": 0.2, "optimizer_step_s": 0.05, "steps_timed": steps,
+                "final_loss": 7.6, "grad_clip": 1.0, "attention": "sdpa"}  # fmt: skip
+
+    monkeypatch.setattr(bench, "reference_run", fake_reference_run)
+    args = type("Args", (), {"workers": 2, "variants": ""})()
+    res = bench.suite_reference(FakeRunner(), args)
+    assert FakeRunner.runs == [["scaling.num_workers=2"]] * 2  # zero3, references, zero3
+    assert calls == [("bf16", 2, 8, False, "autocast"), ("bf16", 2, 8, False, "bf16_master")]
+    assert res["best_reference"] == "reference bf16_master" and res["ratio"] == pytest.approx(1.1)
+    assert bench.write_results("reference", res | {"command": "x", "machine": "y"}, str(tmp_path / "r.json"))

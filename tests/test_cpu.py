@@ -211,9 +211,25 @@ def test_worker_env_turns_omp_binding_off_for_shared_nodes(monkeypatch):
     from raytrain_cpu.config import load_config
     from raytrain_cpu.main import worker_env
 
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     cfg = load_config(None, ["scaling.allocator=system"])
     assert worker_env(cfg, 1) == {}
     assert worker_env(cfg, 2) == {"OMP_PROC_BIND": "false"}
+
+
+def test_glibc_workers_can_get_a_fixed_mmap_threshold(monkeypatch):
+    """Without jemalloc/tcmalloc, a fixed threshold keeps glibc's heap from fragmenting (opt-in)."""
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.main import worker_env
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    cfg = load_config(None, ["scaling.allocator=system", f"scaling.glibc_mmap_threshold={1 << 20}"])
+    assert worker_env(cfg, 1) == {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the user's own setting wins
+    assert worker_env(cfg, 1) == {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setattr(cpu, "find_allocator", lambda choice: ("jemalloc", "/x/libjemalloc.so.2"))
+    assert "MALLOC_MMAP_THRESHOLD_" not in worker_env(load_config(None, []), 1)  # jemalloc has its own
 
 
 def test_step_clock_skips_the_first_step_and_sums_phases():

@@ -12,21 +12,18 @@ import pytest
 from raytrain_cpu import plan
 
 ROOT = Path(__file__).resolve().parents[1]
-CALIBRATION_JSON = ROOT / "benchmarks" / "results" / "planner_calibration.json"
+CALIBRATION_JSON = ROOT / plan.CALIBRATION_FILE
 
-# Peak RSS per rank (VmHWM, the larger of the 2 ranks) measured by
-# `python benchmarks/calibrate_planner.py` (Ray Train workers, gloo, ZeRO-3, bf16, torch AdamW,
-# seq_len 256, 6 steps, glibc malloc; benchmarks/results/planner_calibration.json).
-# An earlier run of the same cases (DeepSpeed's default buckets) fitted the planner's step
-# overhead and fragmentation factor on the first two; this run is held out entirely.
-# (model, micro_batch, activation_checkpointing, measured peak GiB)
-CALIBRATION_CASES = [
-    ("tiny", 8, False, 0.704),
-    ("llama-37m", 8, False, 2.114),
-    ("llama-37m", 8, True, 1.514),
-    ("llama-37m", 2, False, 1.480),
-]
-TOLERANCE = 0.15
+# What `python benchmarks/calibrate_planner.py` measured (Ray Train workers, gloo, ZeRO-3, bf16,
+# fused AdamW, seq_len 256, 6 steps, glibc malloc with the workers' fixed mmap threshold), per
+# rank, the larger of the 2 ranks: the load's high-water mark, RSS after deepspeed.initialize,
+# the training high-water mark. The planner must land within TOLERANCE of each.
+CALIBRATION = json.loads(CALIBRATION_JSON.read_text())["cases"]
+PHASES = {"after_load": "load_peak", "after_master": "after_initialize", "peak": "peak"}  # predicted: measured
+TOLERANCE = 0.10
+# Its activations are tensors under the workers' 1 MiB mmap threshold, left to glibc's heap,
+# which fragments them (plan.FRAGMENTATION): measured 14% above the prediction.
+HEAP_FRAGMENTED = {("llama-37m", 2, False, "peak"): 0.15}
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -103,6 +100,29 @@ def test_stages_grow_in_order():
     assert m["after_load"] <= m["peak"]
 
 
+def test_fused_adamw_drops_the_optimizer_temporaries():
+    shape = plan.resolve_shape("meta-llama/Meta-Llama-3-8B")
+    fused = plan.memory_breakdown(shape, 4)
+    loop = plan.memory_breakdown(shape, 4, fused_adamw=False)
+    assert fused["adam_temp"] == 0 and loop["adam_temp"] == 8 * shape.num_params / 4  # sqrt(v) and v / c
+    peaks = [plan.memory_stages(p)["peak"] for p in (fused, loop)]
+    # the per-tensor loop's step (fp32 gradient + temporaries) outgrows the backward's transients
+    backward = sum(loop[k] for k in ("activations", "logits", "gathered_params", "grad_bucket"))
+    assert peaks[1] - peaks[0] == pytest.approx(loop["master_grad"] + loop["adam_temp"] - backward)
+    assert (peaks[1] - peaks[0]) / plan.GIB > 10
+
+
+def test_sharded_load_holds_the_partition_and_one_whole_tensor():
+    """model.load_sharded maps nothing: weights / W plus the largest tensor zero.Init builds whole."""
+    shape = plan.resolve_shape("meta-llama/Meta-Llama-3-8B")
+    parts = plan.memory_breakdown(shape, 4)
+    assert parts["load_transient"] == 2 * shape.vocab_size * shape.hidden_size  # the bf16 embedding
+    after_load = plan.memory_stages(parts)["after_load"]
+    assert after_load == parts["baseline"] + plan.LOAD_OVERHEAD_BYTES + parts["weights"] + parts["load_transient"]
+    # without ZeRO-3 every rank maps the checkpoint shard it reads
+    assert plan.memory_breakdown(shape, 4, zero_stage=2)["load_transient"] == plan.CHECKPOINT_SHARD_BYTES
+
+
 def test_zero3_shards_state_and_zero1_does_not():
     shape = plan.resolve_shape("meta-llama/Meta-Llama-3-8B")
     z3 = [plan.memory_breakdown(shape, w, zero_stage=3)["weights"] for w in (2, 4, 8)]
@@ -130,7 +150,7 @@ def test_offload_nvme_shrinks_optimizer_state_and_cpu_does_not():
     cpu = plan.memory_stages(plan.memory_breakdown(shape, 4, offload="cpu"))["peak"]
     nvme = plan.memory_stages(plan.memory_breakdown(shape, 4, offload="nvme"))["peak"]
     assert cpu == none
-    assert nvme < none / 3
+    assert nvme < none / 2.5  # the moments and master copy go to disk; weights, grads, activations stay
 
 
 def test_activation_formula_matches_autograd():
@@ -169,31 +189,36 @@ def test_activation_formula_matches_autograd():
 # ----------------------------------------------------------------------------- calibration
 
 
+def test_calibration_file_holds_the_cases_the_planner_names():
+    assert [(c["model"], c["micro_batch"], c["activation_checkpointing"]) for c in CALIBRATION] == [
+        tuple(c) for c in plan.CALIBRATION_CASES
+    ]
+    for case in CALIBRATION:
+        assert (case["world_size"], case["zero_stage"], case["seq_len"]) == (2, 3, plan.CALIBRATION_SEQ_LEN)
+        assert (case["dtype"], case["fused_adamw"]) == ("bf16", True)
+    assert max(plan.CALIBRATION_SHAPES[c["model"]].num_params for c in CALIBRATION) >= 0.5e9
+
+
 @pytest.mark.parametrize(
-    "name, micro_batch, ac, measured",
-    CALIBRATION_CASES,
-    ids=[f"{c[0]}-mb{c[1]}{'-ac' if c[2] else ''}" for c in CALIBRATION_CASES],
+    "case",
+    CALIBRATION,
+    ids=[f"{c['model']}-mb{c['micro_batch']}{'-ac' if c['activation_checkpointing'] else ''}" for c in CALIBRATION],
 )
-def test_peak_rss_within_15_percent_of_measured(name, micro_batch, ac, measured):
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_each_phase_within_10_percent_of_measured(case, phase):
     predicted = plan.plan(
-        plan.CALIBRATION_SHAPES[name],
+        plan.CALIBRATION_SHAPES[case["model"]],
         world_size=2,
         zero_stage=3,
-        micro_batch=micro_batch,
+        micro_batch=case["micro_batch"],
         seq_len=plan.CALIBRATION_SEQ_LEN,
-        activation_checkpointing=ac,
-    )["memory_gib"]["peak"]
-    assert abs(predicted / measured - 1) <= TOLERANCE, f"predicted {predicted:.3f} GiB, measured {measured:.3f} GiB"
-
-
-def test_calibration_cases_match_the_recorded_results():
-    recorded = json.loads(CALIBRATION_JSON.read_text())["cases"]
-    by_key = {(c["model"], c["micro_batch"], c["activation_checkpointing"]): c for c in recorded}
-    assert [c[:3] for c in CALIBRATION_CASES] == plan.CALIBRATION_CASES  # what the script measures
-    for name, micro_batch, ac, measured in CALIBRATION_CASES:
-        case = by_key[(name, micro_batch, ac)]
-        assert case["measured_rss_gib"]["peak"] == pytest.approx(measured, abs=0.002)
-        assert (case["world_size"], case["zero_stage"], case["seq_len"]) == (2, 3, plan.CALIBRATION_SEQ_LEN)
+        activation_checkpointing=case["activation_checkpointing"],
+    )["memory_gib"][phase]
+    measured = case["measured_rss_gib"][PHASES[phase]]
+    key = (case["model"], case["micro_batch"], case["activation_checkpointing"], phase)
+    assert abs(predicted / measured - 1) <= HEAP_FRAGMENTED.get(key, TOLERANCE), (
+        f"predicted {predicted:.3f} GiB, measured {measured:.3f} GiB"
+    )
 
 
 # ----------------------------------------------------------------------------- communication
@@ -324,7 +349,7 @@ def test_lora_needs_far_less_memory_and_traffic_than_full_fine_tuning():
     assert lora["model"]["trainable_params"] == 41_943_040
     # the base keeps its partitioned bf16 weights; master, grads and AdamW shrink to the adapters'
     assert lora["components_gib"]["weights"] == pytest.approx(full["components_gib"]["weights"], rel=0.02)
-    for k in ("master", "master_grad", "adam", "adam_temp"):
+    for k in ("master", "master_grad", "adam"):
         assert lora["components_gib"][k] < full["components_gib"][k] / 100
     # glibc fragments LoRA's transients more (LORA_FRAGMENTATION), so the peak shrinks less
     # than the trainable state does
@@ -334,12 +359,12 @@ def test_lora_needs_far_less_memory_and_traffic_than_full_fine_tuning():
     assert lora["train_tflop_per_rank_per_step"] == pytest.approx(full["train_tflop_per_rank_per_step"] * 6 / 8)
 
 
-def test_lora_8b_fits_one_small_node_where_full_fine_tuning_needs_five():
+def test_lora_8b_fits_one_small_node_where_full_fine_tuning_needs_three():
     lora = plan.plan(LLAMA3_8B, world_size=1, activation_checkpointing=True, lora_rank=16)
     full = plan.plan(LLAMA3_8B, world_size=1, activation_checkpointing=True)
     assert lora["recommendation"]["instance"] == "c7i.8xlarge"
     assert lora["recommendation"]["min_workers_per_c7i_size"]["c7i.8xlarge"] == 1
-    assert full["recommendation"]["min_workers_per_c7i_size"]["c7i.8xlarge"] >= 5
+    assert full["recommendation"]["min_workers_per_c7i_size"]["c7i.8xlarge"] == 3
 
 
 def test_cli_lora_flags_and_run_config(capsys):
