@@ -134,7 +134,8 @@ def write_results(suite: str, result: dict[str, Any], json_path: str | None, wor
     if workdir is not None:
         text = text.replace(str(workdir), "<workdir>")
     path.write_text(text)
-    md = [f"# raytrain_cpu bench: {suite}", "", f"`{result['command']}` on {result['machine']}", ""]
+    command = result["command"].replace(str(workdir), "<workdir>") if workdir is not None else result["command"]
+    md = [f"# raytrain_cpu bench: {suite}", "", f"`{command}` on {result['machine']}", ""]
     for name, table in result.get("tables", {}).items():
         md += [f"## {name}", "", markdown_table(table), ""]
     md += [f"- {n}" for n in result.get("notes", [])]
@@ -1009,6 +1010,11 @@ SUITES = {
 }
 
 
+def _portable_args(argv: list[str] | None, json_path: str | None) -> list[str]:
+    """The command line as recorded in results: --json's path (this machine's) as <json>."""
+    return ["<json>" if a == json_path else a for a in (argv if argv is not None else sys.argv[1:])]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m raytrain_cpu.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("suite", choices=[*SUITES, "all"])
@@ -1038,10 +1044,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         result = SUITES[name](runner, args)
         result |= {
-            "command": "python -m raytrain_cpu.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": "python -m raytrain_cpu.bench " + " ".join(_portable_args(argv, args.json)),
             "machine": feats.describe(),
             "cpu": feats.to_dict(),
-            "allocator_found": cpu.find_allocator()[1] or "none",
+            "allocator_found": Path(cpu.find_allocator()[1]).name or "none",  # the library, not this machine's path
             "size": args.size,
             "bench_wall_s": time.perf_counter() - t0,
             "time": time.strftime("%Y-%m-%d %H:%M:%S"),
