@@ -678,7 +678,7 @@ def describe_setup(rank: int, setup: dict[str, Any]) -> str:
     return (
         f"[rank {rank}] cpu: {f['model_name']} ({f['best_isa']}, {f['physical_cores']} cores / {f['vcpus']} vCPUs, "
         f"{f['sockets']} socket(s), {f['numa_nodes']} NUMA); {pl['intra_op_threads']} intra-op + "
-        f"{pl['inter_op_threads']} inter-op threads, {pinned}; malloc {setup.get('malloc', setup['allocator'])}; "
+        f"{pl['inter_op_threads']} inter-op threads, {pinned}; malloc {setup['malloc']}; "
         f"dtype {setup['dtype']['dtype']} ({setup['dtype']['reason']})"
     )
 

@@ -198,12 +198,12 @@ INIT_OVERHEAD_BYTES = int(0.04 * GIB)
 STEP_OVERHEAD_BYTES = int(0.04 * GIB)
 # A step's transients cost this many times their live size. With glibc's own dynamic mmap
 # threshold they fragmented its heap (1.63, and 3.34 for LoRA's mid-size fp32 temporaries,
-# fitted on an AVX2 host: benchmarks/results/amd-epyc-avx2/planner_calibration.json); the
-# workers now start with a fixed threshold (cpu.GLIBC_MMAP_THRESHOLD), and the five cases of
-# CALIBRATION_FILE (tiny to 0.5B) fit 1.0 with STEP_OVERHEAD_BYTES, within 2% for all but
-# llama-37m at micro batch 2, whose activations are tensors under the threshold, left on the
-# heap (measured 14% above). jemalloc and tcmalloc, preloaded where installed, also hold a
-# step at about its live size.
+# fitted on an AVX2 host: benchmarks/results/amd-epyc-avx2/planner_calibration.json, about
+# 30% above live size on the 50M bench model). The planner plans for jemalloc (the cluster
+# images preload it) or glibc with a fixed threshold (scaling.glibc_mmap_threshold), which
+# measured the same peak: the five cases of CALIBRATION_FILE (tiny to 0.5B, fixed threshold)
+# fit 1.0 with STEP_OVERHEAD_BYTES, within 2% for all but llama-37m at micro batch 2, whose
+# activations are tensors under the threshold, left on the heap (measured 14% above).
 FRAGMENTATION = 1.0
 # LoRA's mid-size fp32 temporaries (each adapter's input cast to fp32, B's output, its scaled
 # copy, their sum with the base output) still leave some holes: on llama-37m, micro batch 8, a
@@ -319,14 +319,15 @@ def memory_breakdown(
     master = 4 * P / W  # fp32 partition the optimizer updates (a copy even in fp32 training)
     master_grad = 4 * P / W  # its fp32 gradient
     adam = 8 * P / W  # exp_avg + exp_avg_sq
-    adam_temp = 0.0 if fused_adamw else 8 * P / W  # unfused: sqrt(v) and its quotient are new tensors
+    adam_temp = 8 * P / W  # the per-tensor AdamW: sqrt(v) and its quotient are new tensors
     if offload == "nvme":
         # Master weights, moments and fp32 gradients live on disk; ~2 sub-groups of 1e8
         # elements are swapped in at a time (set zero_optimization.sub_group_size=1e8).
         swap = min(P / W, 2e8)
-        master, master_grad, adam = 4 * swap, 4 * swap, 8 * swap
-        adam_temp = 0.0 if fused_adamw else 8 * min(P / W, 1e8)
+        master, master_grad, adam, adam_temp = 4 * swap, 4 * swap, 8 * swap, 8 * min(P / W, 1e8)
     # offload 'cpu' moves nothing on a CPU node: the states are in host memory either way.
+    if fused_adamw:
+        adam_temp = 0.0  # one pass per partition, no temporaries
 
     # ---- transients
     if zero_stage == 3:
