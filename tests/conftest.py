@@ -40,6 +40,9 @@ def ray_session():
                     "TOKENIZERS_PARALLELISM": "false",
                     "DS_ACCELERATOR": "cpu",
                     "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
+                    # Ray Train's controller waits this long for a worker group's process groups to
+                    # shut down before killing it (30 s by default): a hung peer's restart waits it out.
+                    "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "5",
                 }
             },
             logging_level="WARNING",

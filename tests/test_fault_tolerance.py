@@ -39,7 +39,7 @@ from raytrain_cpu.config import ConfigError, load_config
 STEPS = 64  # the straight run and the fault run
 CKPT_EVERY = 16
 BF16_LOSS_TOL = 1e-2  # |distributed - single process| loss per step, first 20 bf16 steps (measured 8e-4)
-HANG_TIMEOUT_S = 20  # run.gloo_timeout_s of the fault run
+HANG_TIMEOUT_S = 12  # run.gloo_timeout_s of the fault run
 
 
 # ----------------------------------------------------------------------------- fakes (no Ray, no DeepSpeed)
@@ -380,9 +380,10 @@ def test_kill_and_hang_recover_and_resume_exactly(straight, tmp_path, shared_cac
     assert resumed_kill >= ckpt_kill and resumed_kill % CKPT_EVERY == 0
     assert resumed_stop >= ckpt_stop and resumed_stop % CKPT_EVERY == 0
     assert summary["steps"] == STEPS and summary["resumed_from_step"] == resumed_stop
-    # The surviving rank's collective fails after gloo_timeout_s; Ray then waits up to 30 s
-    # (TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S) for the hung worker before killing it.
-    assert attempt_ended_s <= HANG_TIMEOUT_S + 30 + 30, "a hung peer must end the attempt in bounded time"
+    # The surviving rank's collective fails after gloo_timeout_s; Ray then waits up to
+    # TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S (30 s by default, 5 s in tests: conftest.py) for the
+    # hung worker before killing it.
+    assert attempt_ended_s <= HANG_TIMEOUT_S + 5 + 30, "a hung peer must end the attempt in bounded time"
 
     # Point 3: every logged loss, before and after each restart, equals the straight run's, bit for bit.
     straight_losses = straight["losses"]

@@ -85,8 +85,12 @@ def test_full_parameter_sft(ray_session, make_config, world):
     s = run(
         make_config(*SFT, "train.max_steps=5", "train.lr=1e-2", f"scaling.num_workers={world}", f"run.name=sft{world}")
     )
-    assert s["world_size"] == world and s["steps"] == 5
+    assert s["world_size"] == world and s["steps"] == 5 and s["global_batch"] == 4 * world
     assert s["trainable_params"] == s["total_params"] and s["lora"] is None
+    # One ZeRO shard per rank in the final checkpoint, and no more (world size 1 is the edge case).
+    ds_files = [p.name for p in (Path(s["checkpoint_path"]) / "ds").iterdir()]
+    assert {f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)} <= set(ds_files)
+    assert not any(f"rank_{world}_" in f for f in ds_files)
     losses = _losses(Path(s["run_dir"]))
     assert losses[5] < losses[1] - 0.5, losses
     # Eval over the response tokens only: fewer targets than the blocks' tokens.

@@ -83,16 +83,6 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
     assert kept == ["checkpoint_000006", "checkpoint_000012"]
 
 
-def test_world_size_one(ray_session, make_config):
-    from raytrain_cpu.main import run
-
-    s = run(make_config("scaling.num_workers=1", "train.max_steps=3", "run.name=ws1"))
-    assert s["world_size"] == 1 and s["steps"] == 3 and s["global_batch"] == 4
-    ds_files = [p.name for p in (Path(s["checkpoint_path"]) / "ds").iterdir()]
-    assert "zero_pp_rank_0_mp_rank_00_model_states.pt" in ds_files
-    assert not any("rank_1" in f for f in ds_files)
-
-
 def _check_sharded_load(loop_config: dict) -> None:
     import deepspeed
     import ray.train
