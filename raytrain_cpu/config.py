@@ -92,7 +92,12 @@ class ModelConfig:
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory (costs ~1/3 more compute)."""
     compile: bool = False
-    """torch.compile the model (inductor) through DeepSpeed; the first steps compile for minutes."""
+    """torch.compile with inductor; the first steps compile (minutes on a few cores, seconds from
+    the cache after that)."""
+    compile_scope: str = "layers"
+    """What model.compile compiles: 'layers' compiles each decoder layer's forward (one graph,
+    reused by every layer; under ZeRO-3 the layers are gathered whole, so the gathers stay
+    outside the graph), 'model' the whole model through DeepSpeed's engine.compile."""
     compile_cache_dir: str = ""
     """Persistent inductor cache shared by all workers and runs; '' means
     <run.storage_path>/inductor_cache."""
@@ -100,6 +105,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _require(bool(self.name_or_path), "model.name_or_path", "must not be empty; use 'tiny'.")
         _choice(self.dtype, "model.dtype", ("auto", "bf16", "fp32"))
+        _choice(self.compile_scope, "model.compile_scope", ("layers", "model"))
 
     @property
     def is_tiny(self) -> bool:
@@ -254,11 +260,22 @@ class TrainConfig:
     """Also time the collectives (all-gather, reduce-scatter, all-reduce) in the training thread,
     so summary.json's step-time breakdown shows communication; forward, backward, optimizer
     step and data wait are always timed."""
+    profile_step: int = 0
+    """Record this optimizer step with torch.profiler on every rank (0: none). The run
+    directory gets profile/rank<r>.json (a trace for Perfetto or chrome://tracing) and
+    profile/rank<r>.md (time by operator kind, then the top operators)."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every"):
             _require(getattr(self, name) > 0, f"train.{name}", "must be a positive integer.")
-        for name in ("global_batch_size", "warmup_steps", "eval_every", "eval_batches", "checkpoint_every"):
+        for name in (
+            "global_batch_size",
+            "warmup_steps",
+            "eval_every",
+            "eval_batches",
+            "checkpoint_every",
+            "profile_step",
+        ):
             _require(getattr(self, name) >= 0, f"train.{name}", "must be >= 0.")
         _require(self.lr > 0, "train.lr", f"got {self.lr}; must be > 0.")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1].")
@@ -270,6 +287,12 @@ class TrainConfig:
             "must be two numbers in [0, 1), e.g. [0.9, 0.95].",
         )
         _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping).")
+        _require(
+            self.profile_step <= self.max_steps,
+            "train.profile_step",
+            f"{self.profile_step} is past train.max_steps={self.max_steps}; pick a step in 1..max_steps, "
+            "after the first (which compiles and allocates), or 0 for none.",
+        )
         if self.global_batch_size:
             per_worker = self.micro_batch_size * self.grad_accum_steps
             _require(
@@ -397,6 +420,10 @@ class DeepSpeedSettings:
     """Overlap gradient reduction with backward (helps with real networks, not on one host)."""
     param_persistence_threshold: int = 10000
     """ZeRO-3: parameters smaller than this many elements stay whole on every rank."""
+    gather_whole_layers: bool = False
+    """ZeRO-3: gather each decoder layer's parameters at once when the layer starts (DeepSpeed
+    leaf modules), instead of each projection and norm as it runs: one hook pair and one
+    all-gather per layer instead of about nine."""
 
     def __post_init__(self) -> None:
         _choice(str(self.zero_stage), "deepspeed.zero_stage", ("1", "2", "3"))
@@ -574,6 +601,21 @@ class Config:
                 "guards.max_grad_norm",
                 "skipping steps on the gradient norm needs deepspeed.zero_stage=3; use guards.action=log "
                 "or stop, or guards.max_grad_norm=0.",
+            )
+        if self.lora.enabled and self.deepspeed.zero_stage == 3:
+            # Measured: DeepSpeed's whole-layer gathers hand the adapters' backward a released
+            # (empty) base weight, with or without compile; per-module gathers work.
+            _require(
+                not self.deepspeed.gather_whole_layers,
+                "deepspeed.gather_whole_layers",
+                "does not work with LoRA under ZeRO-3 (DeepSpeed releases the frozen base weights "
+                "before the adapters' backward); set it false, or lora.rank=0.",
+            )
+            _require(
+                not (self.model.compile and self.model.compile_scope == "layers"),
+                "model.compile_scope",
+                "'layers' gathers whole layers, which does not work with LoRA under ZeRO-3; use "
+                "model.compile_scope=model, or model.compile=false.",
             )
 
     def to_dict(self) -> dict[str, Any]:

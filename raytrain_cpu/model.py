@@ -338,6 +338,25 @@ def load_sharded(model_dir: str, ds_config: dict[str, Any], dtype):
     return model, hf_ds_config
 
 
+def decoder_layers(model) -> list:
+    """The model's decoder layers, for any architecture: the modules of the classes transformers
+    never splits across devices (`_no_split_modules`)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps LoRA models
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    return [m for m in base.modules() if type(m).__name__ in names]
+
+
+def mark_layers_as_zero3_leaves(layers: list) -> list[str]:
+    """Flags each layer as a ZeRO-3 leaf: DeepSpeed then gathers and releases the layer's
+    parameters as one unit and puts no hooks on its projections and norms. Must run before
+    deepspeed.initialize registers the hooks; returns the class names flagged."""
+    from deepspeed.utils import set_z3_leaf_module
+
+    for layer in layers:
+        set_z3_leaf_module(layer, True)
+    return sorted({type(m).__name__ for m in layers})
+
+
 def model_summary(model_dir: str) -> dict[str, Any]:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     return {

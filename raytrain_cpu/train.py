@@ -7,6 +7,7 @@ its own, so there is exactly one group and one timeout to reason about.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -312,8 +313,15 @@ def build_engine(w: Worker, model, ds_config: dict[str, Any]):
     import torch
 
     from raytrain_cpu import cpu
+    from raytrain_cpu.model import decoder_layers, mark_layers_as_zero3_leaves
 
-    t = w.cfg.train
+    t, m = w.cfg.train, w.cfg.model
+    layers = decoder_layers(model)
+    compile_layers = m.compile and m.compile_scope == "layers" and bool(layers)
+    # Compiled layers need whole-layer gathers: per-module hooks would break the graph at every projection.
+    if w.cfg.deepspeed.zero_stage == 3 and (w.cfg.deepspeed.gather_whole_layers or compile_layers):
+        leaves = mark_layers_as_zero3_leaves(layers)
+        w.log(f"[engine] ZeRO-3 gathers whole layers: {', '.join(leaves) or 'no layer class found, per module'}")
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,
         model_parameters=_param_groups(model, t.weight_decay),
@@ -324,8 +332,12 @@ def build_engine(w: Worker, model, ds_config: dict[str, Any]):
     # from_pretrained hands back a model in eval mode: without this, dropout and activation
     # checkpointing stay off until the first evaluation switches the model back.
     engine.train()
-    if w.cfg.model.compile:
-        cpu.compile_engine(engine, w.cfg.model.compile_cache_dir or str(w.run_dir.parent / "inductor_cache"))
+    cache_dir = m.compile_cache_dir or str(w.run_dir.parent / "inductor_cache")
+    if compile_layers:
+        w.log(f"[engine] torch.compile: {cpu.compile_layers(layers, cache_dir)} decoder layers")
+    elif m.compile:
+        cpu.compile_engine(engine, cache_dir)
+        w.log("[engine] torch.compile: the whole model")
     return engine, scheduler
 
 
@@ -419,6 +431,34 @@ def train_step(w: Worker, st: Loop, engine, batches, guard: StabilityGuard, cloc
     st.step += 1
     st.steps_this_attempt += 1
     st.window_tokens += w.tokens_per_step
+
+
+@contextlib.contextmanager
+def profiled(w: Worker, step: int):
+    """train.profile_step: torch.profiler around that step, a trace and a table per rank."""
+    if step != w.cfg.train.profile_step:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    from raytrain_cpu import cpu
+
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        yield
+    wall = time.perf_counter() - t0
+    out = w.run_dir / "profile"
+    out.mkdir(exist_ok=True)
+    prof.export_chrome_trace(str(out / f"rank{w.rank}.json"))
+    averages = prof.key_averages()
+    kinds = cpu.op_time_by_kind(averages, wall)
+    top = averages.table(sort_by="self_cpu_time_total", row_limit=25)
+    table = ["| kind | seconds | share |", "|---|---|---|"] + [
+        f"| {k['kind']} | {k['seconds']} | {k['share']} |" for k in kinds
+    ]
+    title = f"# Step {step}, rank {w.rank}: {wall:.3f} s under the profiler"
+    (out / f"rank{w.rank}.md").write_text("\n".join([title, "", *table, "", "```", top, "```", ""]))
+    w.log(f"[profile] step {step}: " + ", ".join(f"{k['kind']} {k['share']:.0%}" for k in kinds) + f" -> {out}")
 
 
 def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink, progress, lora_on: bool) -> None:
@@ -627,7 +667,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
 
     # ---- loop
     while st.step < t.max_steps:
-        train_step(w, st, engine, batches, guard, clock, block_log)
+        with profiled(w, st.step + 1):
+            train_step(w, st, engine, batches, guard, clock, block_log)
         guard.after_step(st.step, engine, scheduler)
         clock.end_step()
         if st.step % t.log_every == 0 or st.step == t.max_steps or guard.stop_reason:

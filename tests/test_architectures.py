@@ -78,6 +78,21 @@ def test_count_parameters_is_exact_for_every_architecture(model_dirs):
         assert tied == (arch in ("qwen2", "gemma", "gpt2")), arch
 
 
+def test_decoder_layers_are_found_for_every_architecture(model_dirs):
+    """What ZeRO-3 gathers whole and model.compile compiles, for any architecture and under peft."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_cpu.model import decoder_layers
+
+    for arch, d in model_dirs.items():
+        model = AutoModelForCausalLM.from_pretrained(d)
+        layers = decoder_layers(model)
+        assert len(layers) == 2 and all(type(x).__name__ in model._no_split_modules for x in layers), arch
+    wrapped = get_peft_model(model, LoraConfig(r=4, target_modules=["qkv_proj"]))  # the last one: phi3
+    assert decoder_layers(wrapped) == layers
+
+
 RESUMED = ("qwen2", "gpt2")
 
 

@@ -255,6 +255,7 @@ def test_worker_environment_for_cpu_training(cluster):
     env = dict(re.findall(r"\b([A-Z_]+)=(\S+)", worker[: worker.index("ray start")]))
     assert env["LD_PRELOAD"].endswith("libjemalloc.so.2")
     assert "libjemalloc2" in " ".join(cluster["initialization_commands"])
+    assert "build-essential" in " ".join(cluster["initialization_commands"])  # model.compile's C++
     assert env["OMP_PROC_BIND"] and env["MALLOC_CONF"]
     assert env["DS_ACCELERATOR"] == "cpu"
 
@@ -384,3 +385,4 @@ def test_eks_image_matches_the_pins():
     ray_version = re.search(r"==(\d+\.\d+)", ray_pin).group(1)
     assert re.search(rf"FROM rayproject/ray:{re.escape(ray_version)}\.\d+-py311-cpu", dockerfile)
     assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in dockerfile
+    assert "g++" in dockerfile  # model.compile's inductor builds C++ on the workers

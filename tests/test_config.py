@@ -64,6 +64,8 @@ def test_round_trip_through_plain_dict():
         (["data.bad_rows=ignore"], "data.bad_rows", "skip"),
         (["train.global_batch_size=12"], "train.global_batch_size", "multiple"),
         (["deepspeed.zero_stage=4"], "deepspeed.zero_stage", "1, 2, 3"),
+        (["train.profile_step=300"], "train.profile_step", "1..max_steps"),
+        (["model.compile_scope=graph"], "model.compile_scope", "layers"),
         (["deepspeed.config_file=/nope.json"], "deepspeed.config_file", "does not exist"),
         (["run.name=a/b"], "run.name", "plain directory"),
         (["train.betas=[0.9]"], "train.betas", "two numbers"),

@@ -259,3 +259,19 @@ def test_peak_rss_resets():
     assert cpu.peak_rss_bytes() > 0
     if cpu.reset_peak_rss():
         assert cpu.peak_rss_bytes() > 0
+
+
+def test_op_time_by_kind_sorts_a_real_profile():
+    import torch
+    from torch.profiler import profile
+
+    a = torch.randn(128, 128)
+    t0 = time.perf_counter()
+    with profile() as prof:
+        for _ in range(3):
+            torch.cat([(a @ a).relu_(), a])
+    wall = time.perf_counter() - t0
+    rows = {r["kind"]: r for r in cpu.op_time_by_kind(prof.key_averages(), wall)}
+    assert rows["GEMM"]["seconds"] > 0 and rows["copies and casts"]["seconds"] > 0  # mm; cat
+    assert rows["other operators"]["seconds"] > 0 and rows["collectives"]["seconds"] == 0  # relu_
+    assert sum(r["seconds"] for r in rows.values()) == pytest.approx(wall, abs=1e-3)

@@ -125,3 +125,10 @@ def test_lora_settings_are_validated():
         load_config(None, ["lora.dropout=1.5"])
     with pytest.raises(ConfigError, match="lora.target_modules"):
         load_config(None, ["lora.target_modules=[]"])
+    # Whole-layer gathers (and the layer compile that needs them) fail LoRA's backward under ZeRO-3.
+    with pytest.raises(ConfigError, match="deepspeed.gather_whole_layers"):
+        load_config(None, ["lora.rank=8", "deepspeed.gather_whole_layers=true"])
+    with pytest.raises(ConfigError, match="model.compile_scope=model"):
+        load_config(None, ["lora.rank=8", "model.compile=true"])
+    load_config(None, ["lora.rank=8", "model.compile=true", "model.compile_scope=model"])
+    load_config(None, ["lora.rank=8", "deepspeed.gather_whole_layers=true", "deepspeed.zero_stage=2"])

@@ -27,6 +27,7 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
         "train.eval_every=6",
         "train.lr=1e-2",
         "run.num_to_keep=2",
+        "train.profile_step=3",
     ]
     cfg = make_config(*overrides, "train.max_steps=12")
     first = run(make_config(*overrides, "train.max_steps=6"))
@@ -60,6 +61,10 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
         assert f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" in ds_files
         assert f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" in ds_files
     assert (run_dir / "config.yaml").is_file()
+    for r in (0, 1):  # train.profile_step: a trace and a table from every rank
+        assert json.loads((run_dir / "profile" / f"rank{r}.json").read_text())["traceEvents"]
+        table = (run_dir / "profile" / f"rank{r}.md").read_text()
+        assert table.startswith(f"# Step 3, rank {r}") and "| GEMM |" in table and "| collectives |" in table
 
     # ---- resume: the same command with more steps continues at step 7
     second = run(cfg)
@@ -81,6 +86,24 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
     assert len(set(trained)) == len(trained)
     kept = sorted(p.name for p in run_dir.glob("checkpoint_0*"))
     assert kept == ["checkpoint_000006", "checkpoint_000012"]
+
+
+def test_compiled_layers_train_as_eager_does(ray_session, make_config, tmp_path):
+    """model.compile: each decoder layer compiled, gathered whole by ZeRO-3; the losses follow eager's."""
+    from raytrain_cpu.main import run
+
+    common = [
+        "scaling.num_workers=2",
+        "train.max_steps=3",
+        "train.lr=1e-2",
+        f"model.compile_cache_dir={tmp_path / 'ic'}",
+    ]
+    eager = run(make_config(*common, "run.name=eager"))
+    compiled = run(make_config(*common, "run.name=compiled", "model.compile=true"))
+    losses = [[m["loss"] for m in _metrics(Path(s["run_dir"])) if "loss" in m] for s in (eager, compiled)]
+    assert len(losses[1]) == 3 and losses[0][0] == pytest.approx(losses[1][0], abs=1e-3)  # same weights, same batch
+    assert max(abs(a - b) for a, b in zip(*losses, strict=True)) < 1e-2  # bf16 kernels fused differently
+    assert any((tmp_path / "ic").rglob("*.py")), "inductor wrote no compiled code"
 
 
 def _check_sharded_load(loop_config: dict) -> None:
