@@ -59,7 +59,7 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         zero |= {
             "stage3_param_persistence_threshold": ds.param_persistence_threshold,
             "stage3_prefetch_bucket_size": 5e7,
-            "stage3_max_live_parameters": 1e9,
+            "stage3_max_live_parameters": ds.max_live_parameters,
             "stage3_gather_16bit_weights_on_model_save": False,
         }
     conf: dict[str, Any] = {

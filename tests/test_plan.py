@@ -325,6 +325,23 @@ def test_deepspeed_settings_match_the_training_loop():
     assert zero["stage3_prefetch_bucket_size"] == plan.DS_PREFETCH_BUCKET_SIZE
     assert zero["stage3_max_live_parameters"] == plan.DS_MAX_LIVE_PARAMETERS
     assert zero["stage3_param_persistence_threshold"] == plan.DS_PARAM_PERSISTENCE_THRESHOLD
+    lowered = deepspeed_config(load_config(None, ["deepspeed.max_live_parameters=100000000"]), 2)
+    assert lowered["zero_optimization"]["stage3_max_live_parameters"] == plan.LIVE_CHOICES["1e8"]
+
+
+def test_max_live_parameters_reaches_the_plan(tmp_path):
+    """deepspeed.max_live_parameters from a run config or the flag; the report shows both peaks."""
+    base = plan.plan(LLAMA3_8B, 4)
+    low = plan.plan(LLAMA3_8B, 4, max_live_parameters=100_000_000)
+    assert low["memory_gib"]["peak"] < base["memory_gib"]["peak"]  # forward's gathers no longer all live
+    assert base["zero3_max_live_parameters_compared"] == pytest.approx(
+        {"1e9": base["memory_gib"]["peak"], "1e8": low["memory_gib"]["peak"]}
+    )
+    assert plan.plan(LLAMA3_8B, 4, zero_stage=2)["zero3_max_live_parameters_compared"] == {}
+    config = tmp_path / "run.yaml"
+    config.write_text("deepspeed:\n  max_live_parameters: 100000000\n")
+    assert plan.inputs_from_run_config(str(config))["max_live_parameters"] == 100_000_000
+    assert "ZeRO-3 peak by deepspeed.max_live_parameters: 1e9" in plan.format_table(base)
 
 
 # ----------------------------------------------------------------------------- LoRA
