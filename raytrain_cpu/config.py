@@ -263,7 +263,8 @@ class TrainConfig:
     profile_step: int = 0
     """Record this optimizer step with torch.profiler on every rank (0: none). The run
     directory gets profile/rank<r>.json (a trace for Perfetto or chrome://tracing) and
-    profile/rank<r>.md (time by operator kind, then the top operators)."""
+    profile/rank<r>.md (time by operator kind, then the top operators). The profiler slows
+    that step, which the run's tokens/s then includes."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every"):
