@@ -153,6 +153,7 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
     result = {
         "rank": rank,
         "malloc": malloc_setting(),
+        "fused_adamw": ds_config["optimizer"]["params"]["fused"],
         "rss_gib": points,
         "phases": phases,
         "step_s": step_times,
@@ -258,7 +259,7 @@ def measure(
         "seq_len": seq_len,
         "activation_checkpointing": ac,
         "malloc": ranks[0]["malloc"],
-        "fused_adamw": _ds_config(micro_batch, 3, world_size)["optimizer"]["params"]["fused"],
+        "fused_adamw": ranks[0]["fused_adamw"],
         "steps": steps,
         "measured_rss_gib": {k: round(v, 4) for k, v in measured.items()},
         "hwm_by_phase_gib": hwm,

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_cpu import cpu
+from raytrain_cpu.metrics import markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -106,23 +107,6 @@ def mfu_of(tokens_per_s: float, params: dict[str, int], seq_len: int, peak_per_w
     return mfu(tokens_per_s, params, seq_len, peak_per_worker * world) or 0.0
 
 
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        if v and (abs(v) >= 1e5 or abs(v) < 1e-3):
-            return f"{v:.3g}"
-        return f"{v:.3f}" if abs(v) < 10 else f"{v:,.1f}"
-    return "" if v is None else str(v)
-
-
-def markdown_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
-    if not rows:
-        return ""
-    columns = columns or list(dict.fromkeys(k for r in rows for k in r))
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def write_results(suite: str, result: dict[str, Any], json_path: str | None, workdir: Path | None = None) -> Path:
     """<suite>.json plus <suite>.md (the tables) in this machine's folder of benchmarks/results
     (`cpu.CpuFeatures.slug`: model and best matrix ISA), or at --json.
@@ -178,17 +162,10 @@ def gemm_peak(
         shape["num_layers"],
         tokens,
     )
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_gemm_worker, args=(r, threads, gemms, rounds, min_time_s, q)) for r in range(workers)]
-    for p in procs:
-        p.start()
-    results = dict(q.get() for _ in procs)
-    for p in procs:
-        p.join()
+    results = _run_procs(_gemm_worker, workers, (threads, gemms, rounds, min_time_s))
     out: dict[str, Any] = {"workers": workers, "threads_per_worker": threads, "tokens": tokens}
     for dtype in ("bfloat16", "float32"):
-        per = [results[r][dtype] for r in sorted(results)]
+        per = [r[dtype] for r in results]
         out[dtype] = {
             "flops_per_s_per_worker": sum(p["flops_per_s"] for p in per) / len(per),
             "best_shape_flops_per_s_per_worker": sum(p["best_flops_per_s"] for p in per) / len(per),
@@ -586,6 +563,7 @@ REFERENCE_PRECISIONS = ("autocast", "bf16_master")
 
 
 def _reference_worker(
+    rank: int,
     spec: dict[str, Any],
     dtype: str,
     threads: int,
@@ -665,19 +643,22 @@ def _reference_worker(
     per_step = {k: v / steps for k, v in totals.items()}
     tokens = batch * spec["seq_len"]
     out.put(
-        {
-            "threads": torch.get_num_threads(),
-            "dtype": dtype,
-            "precision": (precision if bf16 else "fp32") + (" + compile" if compile else ""),
-            "tokens_per_step": tokens,
-            "tokens_per_s": tokens / per_step["step_s"],
-            **per_step,
-            "steps_timed": steps,
-            "final_loss": loss_value,
-            "allocator": cpu.allocator_in_use(),
-            "grad_clip": t.grad_clip,
-            "attention": model.config._attn_implementation,
-        }
+        (
+            rank,
+            {
+                "threads": torch.get_num_threads(),
+                "dtype": dtype,
+                "precision": (precision if bf16 else "fp32") + (" + compile" if compile else ""),
+                "tokens_per_step": tokens,
+                "tokens_per_s": tokens / per_step["step_s"],
+                **per_step,
+                "steps_timed": steps,
+                "final_loss": loss_value,
+                "allocator": cpu.allocator_in_use(),
+                "grad_clip": t.grad_clip,
+                "attention": model.config._attn_implementation,
+            },
+        )
     )
 
 
@@ -713,43 +694,55 @@ def reference_run(
     env = cpu.preload_env(allocator)
     if compile_cache_dir:
         env["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir
-    return _run_child(_reference_worker, args, env, timeout_s)
+    return _run_procs(_reference_worker, 1, args, env, timeout_s)[0]
 
 
-def _run_child(target: Callable, args: tuple, env: dict[str, str], timeout_s: float) -> dict[str, Any]:
-    """target(*args, queue) in a spawned process with `env` added to its environment; its result.
+def _run_procs(
+    target: Callable, n: int, args: tuple, env: dict[str, str] | None = None, timeout_s: float = 3600
+) -> list[Any]:
+    """target(i, *args, queue) in n spawned processes at once (i = 0..n-1); their results in order.
 
-    A spawned child inherits this process's environment at start, which is the only point
-    an LD_PRELOAD allocator can still take effect; the parent's own is restored right after.
+    Each child puts (i, result) on the queue. `env` is added to the children's environment: a
+    spawned child inherits this process's environment at start, which is the only point an
+    LD_PRELOAD allocator can still take effect; the parent's own is restored right after. A
+    child that dies without a result (an exception, the OOM killer) raises here instead of
+    leaving the others waiting.
     """
     import queue as queue_mod
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=target, args=(*args, q))
+    procs = [ctx.Process(target=target, args=(i, *args, q)) for i in range(n)]
+    env = env or {}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        p.start()
+        for p in procs:
+            p.start()
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
-    while True:
+    while len(results) < n:
         try:
-            res = q.get(timeout=5)
-            break
+            i, res = q.get(timeout=5)
+            results[i] = res
         except queue_mod.Empty:
-            if not p.is_alive():  # it died without a result (an exception, or the OOM killer)
-                raise RuntimeError(f"{target.__name__} exited with code {p.exitcode} and no result") from None
+            dead = [i for i, p in enumerate(procs) if i not in results and not p.is_alive()]
+            if dead:
+                code = procs[dead[0]].exitcode
+                raise RuntimeError(f"{target.__name__} [{dead[0]}] exited with code {code} and no result") from None
             if time.monotonic() > deadline:
-                p.kill()
+                for p in procs:
+                    p.kill()
                 raise TimeoutError(f"{target.__name__} gave no result in {timeout_s:.0f}s") from None
-    p.join()
-    return res
+    for p in procs:
+        p.join()
+    return [results[i] for i in range(n)]
 
 
 def _reference_row(name: str, res: dict[str, Any]) -> dict[str, Any]:
@@ -933,20 +926,13 @@ def _rss() -> int:
 
 
 def _spawn(world: int, target: Callable, *args) -> list[dict[str, Any]]:
+    """target(rank, world, port, *args, queue) on `world` gloo ranks; their results by rank."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    res = dict(q.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
-    return [res[r] for r in range(world)]
+    return _run_procs(target, world, (world, port, *args), timeout_s=1800)
 
 
 def _write_model(shape: dict[str, int], out: Path) -> Path:

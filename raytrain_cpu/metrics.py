@@ -241,6 +241,27 @@ class Progress:
         return " | ".join(parts)
 
 
+# ----------------------------------------------------------------------------- tables
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v and (abs(v) >= 1e5 or abs(v) < 1e-3):
+            return f"{v:.3g}"
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:,.1f}"
+    return "" if v is None else str(v)
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
+    """A markdown table of `rows` (columns: every key, in first-seen order); floats rounded."""
+    if not rows:
+        return ""
+    columns = columns or list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- sinks
 
 

@@ -236,7 +236,7 @@ CHECKPOINT_SHARD_BYTES = 5 * 10**9
 DS_REDUCE_BUCKET_SIZE = 50_000_000
 DS_PREFETCH_BUCKET_SIZE = 50_000_000
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000  # deepspeed.max_live_parameters' default
-LIVE_CHOICES = {"1e9": 1_000_000_000, "1e8": 100_000_000}  # the peaks the report compares
+LIVE_CHOICES = {"1e9": DS_MAX_LIVE_PARAMETERS, "1e8": 100_000_000}  # the peaks the report compares
 DS_PARAM_PERSISTENCE_THRESHOLD = 10_000
 
 # ----------------------------------------------------------------------------- instances

@@ -453,11 +453,8 @@ def profiled(w: Worker, step: int):
     averages = prof.key_averages()
     kinds = cpu.op_time_by_kind(averages, wall)
     top = averages.table(sort_by="self_cpu_time_total", row_limit=25)
-    table = ["| kind | seconds | share |", "|---|---|---|"] + [
-        f"| {k['kind']} | {k['seconds']} | {k['share']} |" for k in kinds
-    ]
     title = f"# Step {step}, rank {w.rank}: {wall:.3f} s under the profiler"
-    (out / f"rank{w.rank}.md").write_text("\n".join([title, "", *table, "", "```", top, "```", ""]))
+    (out / f"rank{w.rank}.md").write_text("\n".join([title, "", obs.markdown_table(kinds), "", "```", top, "```", ""]))
     w.log(f"[profile] step {step}: " + ", ".join(f"{k['kind']} {k['share']:.0%}" for k in kinds) + f" -> {out}")
 
 
