@@ -68,3 +68,57 @@ def make_config(tmp_path, shared_cache):
         return load_config(None, [*base, *overrides])
 
     return make
+
+
+# ----------------------------------------------------------------------------- the straight run
+# One fault-free 2-worker run that several slow tests compare against: the fault runs bit for bit
+# (tests/test_fault_tolerance.py), a single process and the compiled layers within bf16's
+# tolerance. Made once per session: each Ray run costs ~20 s here, mostly worker start-up.
+STEPS = 64
+CKPT_EVERY = 16
+BF16_LOSS_TOL = 1e-2  # |other recipe - straight| loss per step, first 20 bf16 steps (measured 8e-4)
+
+
+def straight_overrides(name: str, storage, cache: str, *extra: str) -> list[str]:
+    """The straight run's settings under another run name (and `extra` on top)."""
+    return [
+        f"run.name={name}",
+        f"run.storage_path={storage}",
+        f"data.cache_dir={cache}",
+        *FAST,
+        "model.dtype=bf16",  # not 'auto': the same precision on every machine
+        f"train.max_steps={STEPS}",
+        f"train.checkpoint_every={CKPT_EVERY}",
+        "run.num_to_keep=3",
+        # One tokenizer actor leaves a CPU of the 2-CPU test Ray for Ray Data's read tasks.
+        "data.tokenize_actors=1",
+        *extra,
+    ]
+
+
+def train_rows(run_dir) -> list[dict]:
+    """metrics.jsonl's training rows (none while the file does not exist yet)."""
+    import json
+    from pathlib import Path
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "loss" in r and "step" in r]
+
+
+def run_losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in train_rows(run_dir)}
+
+
+@pytest.fixture(scope="session")
+def straight(ray_session, tmp_path_factory, shared_cache):
+    """STEPS steps on 2 workers without faults, exporting at the end."""
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.main import run
+
+    storage = tmp_path_factory.mktemp("straight")
+    cfg = load_config(None, straight_overrides("straight", storage, shared_cache, "run.export_on_finish=true"))
+    summary = run(cfg)
+    return {"cfg": cfg, "summary": summary, "run_dir": cfg.run.run_dir, "losses": run_losses(cfg.run.run_dir)}

@@ -13,8 +13,8 @@ Issue 6, point by point (fast tests first, then the Ray runs, marked slow):
                                test_save_is_whole_or_absent (storage full / read-only)
 8. spot notices .............. test_node_loss_after_spot_notice
 
-The slow tests share two 2-worker runs of the same config: `straight` (40 steps, no faults)
-and the fault run (killed, then hung, then finished), so the three Ray runs cost ~4 minutes.
+The slow tests share two 2-worker runs of the same config: `straight` (conftest.py: 64 steps,
+no faults) and the fault run (killed, then hung, then finished).
 Run this file alone as a script to get the measured figures printed: it is the node-loss
 scenario's entry point too (`python tests/test_fault_tolerance.py '<json>'`).
 """
@@ -32,13 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import BF16_LOSS_TOL, CKPT_EVERY, STEPS, run_losses, straight_overrides, train_rows
 
 from raytrain_cpu import checkpoint as ck
 from raytrain_cpu.config import ConfigError, load_config
 
-STEPS = 64  # the straight run and the fault run
-CKPT_EVERY = 16
-BF16_LOSS_TOL = 1e-2  # |distributed - single process| loss per step, first 20 bf16 steps (measured 8e-4)
 HANG_TIMEOUT_S = 12  # run.gloo_timeout_s of the fault run
 
 
@@ -220,32 +218,6 @@ def test_batches_to_skip():
 # ----------------------------------------------------------------------------- Ray runs
 
 
-def _overrides(name: str, storage: Path, cache: str, *extra: str) -> list[str]:
-    from conftest import FAST
-
-    return [
-        f"run.name={name}",
-        f"run.storage_path={storage}",
-        f"data.cache_dir={cache}",
-        *FAST,
-        "model.dtype=bf16",  # not 'auto': the same precision on every machine
-        f"train.max_steps={STEPS}",
-        f"train.checkpoint_every={CKPT_EVERY}",
-        "run.num_to_keep=3",
-        # One tokenizer actor leaves a CPU of the 2-CPU test Ray for Ray Data's read tasks.
-        "data.tokenize_actors=1",
-        *extra,
-    ]
-
-
-def _train_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if "loss" in r and "step" in r]
-
-
 def _alive_workers() -> list[dict]:
     import ray._private.state as state
 
@@ -256,7 +228,7 @@ def _wait_for_step(run_dir: Path, step: int, future, after: float = 0.0, timeout
     """The first metrics row at or past `step` written after time `after`."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        for row in _train_rows(run_dir):
+        for row in train_rows(run_dir):
             if row["step"] >= step and row["time"] > after:
                 return row
         if future.done():
@@ -310,21 +282,6 @@ def _pid_alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-@pytest.fixture(scope="module")
-def straight(ray_session, tmp_path_factory, shared_cache):
-    """40 steps on 2 workers without faults, exporting at the end."""
-    from raytrain_cpu.main import run
-
-    storage = tmp_path_factory.mktemp("ft")
-    cfg = load_config(None, _overrides("straight", storage, shared_cache, "run.export_on_finish=true"))
-    summary = run(cfg)
-    return {"cfg": cfg, "summary": summary, "run_dir": cfg.run.run_dir, "losses": _losses(cfg.run.run_dir)}
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in _train_rows(run_dir)}
-
-
 @pytest.mark.slow
 def test_kill_and_hang_recover_and_resume_exactly(straight, tmp_path, shared_cache, monkeypatch, record_property):
     """Points 1, 3 and 7: a worker killed, later a worker hung; the run finishes with the straight run's losses."""
@@ -335,7 +292,9 @@ def test_kill_and_hang_recover_and_resume_exactly(straight, tmp_path, shared_cac
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
     cfg = load_config(
         None,
-        _overrides("faults", tmp_path, shared_cache, "run.max_failures=2", f"run.gloo_timeout_s={HANG_TIMEOUT_S}"),
+        straight_overrides(
+            "faults", tmp_path, shared_cache, "run.max_failures=2", f"run.gloo_timeout_s={HANG_TIMEOUT_S}"
+        ),
     )
     run_dir = cfg.run.run_dir
     with ThreadPoolExecutor(1) as pool:
@@ -387,7 +346,7 @@ def test_kill_and_hang_recover_and_resume_exactly(straight, tmp_path, shared_cac
 
     # Point 3: every logged loss, before and after each restart, equals the straight run's, bit for bit.
     straight_losses = straight["losses"]
-    rows = _train_rows(run_dir)
+    rows = train_rows(run_dir)
     assert {r["step"] for r in rows} == set(range(1, STEPS + 1))
     replayed = [r["step"] for r in rows].count  # steps run twice: between a checkpoint and a fault
     assert replayed(resumed_kill + 1) == 2 or replayed(resumed_stop + 1) == 2
@@ -471,7 +430,7 @@ def test_world_size_change_names_the_remedy(straight):
     cfg = straight["cfg"]
     more = load_config(
         None,
-        _overrides(
+        straight_overrides(
             "straight",
             cfg.run.storage_path,
             cfg.data.cache_dir,
@@ -547,7 +506,7 @@ def _cluster_scenario(args: dict) -> dict:
     t_up = time.time()
     cfg = load_config(
         None,
-        _overrides(
+        straight_overrides(
             "spot",
             Path(args["storage"]),
             args["cache"],
@@ -604,7 +563,7 @@ def _cluster_scenario(args: dict) -> dict:
         "drained_node": drained,
         "restarted_on": sorted(restarted_on),
         "summary": {k: summary[k] for k in ("steps", "resumed_from_step")},
-        "losses": _losses(run_dir),
+        "losses": run_losses(run_dir),
     }
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import BF16_LOSS_TOL, STEPS, run_losses, straight_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -88,21 +89,18 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
     assert kept == ["checkpoint_000006", "checkpoint_000012"]
 
 
-def test_compiled_layers_train_as_eager_does(ray_session, make_config, tmp_path):
-    """model.compile: each decoder layer compiled, gathered whole by ZeRO-3; the losses follow eager's."""
+def test_compiled_layers_train_as_eager_does(straight, tmp_path, shared_cache):
+    """model.compile: each decoder layer compiled, gathered whole by ZeRO-3; the losses follow the
+    eager straight run's (conftest.py), checkpoints included."""
+    from raytrain_cpu.config import load_config
     from raytrain_cpu.main import run
 
-    common = [
-        "scaling.num_workers=2",
-        "train.max_steps=3",
-        "train.lr=1e-2",
-        f"model.compile_cache_dir={tmp_path / 'ic'}",
-    ]
-    eager = run(make_config(*common, "run.name=eager"))
-    compiled = run(make_config(*common, "run.name=compiled", "model.compile=true"))
-    losses = [[m["loss"] for m in _metrics(Path(s["run_dir"])) if "loss" in m] for s in (eager, compiled)]
-    assert len(losses[1]) == 3 and losses[0][0] == pytest.approx(losses[1][0], abs=1e-3)  # same weights, same batch
-    assert max(abs(a - b) for a, b in zip(*losses, strict=True)) < 1e-2  # bf16 kernels fused differently
+    extra = ["model.compile=true", f"model.compile_cache_dir={tmp_path / 'ic'}"]
+    summary = run(load_config(None, straight_overrides("compiled", tmp_path, shared_cache, *extra)))
+    losses, eager = run_losses(summary["run_dir"]), straight["losses"]
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[1] == pytest.approx(eager[1], abs=1e-3)  # same weights, same batch
+    assert max(abs(losses[s] - eager[s]) for s in range(1, 21)) < BF16_LOSS_TOL  # bf16 kernels fused differently
     assert any((tmp_path / "ic").rglob("*.py")), "inductor wrote no compiled code"
 
 
