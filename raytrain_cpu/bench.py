@@ -397,7 +397,8 @@ def suite_placement(r: Runner, args) -> dict[str, Any]:
 
 def suite_options(r: Runner, args) -> dict[str, Any]:
     """Each switch against the defaults, interleaved: bf16 forced, activation checkpointing,
-    whole-layer ZeRO-3 gathers, compile per layer and of the whole model,
+    whole-layer ZeRO-3 gathers, compile per layer and of the whole model, ZeRO-2 and ZeRO-1
+    (no parameter gathers: for a model that fits whole on every rank, see `plan`),
     PyTorch's per-tensor AdamW loop in place of the fused kernel, and glibc malloc with the
     workers' fixed mmap threshold and with its own dynamic one (against jemalloc or tcmalloc
     where the defaults find them installed)."""
@@ -410,6 +411,10 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
         "whole-layer gathers": ["deepspeed.gather_whole_layers=true"],
         "compile": ["model.compile=true"],
         "compile (whole model)": ["model.compile=true", "model.compile_scope=model"],
+        # Skipping a step on the gradient norm reads ZeRO-3's partitions: below 3 the guard logs.
+        "ZeRO-2": ["deepspeed.zero_stage=2", "guards.action=log"],
+        "ZeRO-1": ["deepspeed.zero_stage=1", "guards.action=log"],
+        "ZeRO-2 + compile": ["deepspeed.zero_stage=2", "guards.action=log", "model.compile=true"],
         "AdamW per-tensor": ["train.fused_adamw=false"],
         "glibc dynamic mmap threshold": ["scaling.allocator=system"],
         "glibc fixed mmap threshold": ["scaling.allocator=system", f"scaling.glibc_mmap_threshold={1 << 20}"],

@@ -429,7 +429,8 @@ class DeepSpeedSettings:
     gather_whole_layers: bool = False
     """ZeRO-3: gather each decoder layer's parameters at once when the layer starts (DeepSpeed
     leaf modules), instead of each projection and norm as it runs: one hook pair and one
-    all-gather per layer instead of about nine."""
+    all-gather per layer instead of about nine. model.compile (compile_scope 'layers') turns
+    it on: the gathers must stay outside the compiled layer."""
 
     def __post_init__(self) -> None:
         _choice(str(self.zero_stage), "deepspeed.zero_stage", ("1", "2", "3"))

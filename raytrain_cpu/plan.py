@@ -568,6 +568,38 @@ def recommend(
     }
 
 
+# Measured side by side (`bench options`, benchmarks/results/amd-epyc-avx512_bf16/options-zero.md):
+# the ~50M bench model on 2 workers trained this much faster at ZeRO-2 than at ZeRO-3.
+ZERO2_SPEEDUP_50M = 1.10
+
+
+def lower_stage_advice(
+    zero_stage: int,
+    offload: str,
+    stages_compared: dict[str, dict[str, float]],
+    node: str,
+    ranks_per_node: int,
+    node_gib: float,
+) -> str | None:
+    """Where a ZeRO-3 run would fit `node` at ZeRO-2 too, the line that says so (else None).
+
+    ZeRO-2 keeps the whole bf16 model on every rank, so forward and backward gather nothing:
+    no per-layer hooks, and about 2/3 of ZeRO-3's traffic per step. Worth it only where
+    memory allows, which is the planner's to say.
+    """
+    if zero_stage != 3 or offload != "none":
+        return None
+    z2, z3 = stages_compared["2"], stages_compared["3"]
+    if not _fits(z2["peak_gib"] * GIB, ranks_per_node, node_gib):
+        return None
+    return (
+        f"ZeRO-2 also fits {node} ({z2['peak_gib']:.1f} GiB per rank against {z3['peak_gib']:.1f}) and moves "
+        f"{z2['comm_gib_per_step']:.3g} GiB per rank per step against {z3['comm_gib_per_step']:.3g}, with no "
+        f"parameter gathers: deepspeed.zero_stage=2 (the ~50M bench model trained {ZERO2_SPEEDUP_50M:.2f}x faster "
+        "on 2 workers)."
+    )
+
+
 # ----------------------------------------------------------------------------- public entry point
 
 
@@ -648,6 +680,9 @@ def plan(
         }
         for z in (1, 2, 3)
     }
+    stage_advice = lower_stage_advice(
+        zero_stage, offload, stages_compared, node, ranks_per_node, instance_catalog(family)[node][1]
+    )
     # ZeRO-3 keeps forward's gathers live for the backward up to max_live_parameters: DeepSpeed's
     # 1e9 against 1e8, which re-gathers in the backward instead (+16% step time measured at 0.5B).
     live_compared = (
@@ -669,6 +704,7 @@ def plan(
         "train_tflop_per_rank_per_step": train_flops_per_step(shape, tokens, activation_checkpointing, lora_rank > 0)
         / 1e12,
         "zero_stages_compared": stages_compared,
+        "zero_stage_advice": stage_advice,
         "zero3_max_live_parameters_compared": live_compared,
         "recommendation": rec,
     }
@@ -764,6 +800,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines += [
         "",
         f"recommendation    {rec['note']}",
+        *([f"  {result['zero_stage_advice']}"] if result["zero_stage_advice"] else []),
         "  fewest workers per c7i size: "
         + ", ".join(f"{k.split('.')[1]} {v if v else '-'}" for k, v in rec["min_workers_per_c7i_size"].items()),
     ]

@@ -1,5 +1,6 @@
 """Fine-tuning end to end: chat SFT with LoRA under ZeRO-3 (2 workers), full-parameter SFT at
-world size 1 and 2, export of the adapter and the merged model, generate, and LoRA's bad input."""
+world size 1 (ZeRO-3) and 2 (ZeRO-2), export of the adapter and the merged model, generate,
+and LoRA's bad input."""
 
 from __future__ import annotations
 
@@ -78,18 +79,30 @@ def test_lora_sft_two_workers_resume_export_generate(ray_session, make_config, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2])
-def test_full_parameter_sft(ray_session, make_config, world):
+@pytest.mark.parametrize(("world", "stage"), [(1, 3), (2, 2)])
+def test_full_parameter_sft(ray_session, make_config, world, stage):
+    """Chat SFT of every parameter: ZeRO-3 at world size 1 (the edge case), and ZeRO-2 at 2 (what
+    `plan` advises where the whole model fits every rank), which also resumes and exports."""
     from raytrain_cpu.main import run
 
-    s = run(
-        make_config(*SFT, "train.max_steps=5", "train.lr=1e-2", f"scaling.num_workers={world}", f"run.name=sft{world}")
-    )
+    common = [*SFT, "train.lr=1e-2", f"scaling.num_workers={world}", f"deepspeed.zero_stage={stage}"]
+    common += [f"run.name=sft{world}"]
+    if stage == 2:
+        common += ["train.checkpoint_every=3"]
+        assert run(make_config(*common, "train.max_steps=3"))["steps"] == 3
+    s = run(make_config(*common, "train.max_steps=5", f"run.export_on_finish={stage == 2}"))
     assert s["world_size"] == world and s["steps"] == 5 and s["global_batch"] == 4 * world
     assert s["trainable_params"] == s["total_params"] and s["lora"] is None
-    # One ZeRO shard per rank in the final checkpoint, and no more (world size 1 is the edge case).
-    ds_files = [p.name for p in (Path(s["checkpoint_path"]) / "ds").iterdir()]
-    assert {f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)} <= set(ds_files)
+    if stage == 2:
+        assert s["resumed_from_step"] == 3 and s["optimizer_step_at_resume"] == 3
+        assert s["export"]["export_max_abs_logit_diff"] == 0.0  # the export computes as training did
+    # Each rank's optimizer partition in the final checkpoint, and no more (world size 1 is the
+    # edge case); the model states per rank at ZeRO-3, once (whole) below it.
+    ds_files = {p.name for p in (Path(s["checkpoint_path"]) / "ds").iterdir()}
+    assert {f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)} <= ds_files
+    model_states = {f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)} if stage == 3 else set()
+    assert model_states | {"mp_rank_00_model_states.pt"} >= {f for f in ds_files if f.endswith("model_states.pt")}
+    assert model_states <= ds_files
     assert not any(f"rank_{world}_" in f for f in ds_files)
     losses = _losses(Path(s["run_dir"]))
     assert losses[5] < losses[1] - 0.5, losses

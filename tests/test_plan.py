@@ -268,6 +268,19 @@ def test_fit_on_a_named_instance():
         plan.plan("tiny", 2, instance="x1.32xlarge")
 
 
+def test_zero2_advised_only_where_it_fits():
+    """A ZeRO-3 plan names ZeRO-2 where the whole model fits the node at every rank, and only then."""
+    small = plan.plan("tiny", 2, instance="c7i.8xlarge")
+    assert "deepspeed.zero_stage=2" in small["zero_stage_advice"]
+    assert "ZeRO-2 also fits c7i.8xlarge" in plan.format_table(small)
+    assert plan.plan("tiny", 2, zero_stage=2)["zero_stage_advice"] is None  # already below 3
+    assert plan.plan("tiny", 2, offload="cpu")["zero_stage_advice"] is None
+    # 70B on 16 ranks fits a c7i.16xlarge (128 GiB) each at ZeRO-3, sharded, but not whole at ZeRO-2.
+    big = plan.plan("meta-llama/Meta-Llama-3-70B", 16, seq_len=1024, activation_checkpointing=True)
+    assert big["recommendation"]["instance"] == "c7i.16xlarge" and big["zero_stage_advice"] is None
+    assert big["zero_stages_compared"]["2"]["peak_gib"] > 128
+
+
 def test_instance_catalog_memory_per_vcpu():
     assert plan.instance_catalog("c7i")["c7i.48xlarge"][:2] == (192, 384)
     assert plan.instance_catalog("m7i")["m7i.48xlarge"][1] == 768
