@@ -114,9 +114,10 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
 
     from raytrain_cpu.cpu import malloc_setting
     from raytrain_cpu.model import load_sharded
+    from raytrain_cpu.train import init_deepspeed_comm
 
     points: dict[str, float] = {"imports": _rss_gib()}
-    deepspeed.init_distributed(dist_backend="gloo")  # reuses the initialised group
+    init_deepspeed_comm()  # as the workers do
     points["process_group"] = _rss_gib()
 
     ds_config = _ds_config(case["micro_batch"], case["zero_stage"], torch.distributed.get_world_size())

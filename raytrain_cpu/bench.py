@@ -807,6 +807,11 @@ def suite_reference(r: Runner, args) -> dict[str, Any]:
     for x in zero3:
         x["tokens_per_step"] = round(x["tokens_per_s"] * x["step_s"])
         x["precision"] = "DeepSpeed " + x["dtype"]
+    return _reference_report(zero3, refs, f"{batch} x {r.spec['seq_len']}", cores)
+
+
+def _reference_report(zero3: list[dict], refs: list[dict], tokens: str, cores: int) -> dict[str, Any]:
+    """The runs, the per-core ratios against each reference (the best one's is the goal's) and the tables."""
 
     def per_core(x: dict[str, Any]) -> float:
         return x["tokens_per_s"] / (x["workers"] * x["threads"])
@@ -856,7 +861,7 @@ def suite_reference(r: Runner, args) -> dict[str, Any]:
         },
         "notes": [
             f"reference: one process, no DeepSpeed, no Ray; the same LlamaForCausalLM (SDPA attention), "
-            f"{batch} x {r.spec['seq_len']} random tokens per step in one micro batch, {cores} threads, "
+            f"{tokens} random tokens per step in one micro batch, {cores} threads, "
             "AdamW(fused=True) with the project's lr, betas, eps and weight-decay groups, gradient clipping "
             f"at {refs[0]['grad_clip']}; the first step excluded, as in the training runs.",
             "bf16 recipes: 'autocast' = fp32 weights and optimizer, forward under torch.autocast(bf16); "
@@ -891,15 +896,14 @@ def _load_worker(rank: int, world: int, port: int, model_dir: str, dtype_name: s
     from transformers import AutoModelForCausalLM
 
     if mode == "sharded":
-        import deepspeed
         import torch.distributed as dist
 
         from raytrain_cpu.config import load_config
         from raytrain_cpu.model import load_sharded
-        from raytrain_cpu.train import deepspeed_config
+        from raytrain_cpu.train import deepspeed_config, init_deepspeed_comm
 
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        init_deepspeed_comm()
         ds_config = deepspeed_config(
             load_config(None, ["model.dtype=" + ("bf16" if dtype == torch.bfloat16 else "fp32")]), world
         )

@@ -638,6 +638,15 @@ class _BlockWriter:
 PACK_WINDOW = 16  # blocks the example packer keeps open at once
 
 
+@dataclass
+class _OpenBlock:
+    """A block being filled: the examples' pieces so far and the tokens they take."""
+
+    ids: list[np.ndarray] = dataclasses.field(default_factory=list)
+    labels: list[np.ndarray] = dataclasses.field(default_factory=list)
+    used: int = 0
+
+
 class _ExampleWriter(_BlockWriter):
     """Packs whole examples into seq_len blocks, padded: several per block, none split.
 
@@ -654,8 +663,7 @@ class _ExampleWriter(_BlockWriter):
     def __init__(self, out: Path, seq_len: int, pad_id: int, window: int = PACK_WINDOW):
         super().__init__(out, seq_len)
         self.pad_id, self.window = pad_id, window
-        self.open: list[tuple[list[np.ndarray], list[np.ndarray]]] = []  # (ids pieces, labels pieces)
-        self.used: list[int] = []
+        self.open: list[_OpenBlock] = []  # oldest first
         self.labels: list[np.ndarray] = []
         self.truncated = self.padding = self.loss_tokens = 0
 
@@ -663,23 +671,22 @@ class _ExampleWriter(_BlockWriter):
         if len(ids) > self.seq_len:
             ids, labels = ids[: self.seq_len], labels[: self.seq_len]
             self.truncated += 1
-        k = next((k for k, used in enumerate(self.used) if used + len(ids) <= self.seq_len), None)
-        if k is None:
-            self.open.append(([], []))
-            self.used.append(0)
-            k = len(self.open) - 1
-        self.open[k][0].append(ids)
-        self.open[k][1].append(labels)
-        self.used[k] += len(ids)
+        block = next((b for b in self.open if b.used + len(ids) <= self.seq_len), None)
+        if block is None:
+            block = _OpenBlock()
+            self.open.append(block)
+        block.ids.append(ids)
+        block.labels.append(labels)
+        block.used += len(ids)
         # Blocks are written in the order they opened: the oldest closes when full or pushed out.
-        while self.open and (self.used[0] == self.seq_len or len(self.open) > self.window):
+        while self.open and (self.open[0].used == self.seq_len or len(self.open) > self.window):
             self._close_block()
 
     def _close_block(self) -> None:
-        (ids, labels), used = self.open.pop(0), self.used.pop(0)
-        pad = self.seq_len - used
-        ids = np.concatenate([*ids, np.full(pad, self.pad_id, dtype=np.int32)])
-        labels = np.concatenate([*labels, np.full(pad, -100, dtype=np.int32)])
+        block = self.open.pop(0)
+        pad = self.seq_len - block.used
+        ids = np.concatenate([*block.ids, np.full(pad, self.pad_id, dtype=np.int32)])
+        labels = np.concatenate([*block.labels, np.full(pad, -100, dtype=np.int32)])
         self.padding += pad
         self.loss_tokens += int((labels[1:] != -100).sum())  # targets after the model's shift
         self.blocks.append(ids)

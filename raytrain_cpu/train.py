@@ -101,6 +101,19 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     return conf
 
 
+def init_deepspeed_comm() -> None:
+    """DeepSpeed's communication on the process group already set up (Ray Train's gloo group in
+    the workers): DeepSpeed must reuse it, never call a second init_process_group.
+
+    DeepSpeed's shared-memory all-reduce serves inference only, and would JIT-compile C++ in
+    every process at start-up (~30 s of CPU on 2 cores); training collectives go through gloo.
+    """
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+
+
 def _param_groups(model, weight_decay: float) -> list[dict[str, Any]]:
     """No weight decay on norms (1-D tensors); ZeRO-3 params keep their real shape in ds_shape."""
     decay, no_decay = [], []
@@ -272,16 +285,12 @@ class Loaded:
 
 def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
     """The model, loaded straight into ZeRO-3 partitions; LoRA adapters on top when asked."""
-    import deepspeed
     import torch
 
     from raytrain_cpu import cpu, lora
     from raytrain_cpu.model import load_sharded
 
-    # DeepSpeed's shared-memory all-reduce serves inference only, and would JIT-compile C++
-    # on every worker at start-up; training collectives go through gloo.
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # reuses Ray's group
+    init_deepspeed_comm()
     cfg, model_dir = w.cfg, w.loop_config["model_dir"]
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     t0 = time.perf_counter()

@@ -45,10 +45,9 @@ def _train_and_save(rank: int, root: str, port: int) -> None:
     from raytrain_cpu.export import probe_logits
     from raytrain_cpu.model import load_sharded
     from raytrain_cpu.tokenizer import resolve_tokenizer_path
-    from raytrain_cpu.train import _param_groups, deepspeed_config
+    from raytrain_cpu.train import _param_groups, deepspeed_config, init_deepspeed_comm
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    init_deepspeed_comm()
     cfg = load_config(None, CONFIG)
     ds_config = deepspeed_config(cfg, WORLD)
     model_dir = str(Path(root) / "base_model")

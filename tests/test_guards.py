@@ -173,11 +173,11 @@ RANK_SCRIPT = textwrap.dedent(
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
     from raytrain_cpu.config import GuardConfig
     from raytrain_cpu.guards import StabilityGuard
+    from raytrain_cpu.train import init_deepspeed_comm
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    init_deepspeed_comm()
 
     def all_reduce_sum(values):
         t = torch.tensor(values, dtype=torch.float64)

@@ -112,11 +112,10 @@ def _check_sharded_load(loop_config: dict) -> None:
 
     from raytrain_cpu.config import Config
     from raytrain_cpu.model import load_sharded
-    from raytrain_cpu.train import deepspeed_config
+    from raytrain_cpu.train import deepspeed_config, init_deepspeed_comm
 
     world = ray.train.get_context().get_world_size()
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    init_deepspeed_comm()
     cfg = Config.from_dict(loop_config["config"])
     model, hf_ds = load_sharded(loop_config["model_dir"], deepspeed_config(cfg, world), torch.bfloat16)
     params = dict(model.named_parameters())
