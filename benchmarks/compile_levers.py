@@ -30,7 +30,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from raytrain_cpu.bench import SIZES, VOCAB, write_results
+from raytrain_cpu.bench import SIZES, VOCAB, model_overrides, write_results
 from raytrain_cpu.cpu import cpu_features
 
 LAYER_VARIANTS = {
@@ -51,20 +51,18 @@ def layer_child(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     import torch._dynamo  # before building the model, as the workers do
     import torch._inductor.config as inductor_config
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    shape = SIZES["50m"]["model"]
-    cfg = LlamaConfig(
-        hidden_size=shape["hidden_size"],
-        num_hidden_layers=spec["layers"],
-        num_attention_heads=shape["num_heads"],
-        num_key_value_heads=shape["num_kv_heads"],
-        intermediate_size=shape["intermediate_size"],
-        vocab_size=VOCAB,
-        max_position_embeddings=SIZES["50m"]["seq_len"],
-        attn_implementation="sdpa",
-        use_cache=False,
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.model import tiny_llama_config
+
+    # The bench runs' model, as `bench reference` builds it, with fewer layers.
+    s = SIZES["50m"]
+    cfg = tiny_llama_config(
+        load_config(None, model_overrides(s["model"] | {"num_layers": spec["layers"]}, s["seq_len"])), VOCAB, 0
     )
+    cfg._attn_implementation = "sdpa"
+    cfg.use_cache = False
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     v = spec["variant"]
@@ -74,7 +72,7 @@ def layer_child(spec: dict[str, Any]) -> dict[str, Any]:
     if v.get("compile"):
         for layer in model.model.layers:
             layer.forward = torch.compile(layer.forward, backend="inductor")
-    ids = torch.randint(0, VOCAB, (SIZES["50m"]["micro_batch"], SIZES["50m"]["seq_len"]))
+    ids = torch.randint(0, VOCAB, (s["micro_batch"], s["seq_len"]))
     times = []
     for _ in range(spec["steps"]):
         t = time.perf_counter()
