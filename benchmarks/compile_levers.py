@@ -2,9 +2,9 @@
 
     python benchmarks/compile_levers.py [--layers 4] [--threads 1] [--steps 8] [--repeats 2]
 
-What `model.compile=true` (per-layer inductor) could add, each in a fresh process so inductor's
-settings and caches don't leak between variants, interleaved `--repeats` times (this machine is
-shared and noisy: compare the ratios):
+What `model.compile=true` (per-layer inductor) could add, each in a fresh spawned process so
+inductor's settings and caches don't leak between variants, interleaved `--repeats` times (this
+machine is shared and noisy: compare the ratios):
 
 - per-layer compile with inductor's defaults (what the project runs);
 - + `max_autotune` with the C++ GEMM template (inductor's AMX / AVX-512 micro-GEMMs) offered
@@ -20,9 +20,7 @@ micro batch (micro batch 4 x 512). Writes benchmarks/results/<machine>/compile_l
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +28,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from raytrain_cpu.bench import SIZES, VOCAB, model_overrides, write_results
+from raytrain_cpu.bench import SIZES, VOCAB, _run_procs, model_overrides, write_results
 from raytrain_cpu.cpu import cpu_features
 
 LAYER_VARIANTS = {
@@ -44,8 +42,8 @@ LAYER_VARIANTS = {
 # ----------------------------------------------------------------------------- one variant (a child process)
 
 
-def layer_child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Steps of forward + backward under one variant; the median step after two warm-ups."""
+def layer_child(i: int, spec: dict[str, Any], out) -> None:
+    """Steps of forward + backward under one variant; puts (i, the median step after two warm-ups)."""
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -86,12 +84,17 @@ def layer_child(spec: dict[str, Any]) -> dict[str, Any]:
         times.append(time.perf_counter() - t)
     generated = list(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).rglob("*.py"))
     template = sum("micro_gemm" in p.read_text(errors="replace") for p in generated)
-    return {
-        "first_step_s": times[0],
-        "step_s": median(times[2:]),
-        "loss": float(loss),
-        "gemm_template_kernels": template,
-    }
+    out.put(
+        (
+            i,
+            {
+                "first_step_s": times[0],
+                "step_s": median(times[2:]),
+                "loss": float(loss),
+                "gemm_template_kernels": template,
+            },
+        )
+    )
 
 
 def attention_rows(threads: int, steps: int) -> list[dict[str, Any]]:
@@ -145,13 +148,8 @@ def attention_rows(threads: int, steps: int) -> list[dict[str, Any]]:
 def run_variant(name: str, args, cache_root: Path, rep: int) -> dict[str, Any]:
     spec = {"variant": LAYER_VARIANTS[name], "layers": args.layers, "threads": args.threads, "steps": args.steps}
     # A fresh cache per variant and repeat: every first step pays its own compile.
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_root / f"{rep}-{list(LAYER_VARIANTS).index(name)}")}
-    p = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True, text=True, timeout=1800
-    )
-    if p.returncode != 0:
-        raise RuntimeError(f"{name}: {p.stderr[-3000:]}")
-    res = json.loads(p.stdout.strip().splitlines()[-1])
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache_root / f"{rep}-{list(LAYER_VARIANTS).index(name)}")}
+    (res,) = _run_procs(layer_child, 1, (spec,), env, timeout_s=1800)
     print(f"[levers] {name} (run {rep + 1}): step {res['step_s']:.3f}s, first {res['first_step_s']:.1f}s", flush=True)
     return {"variant": name, "rep": rep, **res}
 
@@ -184,11 +182,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads: one worker's share")
     ap.add_argument("--steps", type=int, default=8, help="steps per run; the first two are warm-up")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved runs of each variant")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:
-        print(json.dumps(layer_child(json.loads(args.child))))
-        return
     with tempfile.TemporaryDirectory(prefix="raytrain_levers_") as tmp:
         rows = [run_variant(n, args, Path(tmp), rep) for rep in range(args.repeats) for n in LAYER_VARIANTS]
     attention = attention_rows(args.threads, max(args.steps, 6))

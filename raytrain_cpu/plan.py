@@ -668,8 +668,9 @@ def plan(
     if family not in GIB_PER_VCPU or f"c7i.{size}" not in C7I_SIZES:
         raise ValueError(f"instance {node!r}: use a c7i, m7i or r7i size from 8xlarge to 48xlarge")
     net_gbps = C7I_SIZES[f"c7i.{size}"][2]  # m7i and r7i have c7i's network at each size
+    node_gib = instance_catalog(family)[node][1]
     if instance:
-        rec["fits_instance"] = _fits(stages["peak"], ranks_per_node, instance_catalog(family)[node][1])
+        rec["fits_instance"] = _fits(stages["peak"], ranks_per_node, node_gib)
     tokens = micro_batch * seq_len * grad_accum_steps
     # The same run at each ZeRO stage: ZeRO-3 gathers the model every micro batch, so when
     # memory allows, a lower stage often moves far fewer bytes per step.
@@ -680,9 +681,7 @@ def plan(
         }
         for z in (1, 2, 3)
     }
-    stage_advice = lower_stage_advice(
-        zero_stage, offload, stages_compared, node, ranks_per_node, instance_catalog(family)[node][1]
-    )
+    stage_advice = lower_stage_advice(zero_stage, offload, stages_compared, node, ranks_per_node, node_gib)
     # ZeRO-3 keeps forward's gathers live for the backward up to max_live_parameters: DeepSpeed's
     # 1e9 against 1e8, which re-gathers in the backward instead (+16% step time measured at 0.5B).
     live_compared = (

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -98,9 +100,6 @@ def straight_overrides(name: str, storage, cache: str, *extra: str) -> list[str]
 
 def train_rows(run_dir) -> list[dict]:
     """metrics.jsonl's training rows (none while the file does not exist yet)."""
-    import json
-    from pathlib import Path
-
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
