@@ -28,7 +28,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from raytrain_cpu.bench import SIZES, VOCAB, _run_procs, model_overrides, write_results
+from raytrain_cpu.bench import SIZES, VOCAB, _run_procs, bench_model_config, write_results
 from raytrain_cpu.cpu import cpu_features
 
 LAYER_VARIANTS = {
@@ -51,15 +51,9 @@ def layer_child(i: int, spec: dict[str, Any], out) -> None:
     import torch._inductor.config as inductor_config
     from transformers import LlamaForCausalLM
 
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.model import tiny_llama_config
-
     # The bench runs' model, as `bench reference` builds it, with fewer layers.
     s = SIZES["50m"]
-    cfg = tiny_llama_config(
-        load_config(None, model_overrides(s["model"] | {"num_layers": spec["layers"]}, s["seq_len"])), VOCAB, 0
-    )
-    cfg._attn_implementation = "sdpa"
+    _, cfg = bench_model_config(s["model"] | {"num_layers": spec["layers"]}, s["seq_len"])
     cfg.use_cache = False
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)

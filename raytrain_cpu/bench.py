@@ -87,6 +87,21 @@ def model_overrides(shape: dict[str, int], seq_len: int) -> list[str]:
     ]
 
 
+def bench_model_config(shape: dict[str, int], seq_len: int) -> tuple[Any, Any]:
+    """(the run's Config, its LlamaConfig on SDPA attention) for the runs outside the trainer.
+
+    The LlamaConfig is built as write_tiny_model builds the training runs' model (untied unless
+    configured); the eos id only names a token, it changes no shape.
+    """
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.model import tiny_llama_config
+
+    cfg = load_config(None, model_overrides(shape, seq_len))
+    config = tiny_llama_config(cfg, VOCAB, eos_token_id=0)
+    config._attn_implementation = "sdpa"
+    return cfg, config
+
+
 def n_params(shape: dict[str, int], vocab: int = VOCAB) -> dict[str, int]:
     """Parameter counts of an untied Llama (raytrain_cpu.model.count_parameters, without a file)."""
     d, L = shape["hidden_size"], shape["num_layers"]
@@ -585,19 +600,12 @@ def _reference_worker(
     import torch
     from transformers import LlamaForCausalLM
 
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.model import tiny_llama_config
-
     torch.set_num_threads(threads)
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)  # as the workers (cpu.place_threads): only jit.fork uses it
-    cfg = load_config(None, model_overrides(spec["model"], spec["seq_len"]))
+    cfg, config = bench_model_config(spec["model"], spec["seq_len"])
     t = cfg.train
     torch.manual_seed(t.seed)
-    # The training runs' model, built as write_tiny_model builds it (untied unless configured);
-    # the eos id only names a token, it changes no shape.
-    config = tiny_llama_config(cfg, VOCAB, eos_token_id=0)
-    config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).train()
     bf16 = dtype == "bf16"
     master = bf16 and precision == "bf16_master"

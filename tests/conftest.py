@@ -27,6 +27,11 @@ FAST = [
 ]
 
 
+def fast_overrides(storage, cache, *extra: str) -> list[str]:
+    """A fast tiny run's settings: its storage, the session's data cache, FAST, then `extra`."""
+    return [f"run.storage_path={storage}", f"data.cache_dir={cache}", *FAST, *extra]
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray started once (starting Ray costs ~10 s here); run() reuses it."""
@@ -66,8 +71,7 @@ def make_config(tmp_path, shared_cache):
     from raytrain_cpu.config import load_config
 
     def make(*overrides: str, storage: str | None = None):
-        base = [f"run.storage_path={storage or tmp_path / 'runs'}", f"data.cache_dir={shared_cache}", *FAST]
-        return load_config(None, [*base, *overrides])
+        return load_config(None, fast_overrides(storage or tmp_path / "runs", shared_cache, *overrides))
 
     return make
 
@@ -83,19 +87,17 @@ BF16_LOSS_TOL = 1e-2  # |other recipe - straight| loss per step, first 20 bf16 s
 
 def straight_overrides(name: str, storage, cache: str, *extra: str) -> list[str]:
     """The straight run's settings under another run name (and `extra` on top)."""
-    return [
+    return fast_overrides(
+        storage,
+        cache,
         f"run.name={name}",
-        f"run.storage_path={storage}",
-        f"data.cache_dir={cache}",
-        *FAST,
-        "model.dtype=bf16",  # not 'auto': the same precision on every machine
         f"train.max_steps={STEPS}",
         f"train.checkpoint_every={CKPT_EVERY}",
         "run.num_to_keep=3",
         # One tokenizer actor leaves a CPU of the 2-CPU test Ray for Ray Data's read tasks.
         "data.tokenize_actors=1",
         *extra,
-    ]
+    )
 
 
 def train_rows(run_dir) -> list[dict]:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST
+from conftest import fast_overrides
 
 from raytrain_cpu.main import RAY_CONSOLE_FILTER, _pass_stderr, failure_reason
 from raytrain_cpu.metrics import CONSOLE_LINE, console
@@ -165,7 +165,7 @@ def test_failure_reason_names_the_worker_that_died():
 def test_default_console_is_raytrain_lines_only(tmp_path, shared_cache, record_property):
     """The entry point as a user runs it: its console holds raytrain's lines, every one of them."""
     t0 = time.time()
-    args = [f"run.storage_path={tmp_path}", f"data.cache_dir={shared_cache}", *FAST, "train.max_steps=2"]
+    args = fast_overrides(tmp_path, shared_cache, "train.max_steps=2")
     p = subprocess.run(
         [sys.executable, "-m", "raytrain_cpu.main", *args, "data.tokenize_actors=1"],
         cwd=ROOT,

@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 import pytest
 import ray.util
-from conftest import FAST
+from conftest import fast_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -190,18 +190,17 @@ def job(cluster, tmp_path_factory, shared_cache):
     --follow`, exactly as the README does it."""
     storage = tmp_path_factory.mktemp("job_runs")
     sid = f"raytrain-test-{secrets.token_hex(4)}"
-    overrides = [
-        *FAST,
+    overrides = fast_overrides(
+        storage,
+        shared_cache,
         f"train.max_steps={STEPS}",
         "train.eval_batches=2",
         "run.name=job-submit",
-        f"run.storage_path={storage}",
-        f"data.cache_dir={shared_cache}",
         "scaling.num_workers=2",
         "scaling.cpus_per_worker=0.5",
         "scaling.threads_per_worker=1",
         "scaling.resources_per_worker={trainer: 1}",  # only the second node has it
-    ]
+    )
     t0 = time.time()
     submit = _ray(
         cluster, "job", "submit", "--no-wait", f"--submission-id={sid}", "--", "python", "-m", "raytrain_cpu.main",

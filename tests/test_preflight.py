@@ -91,11 +91,11 @@ def test_explicit_worker_count_must_match_the_checkpoint(make_config):
 
 def test_cli_exits_2_before_ray(make_config):
     """`python -m raytrain_cpu.main` with a changed setting: exit 2, the old → new values, no Ray."""
-    from conftest import FAST
+    from conftest import fast_overrides
 
     old = make_config("run.name=r")
     fake_run_dir(old)
-    argv = [f"run.storage_path={old.run.storage_path}", f"data.cache_dir={old.data.cache_dir}", *FAST, "run.name=r"]
+    argv = fast_overrides(old.run.storage_path, old.data.cache_dir, "run.name=r")
     env = {**os.environ, "RAY_ADDRESS": ""}  # would Ray start, it would be a new local one
     p = subprocess.run(
         [sys.executable, "-m", "raytrain_cpu.main", *argv, "data.seq_len=128"],
