@@ -26,7 +26,6 @@ import importlib
 import json
 import os
 import platform
-import socket
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from raytrain_cpu import plan  # noqa: E402
 from raytrain_cpu.cpu import GLIBC_MMAP_THRESHOLD, cpu_features, preload_env  # noqa: E402
+from raytrain_cpu.train import free_port, init_local_group  # noqa: E402
 
 # jemalloc where installed, as on the cluster; else glibc with a fixed mmap threshold, which
 # measured the same peak RSS as jemalloc (its dynamic default fragments: ~30% more).
@@ -89,12 +89,10 @@ def _ds_config(micro_batch: int, zero_stage: int, world_size: int) -> dict[str, 
 
 def _rank_main(rank: int, world_size: int, port: int, case: dict[str, Any], out_dir: str) -> None:
     """torch.multiprocessing entry point: a gloo group on 127.0.0.1, then the measurement."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     # The imports a Ray Train worker of this project carries, so the baseline is honest.
     import ray.train  # noqa: F401
 
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    init_local_group(rank, world_size, port)
     _measure_rank(rank, case, out_dir)
     torch.distributed.destroy_process_group()
 
@@ -167,12 +165,6 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
 # ----------------------------------------------------------------------------- one case
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _save_model(shape: plan.ModelShape, path: str) -> None:
     """Writes a randomly initialised Llama of this shape as safetensors, like the 'tiny' model."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -193,7 +185,7 @@ def _save_model(shape: plan.ModelShape, path: str) -> None:
 
 def _launch_mp(world_size: int, case: dict[str, Any], out_dir: str) -> None:
     os.environ.update(ALLOCATOR_ENV)  # read by the children at start
-    args = (world_size, _free_port(), case, out_dir)
+    args = (world_size, free_port(), case, out_dir)
     mp.start_processes(_rank_main, args=args, nprocs=world_size, join=True, start_method="spawn")
 
 

@@ -445,11 +445,21 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
 
 
 def suite_lora(r: Runner, args) -> dict[str, Any]:
-    """LoRA (rank 16 on every projection) against full fine-tuning, interleaved, same data and steps."""
-    variants = {"full fine-tuning": [], "LoRA r=16": ["lora.rank=16", "lora.alpha=32"]}
+    """LoRA (rank 16 on every projection) against full fine-tuning, interleaved, same data and
+    steps; and LoRA's own levers against plain LoRA: whole-layer gathers, per-layer compile."""
+    lora = ["lora.rank=16", "lora.alpha=32"]
+    variants = {
+        "full fine-tuning": [],
+        "LoRA r=16": lora,
+        "LoRA r=16 + whole-layer gathers": [*lora, "deepspeed.gather_whole_layers=true"],
+        "LoRA r=16 + compile": [*lora, "model.compile=true"],
+    }
+    only = set(args.variants.split(",")) if args.variants else None
     rows = []
     for rep in range(args.repeats):
         for name, ov in variants.items():
+            if only and name not in only | {"full fine-tuning", "LoRA r=16"}:  # the two baselines always run
+                continue
             row = r.run(f"lora-{len(rows)}", ov) | {"variant": name, "rep": rep}
             s = json.loads((Path(row["run_dir"]) / "summary.json").read_text())
             row |= {
@@ -463,7 +473,9 @@ def suite_lora(r: Runner, args) -> dict[str, Any]:
     for t in table:
         x = extra[t["variant"]]
         t |= {k: x[k] for k in ("trainable_params", "optimizer_state_mb_per_rank", "train_peak_rss_gb_max_rank")}
-    return {"runs": rows, "tables": {"LoRA vs full fine-tuning": table}}
+    lora_rows = [x for x in rows if x["variant"].startswith("LoRA")]
+    tables = {"LoRA vs full fine-tuning": table, "LoRA's levers": _compare(lora_rows, "LoRA r=16")}
+    return {"runs": rows, "tables": tables}
 
 
 def _compare(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
@@ -889,14 +901,6 @@ def _reference_report(zero3: list[dict], refs: list[dict], tokens: str, cores: i
 
 def _load_worker(rank: int, world: int, port: int, model_dir: str, dtype_name: str, mode: str, out) -> None:
     """One rank: imports, then (after resetting the peak) a sharded or a naive load."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        DS_ACCELERATOR="cpu",
-    )
     import torch
 
     torch.set_num_threads(1)
@@ -908,9 +912,9 @@ def _load_worker(rank: int, world: int, port: int, model_dir: str, dtype_name: s
 
         from raytrain_cpu.config import load_config
         from raytrain_cpu.model import load_sharded
-        from raytrain_cpu.train import deepspeed_config, init_deepspeed_comm
+        from raytrain_cpu.train import deepspeed_config, init_deepspeed_comm, init_local_group
 
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        init_local_group(rank, world, port)
         init_deepspeed_comm()
         ds_config = deepspeed_config(
             load_config(None, ["model.dtype=" + ("bf16" if dtype == torch.bfloat16 else "fp32")]), world
@@ -944,12 +948,9 @@ def _rss() -> int:
 
 def _spawn(world: int, target: Callable, *args) -> list[dict[str, Any]]:
     """target(rank, world, port, *args, queue) on `world` gloo ranks; their results by rank."""
-    import socket
+    from raytrain_cpu.train import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return _run_procs(target, world, (world, port, *args), timeout_s=1800)
+    return _run_procs(target, world, (world, free_port(), *args), timeout_s=1800)
 
 
 def _write_model(shape: dict[str, int], out: Path) -> Path:
@@ -1043,7 +1044,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--variants",
         default="",
-        help="options: comma-separated subset of variants to run; reference: recipes (autocast, "
+        help="options, lora: comma-separated subset of variants to run; reference: recipes (autocast, "
         "bf16_master) and/or compile",
     )
     ap.add_argument("--workdir", default="/tmp/raytrain_bench", help="runs, data cache and model files")

@@ -430,7 +430,8 @@ class DeepSpeedSettings:
     """ZeRO-3: gather each decoder layer's parameters at once when the layer starts (DeepSpeed
     leaf modules), instead of each projection and norm as it runs: one hook pair and one
     all-gather per layer instead of about nine. model.compile (compile_scope 'layers') turns
-    it on: the gathers must stay outside the compiled layer."""
+    it on: the gathers must stay outside the compiled layer. Neutral for full fine-tuning;
+    LoRA, whose adapters each carry hooks otherwise, trained 1.1-1.3x faster with it."""
 
     def __post_init__(self) -> None:
         _choice(str(self.zero_stage), "deepspeed.zero_stage", ("1", "2", "3"))
@@ -611,21 +612,6 @@ class Config:
                 "guards.max_grad_norm",
                 "skipping steps on the gradient norm needs deepspeed.zero_stage=3; use guards.action=log "
                 "or stop, or guards.max_grad_norm=0.",
-            )
-        if self.lora.enabled and self.deepspeed.zero_stage == 3:
-            # Measured: DeepSpeed's whole-layer gathers hand the adapters' backward a released
-            # (empty) base weight, with or without compile; per-module gathers work.
-            _require(
-                not self.deepspeed.gather_whole_layers,
-                "deepspeed.gather_whole_layers",
-                "does not work with LoRA under ZeRO-3 (DeepSpeed releases the frozen base weights "
-                "before the adapters' backward); set it false, or lora.rank=0.",
-            )
-            _require(
-                not (self.model.compile and self.model.compile_scope == "layers"),
-                "model.compile_scope",
-                "'layers' gathers whole layers, which does not work with LoRA under ZeRO-3; use "
-                "model.compile_scope=model, or model.compile=false.",
             )
 
     def to_dict(self) -> dict[str, Any]:

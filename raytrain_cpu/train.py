@@ -114,6 +114,28 @@ def init_deepspeed_comm() -> None:
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 
 
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, for a local group's rendezvous (init_local_group)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_local_group(rank: int, world: int, port: int, timeout_s: float = 120) -> None:
+    """Outside Ray (bench, planner calibration, tests): the environment Ray Train gives each
+    worker, and the gloo group it creates, among processes on this machine."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world, "MASTER_PORT": port}
+    os.environ.update({k: str(v) for k, v in env.items()} | {"MASTER_ADDR": "127.0.0.1", "DS_ACCELERATOR": "cpu"})
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+
+
 def _param_groups(model, weight_decay: float) -> list[dict[str, Any]]:
     """No weight decay on norms (1-D tensors); ZeRO-3 params keep their real shape in ds_shape."""
     decay, no_decay = [], []
@@ -330,6 +352,13 @@ def build_engine(w: Worker, model, ds_config: dict[str, Any]):
     # Compiled layers need whole-layer gathers: per-module hooks would break the graph at every projection.
     if w.cfg.deepspeed.zero_stage == 3 and (w.cfg.deepspeed.gather_whole_layers or compile_layers):
         leaves = mark_layers_as_zero3_leaves(layers)
+        if w.cfg.lora.enabled:
+            # DeepSpeed reduces a leaf layer's gradients in a full backward hook, which fires once
+            # the gradients of the layer's inputs exist; where no input needs one (the first layer,
+            # behind LoRA's frozen embeddings) it fired before the layer's backward had run, and
+            # reduced zeros in place of the adapters' gradients (the real ones then failed to
+            # accumulate). Embedding outputs that require grad make every layer's input need one.
+            model.enable_input_require_grads()
         w.log(f"[engine] ZeRO-3 gathers whole layers: {', '.join(leaves) or 'no layer class found, per module'}")
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,

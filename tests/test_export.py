@@ -9,10 +9,7 @@ checkpoint.write_checkpoint, exactly as training does. (Export at the end of a R
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -32,13 +29,13 @@ STEP = 3
 
 def _train_and_save(rank: int, root: str, port: int) -> None:
     """One rank: a few ZeRO-3 steps, the logits on its batch, then the training checkpoint save."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    os.environ.update(LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
     import torch
     import torch.distributed as dist
 
+    from raytrain_cpu.train import init_local_group
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    init_local_group(rank, WORLD, port)
     import deepspeed
 
     from raytrain_cpu.checkpoint import write_checkpoint
@@ -77,12 +74,6 @@ def _train_and_save(rank: int, root: str, port: int) -> None:
     del hf_ds_config
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory):
     """{checkpoint, probe}: a 2-shard ZeRO-3 checkpoint and the trained model's logits."""
@@ -91,11 +82,12 @@ def zero3(tmp_path_factory):
 
     from raytrain_cpu.model import write_tiny_model
     from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+    from raytrain_cpu.train import free_port
 
     root = tmp_path_factory.mktemp("zero3")
     cfg = load_config(None, CONFIG)
     write_tiny_model(cfg, load_tokenizer(resolve_tokenizer_path("bundled", "tiny")), root / "base_model")
-    mp.start_processes(_train_and_save, args=(str(root), _free_port()), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_train_and_save, args=(str(root), free_port()), nprocs=WORLD, start_method="spawn")
     return {"checkpoint": root / "run" / f"checkpoint_{STEP:06d}", "probe": torch.load(root / "probe.pt")}
 
 

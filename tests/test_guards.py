@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ import torch
 
 from raytrain_cpu.config import ConfigError, GuardConfig, load_config
 from raytrain_cpu.guards import LossWindow, StabilityGuard, classify_loss, parse_inject
+from raytrain_cpu.train import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -246,12 +246,6 @@ RANK_SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_skip_leaves_zero3_parameters_unchanged_on_every_rank(tmp_path):
     script = tmp_path / "rank.py"
@@ -260,7 +254,7 @@ def test_skip_leaves_zero3_parameters_unchanged_on_every_rank(tmp_path):
         **os.environ,
         "DS_ACCELERATOR": "cpu",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": "2",
         "PYTHONPATH": str(ROOT),
     }

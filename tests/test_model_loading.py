@@ -9,8 +9,6 @@ than it, 1-D to 3-D, fp32 and bf16 on disk) read by two real gloo ranks.
 from __future__ import annotations
 
 import json
-import os
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +17,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
 from raytrain_cpu.model import _checkpoint_files, _read_own_partitions
+from raytrain_cpu.train import free_port
 
 WORLD = 2
 TENSORS = {
@@ -47,20 +46,15 @@ class _FakeModel:
 def _rank(rank: int, port: int, files: dict[str, str], out: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from raytrain_cpu.train import init_local_group
+
+    init_local_group(rank, WORLD, port)
     try:
         model = _FakeModel({k: v.shape for k, v in TENSORS.items()}, torch.float32, WORLD)
         _read_own_partitions(model, files)
         torch.save({k: p.ds_tensor for k, p in model.params.items()}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_checkpoint_files_follow_the_index(tmp_path):
@@ -79,7 +73,7 @@ def test_each_rank_reads_exactly_its_partition(tmp_path):
     assert set(files) == set(TENSORS)
     # Spawned, never forked: the suite's pytest process holds a Ray driver, and a forked copy of
     # it (a multiprocessing Manager, say) shares its Ray connections.
-    mp.spawn(_rank, args=(_free_port(), files, str(tmp_path)), nprocs=WORLD)
+    mp.spawn(_rank, args=(free_port(), files, str(tmp_path)), nprocs=WORLD)
     out = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)}
     for name, full in TENSORS.items():
         flat = full.float().reshape(-1)
