@@ -84,7 +84,7 @@ def layer_child(i: int, spec: dict[str, Any], out) -> None:
             {
                 "first_step_s": times[0],
                 "step_s": median(times[2:]),
-                "loss": float(loss),
+                "loss": loss.detach().item(),
                 "gemm_template_kernels": template,
             },
         )
