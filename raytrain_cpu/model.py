@@ -346,7 +346,7 @@ def decoder_layers(model) -> list:
     return [m for m in base.modules() if type(m).__name__ in names]
 
 
-def mark_layers_as_zero3_leaves(layers: list) -> list[str]:
+def mark_layers_as_zero3_leaves(model, layers: list) -> list[str]:
     """Flags each layer as a ZeRO-3 leaf: DeepSpeed then gathers and releases the layer's
     parameters as one unit and puts no hooks on its projections and norms. Must run before
     deepspeed.initialize registers the hooks; returns the class names flagged."""
@@ -354,6 +354,14 @@ def mark_layers_as_zero3_leaves(layers: list) -> list[str]:
 
     for layer in layers:
         set_z3_leaf_module(layer, True)
+    if layers:
+        # DeepSpeed reduces a leaf's gradients in a full backward hook, which fires once the
+        # gradients of the layer's inputs exist; where no input needs one (the first layer behind
+        # frozen embeddings, as under LoRA) it fired before the layer's backward had run and
+        # reduced zeros in place of the real gradients, which then failed to accumulate.
+        # Embedding outputs that require grad make every layer's input need one (a no-op where
+        # the embeddings train).
+        model.enable_input_require_grads()
     return sorted({type(m).__name__ for m in layers})
 
 

@@ -351,14 +351,7 @@ def build_engine(w: Worker, model, ds_config: dict[str, Any]):
     compile_layers = m.compile and m.compile_scope == "layers" and bool(layers)
     # Compiled layers need whole-layer gathers: per-module hooks would break the graph at every projection.
     if w.cfg.deepspeed.zero_stage == 3 and (w.cfg.deepspeed.gather_whole_layers or compile_layers):
-        leaves = mark_layers_as_zero3_leaves(layers)
-        if w.cfg.lora.enabled:
-            # DeepSpeed reduces a leaf layer's gradients in a full backward hook, which fires once
-            # the gradients of the layer's inputs exist; where no input needs one (the first layer,
-            # behind LoRA's frozen embeddings) it fired before the layer's backward had run, and
-            # reduced zeros in place of the adapters' gradients (the real ones then failed to
-            # accumulate). Embedding outputs that require grad make every layer's input need one.
-            model.enable_input_require_grads()
+        leaves = mark_layers_as_zero3_leaves(model, layers)
         w.log(f"[engine] ZeRO-3 gathers whole layers: {', '.join(leaves) or 'no layer class found, per module'}")
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,

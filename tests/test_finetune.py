@@ -121,7 +121,6 @@ def _lora_gathers_rank(rank: int, port: int, root: str) -> None:
     from raytrain_cpu.train import Worker, build_engine, deepspeed_config, init_local_group, load_model
 
     init_local_group(rank, 2, port)
-    x = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(rank))
     losses = {}
     for whole in (False, True):
         cfg = load_config(
@@ -129,11 +128,14 @@ def _lora_gathers_rank(rank: int, port: int, root: str) -> None:
             [*LORA, "model.dtype=bf16", "train.micro_batch_size=2", "data.seq_len=32"]
             + [f"deepspeed.gather_whole_layers={whole}"],
         )
-        w = Worker(cfg, {"model_dir": f"{root}/base_model"}, rank, 2, Path(root), 4, lambda msg: None)
+        batch = cfg.train.derive_global_batch(2)
+        w = Worker(cfg, {"model_dir": f"{root}/base_model"}, rank, 2, Path(root), batch, lambda msg: None)
         ds_config = deepspeed_config(cfg, 2)
         torch.manual_seed(cfg.train.seed + rank)  # as setup_worker does: the same adapters' init
         loaded = load_model(w, ds_config)
         engine, _ = build_engine(w, loaded.model, ds_config)
+        vocab = loaded.model.config.vocab_size
+        x = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(rank))
         losses[str(whole)] = []
         for _ in range(3):
             loss = engine(input_ids=x, labels=x).loss

@@ -173,10 +173,11 @@ RANK_SCRIPT = textwrap.dedent(
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
     from raytrain_cpu.config import GuardConfig
     from raytrain_cpu.guards import StabilityGuard
-    from raytrain_cpu.train import init_deepspeed_comm
+    from raytrain_cpu.train import init_deepspeed_comm, init_local_group
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = int(sys.argv[2]), 2
     torch.set_num_threads(1)
+    init_local_group(rank, world, int(sys.argv[3]))
     init_deepspeed_comm()
 
     def all_reduce_sum(values):
@@ -250,18 +251,11 @@ RANK_SCRIPT = textwrap.dedent(
 def test_skip_leaves_zero3_parameters_unchanged_on_every_rank(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    env = {
-        **os.environ,
-        "DS_ACCELERATOR": "cpu",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": "2",
-        "PYTHONPATH": str(ROOT),
-    }
+    port = str(free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path)],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            [sys.executable, str(script), str(tmp_path), str(r), port],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
