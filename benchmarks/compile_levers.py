@@ -28,7 +28,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from raytrain_cpu.bench import SIZES, VOCAB, _run_procs, bench_model_config, write_results
+from raytrain_cpu.bench import SIZES, VOCAB, _run_procs, bench_model_config, package_versions, write_results
 from raytrain_cpu.cpu import cpu_features
 
 LAYER_VARIANTS = {
@@ -185,6 +185,7 @@ def main() -> None:
     result = {
         "command": "python benchmarks/compile_levers.py " + " ".join(sys.argv[1:]),
         "machine": feats.describe(),
+        "versions": package_versions(),
         "runs": rows,
         "tables": {
             f"per-layer compile variants ({args.layers} layers, {args.threads} thread(s))": layer_table(
@@ -197,7 +198,7 @@ def main() -> None:
             f"MLP {s['model']['intermediate_size']}), {args.layers} layers, bf16 weights, micro batch "
             f"{s['micro_batch']} x {s['seq_len']} random tokens, one process, no DeepSpeed; median step after two "
             "warm-ups; 'first step s' includes the compile (a fresh inductor cache per run).",
-            "C++ GEMM template kernels: generated kernels that use inductor's micro-GEMMs. torch 2.13 offers the "
+            "C++ GEMM template kernels: generated kernels that use inductor's micro-GEMMs. torch 2.13 offered the "
             "template only for constant weights (use_cpp_gemm_template needs a module buffer: inference with "
             "freezing); in training the weights are graph inputs, so GEMMs stay on ATen (oneDNN) and the count is 0.",
             "attention GFLOP/s count QK^T and PV over the causal half, backward as 2.5x the forward.",

@@ -122,6 +122,19 @@ def mfu_of(tokens_per_s: float, params: dict[str, int], seq_len: int, peak_per_w
     return mfu(tokens_per_s, params, seq_len, peak_per_worker * world) or 0.0
 
 
+def package_versions() -> dict[str, str]:
+    """The stack's versions, recorded with every result (a lent machine may carry another torch)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "deepspeed", "ray", "transformers"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "none"
+    return out
+
+
 def write_results(suite: str, result: dict[str, Any], json_path: str | None, workdir: Path | None = None) -> Path:
     """<suite>.json plus <suite>.md (the tables) in this machine's folder of benchmarks/results
     (`cpu.CpuFeatures.slug`: model and best matrix ISA), or at --json.
@@ -137,6 +150,8 @@ def write_results(suite: str, result: dict[str, Any], json_path: str | None, wor
     path.write_text(text)
     command = result["command"].replace(str(workdir), "<workdir>") if workdir is not None else result["command"]
     md = [f"# raytrain_cpu bench: {suite}", "", f"`{command}` on {result['machine']}", ""]
+    if "versions" in result:
+        md[-1:] = ["", ", ".join(f"{k} {v}" for k, v in result["versions"].items()), ""]
     for name, table in result.get("tables", {}).items():
         md += [f"## {name}", "", markdown_table(table), ""]
     md += [f"- {n}" for n in result.get("notes", [])]
@@ -311,7 +326,7 @@ BREAKDOWN_COLUMNS = [
 def suite_train(r: Runner, args) -> dict[str, Any]:
     spec = r.spec
     tokens = spec["micro_batch"] * spec["seq_len"]
-    threads = max(1, cpu.cpu_features().physical_cores // args.workers)
+    threads = max(1, cpu.cpu_features().usable_cores // args.workers)
     g_before = gemm_peak(spec["model"], tokens, args.workers, threads)
     row = r.run("train", [f"scaling.num_workers={args.workers}"])
     g_after = gemm_peak(spec["model"], tokens, args.workers, row["threads"])
@@ -355,7 +370,7 @@ def suite_train(r: Runner, args) -> dict[str, Any]:
 def suite_gemm(r: Runner, args) -> dict[str, Any]:
     spec = r.spec
     tokens = spec["micro_batch"] * spec["seq_len"]
-    threads = max(1, (cpu.cpu_features().physical_cores) // args.workers)
+    threads = max(1, cpu.cpu_features().usable_cores // args.workers)
     g = gemm_peak(spec["model"], tokens, args.workers, threads, rounds=3, min_time_s=spec.get("gemm_min_time_s", 0.2))
     return {
         "gemm": g,
@@ -392,7 +407,7 @@ def suite_scaling(r: Runner, args) -> dict[str, Any]:
 
 def suite_placement(r: Runner, args) -> dict[str, Any]:
     """This project's default placement vs Ray's plain settings vs pinned, interleaved twice."""
-    cpus = os.cpu_count() or 1
+    cpus = cpu.affinity_cpus() or os.cpu_count() or 1  # what a local Ray offers
     ray_threads = max(1, math.floor(max((cpus - 1) / 2, 0)))  # Ray's OMP_NUM_THREADS: floor of the worker's CPUs, min 1
     variants = {
         "raytrain default": [],
@@ -1066,11 +1081,14 @@ def main(argv: list[str] | None = None) -> int:
             "machine": feats.describe(),
             "cpu": feats.to_dict(),
             "allocator_found": Path(cpu.find_allocator()[1]).name or "none",  # the library, not this machine's path
+            "versions": package_versions(),
             "size": args.size,
             "bench_wall_s": time.perf_counter() - t0,
             "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
-        path = write_results(name, result, args.json if len(suites) == 1 else None, runner.workdir)
+        # A smoke run at another size must not overwrite the committed 50m results.
+        stem = name if args.size == "50m" else f"{name}-{args.size}"
+        path = write_results(stem, result, args.json if len(suites) == 1 else None, runner.workdir)
         print(f"[bench] {name} -> {path} and {path.with_suffix('.md')}", flush=True)
         print(path.with_suffix(".md").read_text(), flush=True)
     return 0

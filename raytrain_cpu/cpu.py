@@ -62,6 +62,15 @@ class CpuFeatures:
     """vCPUs this process may run on (sched_getaffinity)."""
 
     @property
+    def usable_cores(self) -> int:
+        """Physical cores this process may run on: all of them, unless an affinity mask
+        (taskset, numactl, a container's cpuset) leaves fewer."""
+        if not self.allowed_cpus or not self.cores:
+            return self.physical_cores
+        allowed = set(self.allowed_cpus)
+        return max(1, sum(1 for core in self.cores if allowed.intersection(core[2:])))
+
+    @property
     def best_isa(self) -> str:
         """The strongest matrix ISA: 'amx_bf16', 'avx512_bf16', 'avx512f', 'avx2' or 'baseline'."""
         for name in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"):
@@ -87,6 +96,20 @@ class CpuFeatures:
             f"{self.model_name or 'unknown CPU'}: {self.sockets} socket(s), {self.physical_cores} physical cores, "
             f"{self.vcpus} vCPUs ({self.threads_per_core} per core), {self.numa_nodes} NUMA node(s); {isa}"
         )
+
+
+def affinity_cpus() -> int | None:
+    """vCPUs this process may run on, when an affinity mask leaves fewer than the machine has.
+
+    Ray counts every vCPU of the machine (or its cgroup quota), not the process's affinity, so
+    under `taskset -c 0,1` on a 16-vCPU host it would hand 2 workers 7 threads each on 2 vCPUs.
+    None when nothing narrows the machine.
+    """
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    return allowed if allowed < (os.cpu_count() or allowed) else None
 
 
 def parse_cpulist(text: str) -> list[int]:

@@ -117,13 +117,6 @@ def check_lora_before_ray(cfg: Config) -> dict[str, int] | None:
 # ----------------------------------------------------------------------------- scaling
 
 
-def physical_cores() -> int:
-    """Physical cores of this machine (vCPUs / threads per core)."""
-    from raytrain_cpu.cpu import cpu_features
-
-    return cpu_features().physical_cores
-
-
 def worker_node_cpu(nodes: list[dict[str, Any]]):
     """CpuFeatures of the nodes the workers land on (assumed alike): this machine's when it is
     the only node with CPUs, else read on the first such node by a zero-CPU Ray task (the head
@@ -180,7 +173,7 @@ def derive_scaling(cfg: Config) -> dict[str, Any]:
             f"{cpus_per_node:g} CPUs; lower scaling.cpus_per_worker or scaling.num_workers."
         )
     threads = s.threads_per_worker or threads_per_worker(
-        cpus, feats.threads_per_core, feats.physical_cores, workers_per_node
+        cpus, feats.threads_per_core, feats.usable_cores, workers_per_node
     )
     return {
         "num_workers": workers,
@@ -497,6 +490,7 @@ def run(cfg: Config) -> dict[str, Any]:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from raytrain_cpu.checkpoint import config_hash
+    from raytrain_cpu.cpu import affinity_cpus
     from raytrain_cpu.data import prepare, read_meta
     from raytrain_cpu.metrics import count_events, read_metrics
     from raytrain_cpu.model import check_causal_lm, check_context_length, count_parameters, write_tiny_model
@@ -518,6 +512,8 @@ def run(cfg: Config) -> dict[str, Any]:
         ray_logs = quiet_ray_loggers() if quiet else None
         context = ray.init(
             address=cfg.run.ray_init_address,
+            # A local Ray offers only the vCPUs this process may run on (taskset, a cpuset).
+            num_cpus=affinity_cpus() if local else None,
             runtime_env={"env_vars": ray_env | joined}
             | ({"worker_process_setup_hook": "raytrain_cpu.main.quiet_worker_logs"} if local else {}),
             include_dashboard=False,

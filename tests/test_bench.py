@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +116,23 @@ def test_reference_suite_matches_dtype_tokens_and_cores_of_the_run(monkeypatch, 
     assert calls == [("bf16", 2, 8, False, "autocast"), ("bf16", 2, 8, False, "bf16_master")]
     assert res["best_reference"] == "reference bf16_master" and res["ratio"] == pytest.approx(1.1)
     assert bench.write_results("reference", res | {"command": "x", "machine": "y"}, str(tmp_path / "r.json"))
+
+
+def test_pinned_suites_gives_each_command_its_own_cores(tmp_path):
+    """benchmarks/pinned_suites.py: each command runs under an affinity mask of its own cores."""
+    import subprocess
+    import sys
+
+    from raytrain_cpu.cpu import cpu_features
+
+    if cpu_features().usable_cores < 2:
+        pytest.skip("needs 2 usable cores")
+    show = "-c 'import os; print(sorted(os.sched_getaffinity(0)))'"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "pinned_suites.py"
+    subprocess.run(
+        [sys.executable, str(script), "--cores", "1", "--workdir", str(tmp_path), show, show],
+        check=True,
+        timeout=60,
+    )
+    masks = [ast.literal_eval((tmp_path / f"{i}.log").read_text()) for i in range(2)]
+    assert all(len(m) >= 1 for m in masks) and not set(masks[0]) & set(masks[1])

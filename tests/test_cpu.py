@@ -275,3 +275,30 @@ def test_op_time_by_kind_sorts_a_real_profile():
     assert rows["GEMM"]["seconds"] > 0 and rows["copies and casts"]["seconds"] > 0  # mm; cat
     assert rows["other operators"]["seconds"] > 0 and rows["collectives"]["seconds"] == 0  # relu_
     assert sum(r["seconds"] for r in rows.values()) == pytest.approx(wall, abs=1e-3)
+
+
+def test_usable_cores_follow_the_affinity_mask():
+    """Under taskset (or a cpuset) only the cores with an allowed vCPU count, siblings once."""
+    first, cpus = cpu.parse_cpuinfo(_cpuinfo(1, 8, 2, C7I_FLAGS))
+    f = cpu.summarize_topology(cpus, {}, first["flags"].split())
+    assert f.usable_cores == 8  # no mask read: every core
+    f.allowed_cpus = [0, 8, 1]  # core 0 and its sibling, and core 1
+    assert f.usable_cores == 2
+    f.allowed_cpus = list(range(16))
+    assert f.usable_cores == 8
+
+
+def test_affinity_cpus_sees_taskset():
+    """A local Ray is offered the vCPUs this process may run on, not the machine's."""
+    import os
+
+    everything = os.sched_getaffinity(0)
+    if len(everything) < 2 or len(everything) < (os.cpu_count() or 0):
+        pytest.skip("needs a process that may use every vCPU of a machine with at least 2")
+    assert cpu.affinity_cpus() is None
+    try:
+        os.sched_setaffinity(0, {min(everything)})
+        assert cpu.affinity_cpus() == 1
+        assert cpu.cpu_features().usable_cores == 1
+    finally:
+        os.sched_setaffinity(0, everything)
