@@ -70,11 +70,11 @@ def main() -> int:
             i, cmd_args = waiting.pop(0)
             cpus = free.pop(0)
             argv = command_for(cmd_args, i, workdir)
-            log = open(workdir / f"{i}.log", "w")  # noqa: SIM115 (the child writes it until it ends)
             # The mask is set in the child before exec, so Ray and every worker it starts inherit it.
-            proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=lambda c=cpus: os.sched_setaffinity(0, c)
-            )
+            with open(workdir / f"{i}.log", "w") as log:  # the child keeps its own copy of the file
+                proc = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=lambda c=cpus: os.sched_setaffinity(0, c)
+                )
             running[i] = (proc, cpus, time.monotonic())
             print(f"[pinned] {i} on vCPUs {cpus}: {shlex.join(argv[1:])}", flush=True)
         time.sleep(2)

@@ -117,6 +117,19 @@ def check_lora_before_ray(cfg: Config) -> dict[str, int] | None:
 # ----------------------------------------------------------------------------- scaling
 
 
+def local_ray_cpus() -> int | None:
+    """CPUs a local Ray offers: the vCPUs this process may run on when a mask narrows them
+    (taskset, a cpuset; Ray itself counts the machine's), and never fewer than 2. Ray Data
+    needs a whole CPU beside the workers' reservations (see derive_scaling); on one vCPU the
+    workers and Ray Data then share it. None: Ray's own count."""
+    from raytrain_cpu.cpu import affinity_cpus
+
+    cpus = affinity_cpus()
+    if cpus is None and (os.cpu_count() or 1) >= 2:
+        return None
+    return max(2, cpus or 1)
+
+
 def worker_node_cpu(nodes: list[dict[str, Any]]):
     """CpuFeatures of the nodes the workers land on (assumed alike): this machine's when it is
     the only node with CPUs, else read on the first such node by a zero-CPU Ray task (the head
@@ -136,6 +149,18 @@ def worker_node_cpu(nodes: list[dict[str, Any]]):
         return ray.get(probe.remote(), timeout=120)
     except (ray.exceptions.RayError, TimeoutError):
         return cpu_features()  # a guess from the driver's node beats failing the run
+
+
+def check_data_cpus(cluster_cpus: float, workers: int, cpus_per_worker: float) -> None:
+    """Below one CPU left beside the workers Ray Data never schedules its reads, and the
+    workers wait for their first batch forever (seen with 1 CPU and 1 or 2 workers)."""
+    left = cluster_cpus - workers * cpus_per_worker
+    if left < 1:
+        raise ConfigError(
+            f"scaling: {workers} workers x {cpus_per_worker:g} CPUs leave {left:g} of the cluster's "
+            f"{cluster_cpus:g} CPUs to Ray Data, which needs at least 1 to feed them; lower "
+            "scaling.num_workers or scaling.cpus_per_worker, or give Ray more CPUs."
+        )
 
 
 def derive_scaling(cfg: Config) -> dict[str, Any]:
@@ -172,6 +197,7 @@ def derive_scaling(cfg: Config) -> dict[str, Any]:
             f"scaling.cpus_per_worker: {workers_per_node} workers x {cpus} CPUs don't fit a node with "
             f"{cpus_per_node:g} CPUs; lower scaling.cpus_per_worker or scaling.num_workers."
         )
+    check_data_cpus(sum(n["Resources"]["CPU"] for n in nodes), workers, cpus)
     threads = s.threads_per_worker or threads_per_worker(
         cpus, feats.threads_per_core, feats.usable_cores, workers_per_node
     )
@@ -490,7 +516,6 @@ def run(cfg: Config) -> dict[str, Any]:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from raytrain_cpu.checkpoint import config_hash
-    from raytrain_cpu.cpu import affinity_cpus
     from raytrain_cpu.data import prepare, read_meta
     from raytrain_cpu.metrics import count_events, read_metrics
     from raytrain_cpu.model import check_causal_lm, check_context_length, count_parameters, write_tiny_model
@@ -512,8 +537,7 @@ def run(cfg: Config) -> dict[str, Any]:
         ray_logs = quiet_ray_loggers() if quiet else None
         context = ray.init(
             address=cfg.run.ray_init_address,
-            # A local Ray offers only the vCPUs this process may run on (taskset, a cpuset).
-            num_cpus=affinity_cpus() if local else None,
+            num_cpus=local_ray_cpus() if local else None,
             runtime_env={"env_vars": ray_env | joined}
             | ({"worker_process_setup_hook": "raytrain_cpu.main.quiet_worker_logs"} if local else {}),
             include_dashboard=False,

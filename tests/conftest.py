@@ -32,6 +32,17 @@ def fast_overrides(storage, cache, *extra: str) -> list[str]:
     return [f"run.storage_path={storage}", f"data.cache_dir={cache}", *FAST, *extra]
 
 
+@pytest.fixture
+def one_vcpu():
+    """This thread narrowed to one vCPU, as under `taskset -c N`; the full mask comes back after."""
+    everything = os.sched_getaffinity(0)
+    if len(everything) < 2 or len(everything) < (os.cpu_count() or 0):
+        pytest.skip("needs a process that may use every vCPU of a machine with at least 2")
+    os.sched_setaffinity(0, {min(everything)})
+    yield everything
+    os.sched_setaffinity(0, everything)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray started once (starting Ray costs ~10 s here); run() reuses it."""

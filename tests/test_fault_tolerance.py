@@ -418,7 +418,7 @@ def _single_process_losses(cfg, run_dir: Path, cache: str, steps: int) -> dict[i
         with torch.no_grad():
             for p, m in zip(params, masters, strict=True):
                 p.copy_(m)
-        losses[step + 1] = float(loss)
+        losses[step + 1] = loss.detach().item()
     return losses
 
 

@@ -162,3 +162,21 @@ def test_settings_recorded_in_the_manifest_win_over_config_yaml(make_config):
     (run_dir / "config.yaml").write_text(yaml.safe_dump(make_config("run.name=r", "train.seed=9").to_dict()))
     with pytest.raises(ConfigError, match=r"train.micro_batch_size: 4 → 2\. "):
         validate_before_ray(make_config("run.name=r", "train.micro_batch_size=2"))
+
+
+def test_workers_must_leave_ray_data_a_cpu():
+    """Ray Data needs a whole CPU beside the workers, or they wait for their first batch forever."""
+    from raytrain_cpu.main import check_data_cpus
+
+    check_data_cpus(2, 2, 0.5)  # this project's 2-vCPU default: 1 CPU left
+    check_data_cpus(192, 1, 184)
+    with pytest.raises(ConfigError, match=r"2 workers x 0.5 CPUs leave 0.5 .*scaling.num_workers"):
+        check_data_cpus(1.5, 2, 0.5)
+
+
+def test_local_ray_offers_the_mask_but_at_least_two_cpus(one_vcpu):
+    """Under a 1-vCPU mask a local Ray offers 2 CPUs: the workers and Ray Data share the one."""
+    from raytrain_cpu.cpu import affinity_cpus
+    from raytrain_cpu.main import local_ray_cpus
+
+    assert affinity_cpus() == 1 and local_ray_cpus() == 2
