@@ -570,9 +570,9 @@ def recommend(
     }
 
 
-# Measured side by side (`bench options`, benchmarks/results/amd-epyc-avx512_bf16/options-zero*.md,
-# two runs of the bench): the ~50M bench model on 2 workers, ZeRO-2 against ZeRO-3.
-ZERO2_SPEEDUP_50M = "1.08-1.10x"
+# Measured side by side (`bench options`, benchmarks/results/<machine>/options-zero*.md): the ~50M
+# bench model on 2 workers, ZeRO-2 against ZeRO-3; on AMX one noisy run showed no gain.
+ZERO2_SPEEDUP_50M = "1.08-1.10x on an AVX-512 BF16 host, 0.90x in one noisy run on AMX"
 
 
 def lower_stage_advice(
@@ -597,8 +597,8 @@ def lower_stage_advice(
     return (
         f"ZeRO-2 also fits {node} ({z2['peak_gib']:.1f} GiB per rank against {z3['peak_gib']:.1f}) and moves "
         f"{z2['comm_gib_per_step']:.3g} GiB per rank per step against {z3['comm_gib_per_step']:.3g}, with no "
-        f"parameter gathers: deepspeed.zero_stage=2 (the ~50M bench model trained {ZERO2_SPEEDUP_50M} faster "
-        "on 2 workers)."
+        f"parameter gathers: deepspeed.zero_stage=2 (the ~50M bench model on 2 workers, against ZeRO-3: "
+        f"{ZERO2_SPEEDUP_50M})."
     )
 
 
