@@ -8,7 +8,7 @@ device machine) each command here runs under its own affinity mask of `--cores` 
 (with their hyperthreads), so six 2-core suites take the time of the slowest one instead of
 their sum. Each command is the argument list after `python`; bench commands get their own
 --workdir (their data caches would race). raytrain sizes its local Ray and its workers from the
-mask (cpu.affinity_cpus, CpuFeatures.usable_cores), so every suite sees a 2-core machine.
+mask (main.local_ray_cpus, CpuFeatures.usable_cores), so every suite sees a 2-core machine.
 
 The suites share the socket's L3 cache and memory bandwidth: the ratios inside one suite are
 side by side as always; figures across suites are a little lower than on an idle host.
