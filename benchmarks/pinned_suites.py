@@ -26,19 +26,20 @@ import sys
 import time
 from pathlib import Path
 
-from raytrain_cpu.cpu import cpu_features
+from raytrain_cpu.cpu import cpu_features, rank_cores
 
 
 def core_groups(cores_per_group: int) -> list[list[int]]:
-    """vCPU sets of `cores_per_group` physical cores each, within one socket, in core order."""
+    """vCPU sets of `cores_per_group` physical cores each, within one socket: each socket's
+    allowed cores split as the workers' pinning splits a node among ranks (cpu.rank_cores)."""
     feats = cpu_features()
     allowed = set(feats.allowed_cpus)
+    rows = [[*row[:2], *vcpus] for row in feats.cores if (vcpus := [c for c in row[2:] if c in allowed])]
     groups: list[list[int]] = []
-    for socket in sorted({row[0] for row in feats.cores}):
-        rows = [[c for c in row[2:] if c in allowed] for row in feats.cores if row[0] == socket]
-        rows = [r for r in rows if r]
-        for i in range(0, len(rows) - cores_per_group + 1, cores_per_group):
-            groups.append(sorted(c for r in rows[i : i + cores_per_group] for c in r))
+    for socket in sorted({row[0] for row in rows}):
+        mine = [row for row in rows if row[0] == socket]
+        n = len(mine) // cores_per_group
+        groups += [rank_cores(mine, 1, i, n, cores_per_group) for i in range(n)]
     if not groups:
         raise SystemExit(f"fewer than {cores_per_group} usable physical cores here")
     return groups

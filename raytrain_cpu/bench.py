@@ -151,7 +151,7 @@ def write_results(suite: str, result: dict[str, Any], json_path: str | None, wor
     command = result["command"].replace(str(workdir), "<workdir>") if workdir is not None else result["command"]
     md = [f"# raytrain_cpu bench: {suite}", "", f"`{command}` on {result['machine']}", ""]
     if "versions" in result:
-        md[-1:] = ["", ", ".join(f"{k} {v}" for k, v in result["versions"].items()), ""]
+        md += [", ".join(f"{k} {v}" for k, v in result["versions"].items()), ""]
     for name, table in result.get("tables", {}).items():
         md += [f"## {name}", "", markdown_table(table), ""]
     md += [f"- {n}" for n in result.get("notes", [])]
@@ -204,6 +204,11 @@ def gemm_peak(
         }
     out["bf16_over_fp32"] = out["bfloat16"]["flops_per_s_per_worker"] / out["float32"]["flops_per_s_per_worker"]
     return out
+
+
+def gemm_threads(workers: int) -> int:
+    """Each GEMM process's threads: its share of the cores this process may use."""
+    return max(1, cpu.cpu_features().usable_cores // workers)
 
 
 def gemm_rows(g: dict[str, Any]) -> list[dict[str, Any]]:
@@ -326,7 +331,7 @@ BREAKDOWN_COLUMNS = [
 def suite_train(r: Runner, args) -> dict[str, Any]:
     spec = r.spec
     tokens = spec["micro_batch"] * spec["seq_len"]
-    threads = max(1, cpu.cpu_features().usable_cores // args.workers)
+    threads = gemm_threads(args.workers)
     g_before = gemm_peak(spec["model"], tokens, args.workers, threads)
     row = r.run("train", [f"scaling.num_workers={args.workers}"])
     g_after = gemm_peak(spec["model"], tokens, args.workers, row["threads"])
@@ -370,8 +375,14 @@ def suite_train(r: Runner, args) -> dict[str, Any]:
 def suite_gemm(r: Runner, args) -> dict[str, Any]:
     spec = r.spec
     tokens = spec["micro_batch"] * spec["seq_len"]
-    threads = max(1, cpu.cpu_features().usable_cores // args.workers)
-    g = gemm_peak(spec["model"], tokens, args.workers, threads, rounds=3, min_time_s=spec.get("gemm_min_time_s", 0.2))
+    g = gemm_peak(
+        spec["model"],
+        tokens,
+        args.workers,
+        gemm_threads(args.workers),
+        rounds=3,
+        min_time_s=spec.get("gemm_min_time_s", 0.2),
+    )
     return {
         "gemm": g,
         "tables": {
