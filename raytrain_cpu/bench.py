@@ -452,6 +452,7 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
         "activation_checkpointing": ["model.activation_checkpointing=true"],
         "params persistent": ["deepspeed.param_persistence_threshold=100000000"],
         "whole-layer gathers": ["deepspeed.gather_whole_layers=true"],
+        "gloo collectives": ["deepspeed.shm_collectives=false"],
         "compile": ["model.compile=true"],
         "compile (whole model)": ["model.compile=true", "model.compile_scope=model"],
         # Skipping a step on the gradient norm reads ZeRO-3's partitions: below 3 the guard logs.

@@ -426,6 +426,11 @@ class DeepSpeedSettings:
     to this many; lower saves memory (1e8 instead of 1e9: 1.3 GiB per rank at 0.5B) but
     re-gathers in the backward (+16% step time there). `python -m raytrain_cpu.plan` shows
     both peaks."""
+    shm_collectives: bool = True
+    """DeepSpeed's all-gathers, reduce-scatters and all-reduces go through shared memory when
+    every rank runs on one machine (raytrain_cpu.collectives): gloo sends each byte through
+    the loopback TCP stack, 4-7x slower at ZeRO-3's sizes. Ranks on several machines, or no
+    room in /dev/shm, keep gloo; false always uses gloo."""
     gather_whole_layers: bool = False
     """ZeRO-3: gather each decoder layer's parameters at once when the layer starts (DeepSpeed
     leaf modules), instead of each projection and norm as it runs: one hook pair and one

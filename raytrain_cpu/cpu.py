@@ -800,8 +800,11 @@ class CommTimer:
         backend = ds_comm.cdb
         for name in COLLECTIVES:
             if hasattr(backend, name):
+                before = backend.__dict__.get(name)  # the shared-memory route, where installed
                 setattr(backend, name, self._timed(getattr(backend, name)))
-                self._undo.append(lambda n=name: delattr(backend, n))  # back to the class method
+                self._undo.append(
+                    lambda n=name, b=before: setattr(backend, n, b) if b else delattr(backend, n)
+                )  # back to the route before, or to the class method
         work = torch._C._distributed_c10d.Work
         wait = work.wait
         work.wait = self._timed(wait)

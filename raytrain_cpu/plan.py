@@ -240,6 +240,9 @@ LIVE_CHOICES = {"1e9": DS_MAX_LIVE_PARAMETERS, "1e8": 100_000_000}  # the peaks 
 # What 1e8 costs: the backward re-gathers what forward released (measured at 0.5B).
 LOW_LIVE_STEP_COST = "+16% step time measured at 0.5B"
 DS_PARAM_PERSISTENCE_THRESHOLD = 10_000
+# raytrain_cpu.collectives' slot size: ranks on one machine map 2 x world slots, and each rank
+# touches them all (tests/test_plan.py checks it is the same number).
+SHM_SLOT_BYTES = 16 << 20
 
 # ----------------------------------------------------------------------------- instances
 
@@ -296,8 +299,12 @@ def memory_breakdown(
     lora_targets: tuple[str, ...] = LORA_TARGETS,
     lora_dropout: float = 0.0,
     fused_adamw: bool = True,
+    shm_ranks: int = 0,
 ) -> dict[str, float]:
     """Per-rank bytes of each component (not cumulative), named after where it comes from.
+
+    `shm_ranks`: ranks sharing one machine's shared-memory collectives (all of them when the
+    run fits one node, deepspeed.shm_collectives), 0 when they talk through gloo.
 
     `fused_adamw` (train.fused_adamw): PyTorch's fused AdamW updates each partition in one
     pass with no temporaries; the per-tensor loop makes two partition-sized ones.
@@ -365,6 +372,7 @@ def memory_breakdown(
 
     parts = {
         "baseline": BASELINE_BYTES,
+        "collective_buffers": 2 * shm_ranks * SHM_SLOT_BYTES if shm_ranks > 1 else 0,
         "overheads": LOAD_OVERHEAD_BYTES + INIT_OVERHEAD_BYTES + STEP_OVERHEAD_BYTES,
         "weights": weights,
         "master": master,
@@ -447,7 +455,8 @@ def memory_stages(parts: dict[str, float], lora: bool = False) -> dict[str, floa
     after_master: deepspeed.initialize (fp32 master partition and the gradient partition in
     the training dtype; the load's transients are gone). The fp32 gradient the optimizer reads
     (master_grad) is made inside each optimizer step and freed after it.
-    after_optimizer: the first optimizer step (AdamW's moments exist from here on).
+    after_optimizer: the first optimizer step (AdamW's moments exist from here on, and the
+    shared-memory collectives' slots are touched).
     peak: the high-water mark from the second step on, the larger of the forward/backward's
     transients (activations, logits, ZeRO-3's gathered parameters and gradient bucket, times
     the allocator's FRAGMENTATION) and the optimizer step's (master_grad, and with the
@@ -457,7 +466,8 @@ def memory_stages(parts: dict[str, float], lora: bool = False) -> dict[str, floa
     base = parts["baseline"] + LOAD_OVERHEAD_BYTES + parts["weights"]
     after_load = base + parts["load_transient"]
     after_master = base + INIT_OVERHEAD_BYTES + parts["master"] + parts["grads"]
-    after_optimizer = after_master + parts["adam"]
+    # The shared-memory slots count once the first step's collectives have touched them.
+    after_optimizer = after_master + parts["adam"] + parts.get("collective_buffers", 0)
     backward = parts["activations"] + parts["logits"] + parts["gathered_params"] + parts["grad_bucket"]
     fragmentation = LORA_FRAGMENTATION if lora else FRAGMENTATION
     optimizer_step = parts["master_grad"] + parts["adam_temp"]
@@ -543,8 +553,9 @@ def recommend(
     chosen = next((name for name, gib in candidates if _fits(peak, ranks_per_node, gib)), None)
 
     # ZeRO-3 shards with the world size, so more, smaller nodes can replace fewer, bigger ones.
+    one_per_node = mem_kwargs | {"shm_ranks": 0}  # one rank per node: gloo
     min_workers = {
-        name: next((w for w in range(1, max_workers + 1) if _fits(_peak(shape, w, mem_kwargs), 1, gib)), None)
+        name: next((w for w in range(1, max_workers + 1) if _fits(_peak(shape, w, one_per_node), 1, gib)), None)
         for name, (_, gib, _) in C7I_SIZES.items()
     }
 
@@ -659,6 +670,7 @@ def plan(
         lora_dropout=lora_dropout,
         fused_adamw=fused_adamw,
         max_live_parameters=max_live_parameters,
+        shm_ranks=world_size if world_size <= ranks_per_node else 0,  # all ranks on one node
     )
     lora_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets)
     parts = memory_breakdown(shape, world_size, **mem_kwargs)

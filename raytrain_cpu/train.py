@@ -101,17 +101,22 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     return conf
 
 
-def init_deepspeed_comm() -> None:
+def init_deepspeed_comm(shm: bool = False, timeout_s: float = 600, log: Callable[[str], None] = print) -> None:
     """DeepSpeed's communication on the process group already set up (Ray Train's gloo group in
     the workers): DeepSpeed must reuse it, never call a second init_process_group.
 
-    DeepSpeed's shared-memory all-reduce serves inference only, and would JIT-compile C++ in
-    every process at start-up (~30 s of CPU on 2 cores); training collectives go through gloo.
+    DeepSpeed's own shared-memory all-reduce serves inference only, and would JIT-compile C++
+    in every process at start-up (~30 s of CPU on 2 cores). `shm` routes the training
+    collectives through raytrain_cpu.collectives instead, where all ranks share one machine.
     """
     import deepspeed
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    if shm:
+        from raytrain_cpu import collectives
+
+        collectives.install(timeout_s, log)
 
 
 def free_port() -> int:
@@ -312,8 +317,8 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
     from raytrain_cpu import cpu, lora
     from raytrain_cpu.model import load_sharded
 
-    init_deepspeed_comm()
     cfg, model_dir = w.cfg, w.loop_config["model_dir"]
+    init_deepspeed_comm(cfg.deepspeed.shm_collectives, cfg.run.gloo_timeout_s, w.log)
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     t0 = time.perf_counter()
     w.log(f"[load] loading {model_dir} into ZeRO-{cfg.deepspeed.zero_stage} shards on {w.world} ranks")

@@ -342,6 +342,19 @@ def test_deepspeed_settings_match_the_training_loop():
     assert lowered["zero_optimization"]["stage3_max_live_parameters"] == plan.LIVE_CHOICES["1e8"]
 
 
+def test_collective_buffers_only_when_all_ranks_share_a_node():
+    """raytrain_cpu.collectives maps 2 x world slots on one machine; across nodes gloo maps none."""
+    from raytrain_cpu import collectives
+
+    assert plan.SHM_SLOT_BYTES == collectives.DEFAULT_SLOT_BYTES
+    one_node = plan.plan(plan.CALIBRATION_SHAPES["llama-37m"], world_size=2, ranks_per_node=2)
+    two_nodes = plan.plan(plan.CALIBRATION_SHAPES["llama-37m"], world_size=2, ranks_per_node=1)
+    assert one_node["components_gib"]["collective_buffers"] * plan.GIB == 4 * plan.SHM_SLOT_BYTES
+    assert two_nodes["components_gib"]["collective_buffers"] == 0
+    gap = one_node["memory_gib"]["peak"] - two_nodes["memory_gib"]["peak"]
+    assert gap * plan.GIB == pytest.approx(4 * plan.SHM_SLOT_BYTES)
+
+
 def test_max_live_parameters_reaches_the_plan(tmp_path):
     """deepspeed.max_live_parameters from a run config or the flag; the report shows both peaks."""
     base = plan.plan(LLAMA3_8B, 4)
