@@ -467,7 +467,7 @@ def memory_stages(parts: dict[str, float], lora: bool = False) -> dict[str, floa
     after_load = base + parts["load_transient"]
     after_master = base + INIT_OVERHEAD_BYTES + parts["master"] + parts["grads"]
     # The shared-memory slots count once the first step's collectives have touched them.
-    after_optimizer = after_master + parts["adam"] + parts.get("collective_buffers", 0)
+    after_optimizer = after_master + parts["adam"] + parts["collective_buffers"]
     backward = parts["activations"] + parts["logits"] + parts["gathered_params"] + parts["grad_bucket"]
     fragmentation = LORA_FRAGMENTATION if lora else FRAGMENTATION
     optimizer_step = parts["master_grad"] + parts["adam_temp"]
