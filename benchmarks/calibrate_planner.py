@@ -112,7 +112,7 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
 
     from raytrain_cpu.cpu import malloc_setting
     from raytrain_cpu.model import load_sharded
-    from raytrain_cpu.train import init_deepspeed_comm
+    from raytrain_cpu.train import _param_groups, init_deepspeed_comm, reuse_fp32_grad_buffer
 
     points: dict[str, float] = {"imports": _rss_gib()}
     init_deepspeed_comm()  # as the workers do
@@ -127,8 +127,12 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
     points["after_load"] = _rss_gib()
     points["load_peak"] = _hwm_gib()
 
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    # As train.build_engine: weight-decay groups (ZeRO-3 makes sub groups within each) and the
+    # fp32 gradient buffer the optimizer step reuses.
+    groups = _param_groups(model, ds_config["optimizer"]["params"]["weight_decay"])
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
     engine.train()  # from_pretrained returns eval mode, where HF skips activation checkpointing
+    fp32_grad_buffer = reuse_fp32_grad_buffer(engine)
     points["after_initialize"] = _rss_gib()
 
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -153,6 +157,7 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
         "rank": rank,
         "malloc": malloc_setting(),
         "fused_adamw": ds_config["optimizer"]["params"]["fused"],
+        "fp32_grad_buffer_bytes": fp32_grad_buffer,
         "rss_gib": points,
         "phases": phases,
         "step_s": step_times,
@@ -253,6 +258,7 @@ def measure(
         "activation_checkpointing": ac,
         "malloc": ranks[0]["malloc"],
         "fused_adamw": ranks[0]["fused_adamw"],
+        "fp32_grad_buffer_bytes": max(r["fp32_grad_buffer_bytes"] for r in ranks),
         "steps": steps,
         "measured_rss_gib": {k: round(v, 4) for k, v in measured.items()},
         "hwm_by_phase_gib": hwm,

@@ -440,7 +440,9 @@ def suite_placement(r: Runner, args) -> dict[str, Any]:
 
 def suite_options(r: Runner, args) -> dict[str, Any]:
     """Each switch against the defaults, interleaved: bf16 forced, activation checkpointing,
-    whole-layer ZeRO-3 gathers, compile per layer and of the whole model, ZeRO-2 and ZeRO-1
+    whole-layer ZeRO-3 gathers, gloo in place of the shared-memory collectives, DeepSpeed's
+    fresh fp32 gradient each step in place of the reused buffer, compile per layer and of the
+    whole model, ZeRO-2 and ZeRO-1
     (no parameter gathers: for a model that fits whole on every rank, see `plan`),
     PyTorch's per-tensor AdamW loop in place of the fused kernel, and glibc malloc with the
     workers' fixed mmap threshold and with its own dynamic one (against jemalloc or tcmalloc
@@ -453,6 +455,7 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
         "params persistent": ["deepspeed.param_persistence_threshold=100000000"],
         "whole-layer gathers": ["deepspeed.gather_whole_layers=true"],
         "gloo collectives": ["deepspeed.shm_collectives=false"],
+        "fresh fp32 gradients": ["deepspeed.reuse_fp32_grad_buffer=false"],
         "compile": ["model.compile=true"],
         "compile (whole model)": ["model.compile=true", "model.compile_scope=model"],
         # Skipping a step on the gradient norm reads ZeRO-3's partitions: below 3 the guard logs.

@@ -8,6 +8,7 @@ starts. Only plain dicts (``Config.to_dict()``) cross the Ray boundary.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -431,6 +432,17 @@ class DeepSpeedSettings:
     every rank runs on one machine (raytrain_cpu.collectives): gloo sends each byte through
     the loopback TCP stack, 4-7x slower at ZeRO-3's sizes. Ranks on several machines, or no
     room in /dev/shm, keep gloo; false always uses gloo."""
+    sub_group_size: int = 100_000_000
+    """ZeRO-3: elements of this rank's partition the optimizer updates at a time (DeepSpeed's
+    sub groups). One sub group's fp32 gradient exists at a time, so this bounds it: 0.49 GiB
+    per rank for Llama-3-8B at 4 ranks (its largest sub group) instead of the whole fp32
+    gradient's 7.5 GiB. Checkpoints hold one entry per sub group: resume with the value the
+    run started with (DeepSpeed's default, 1e9, for runs made before raytrain_cpu set this)."""
+    reuse_fp32_grad_buffer: bool = True
+    """ZeRO-3: cast each sub group's gradients into one fp32 buffer kept between steps, instead
+    of DeepSpeed's fresh flattened copy and fresh fp32 copy every step, whose new pages each
+    cost a fault (optimizer phase 0.06 s against 0.15 s on the ~50M bench model). The buffer
+    is the size of the largest sub group and stays resident; the planner counts it."""
     gather_whole_layers: bool = False
     """ZeRO-3: gather each decoder layer's parameters at once when the layer starts (DeepSpeed
     leaf modules), instead of each projection and norm as it runs: one hook pair and one
@@ -450,6 +462,7 @@ class DeepSpeedSettings:
         _require(
             self.max_live_parameters > 0, "deepspeed.max_live_parameters", "must be > 0 (DeepSpeed's default is 1e9)."
         )
+        _require(self.sub_group_size > 0, "deepspeed.sub_group_size", "must be > 0 (raytrain_cpu's default is 1e8).")
 
 
 # ----------------------------------------------------------------------------- run
@@ -644,6 +657,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if isinstance(value, str):  # YAML 1.1 reads 1e9 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                value = float(value)
         if isinstance(value, float) and value.is_integer():
             return int(value)
         raise ConfigError(f"{key}: expected an integer, got {value!r}.")

@@ -240,6 +240,7 @@ LIVE_CHOICES = {"1e9": DS_MAX_LIVE_PARAMETERS, "1e8": 100_000_000}  # the peaks 
 # What 1e8 costs: the backward re-gathers what forward released (measured at 0.5B).
 LOW_LIVE_STEP_COST = "+16% step time measured at 0.5B"
 DS_PARAM_PERSISTENCE_THRESHOLD = 10_000
+DS_SUB_GROUP_SIZE = 100_000_000  # deepspeed.sub_group_size's default
 # raytrain_cpu.collectives' slot size: ranks on one machine map 2 x world slots, and each rank
 # touches them all (tests/test_plan.py checks it is the same number).
 SHM_SLOT_BYTES = 16 << 20
@@ -300,6 +301,8 @@ def memory_breakdown(
     lora_dropout: float = 0.0,
     fused_adamw: bool = True,
     shm_ranks: int = 0,
+    sub_group_size: int = DS_SUB_GROUP_SIZE,
+    reuse_fp32_grad_buffer: bool = True,
 ) -> dict[str, float]:
     """Per-rank bytes of each component (not cumulative), named after where it comes from.
 
@@ -308,6 +311,12 @@ def memory_breakdown(
 
     `fused_adamw` (train.fused_adamw): PyTorch's fused AdamW updates each partition in one
     pass with no temporaries; the per-tensor loop makes two partition-sized ones.
+
+    ZeRO-3 updates the partition a sub group (`sub_group_size` elements, closed at the
+    parameter that reaches it) at a time, so the fp32 gradient (and the per-tensor AdamW's
+    temporaries) exist for one sub group at once: made and freed inside each step
+    (master_grad), or with `reuse_fp32_grad_buffer` one buffer the size of the largest,
+    resident from the first step on (fp32_grad_buffer).
 
     With `lora_rank` the base model is frozen: its weights are held (and gathered) as in full
     fine-tuning, but it has no fp32 master copy, gradients or optimizer state; those exist
@@ -389,7 +398,28 @@ def memory_breakdown(
     if lora_rank:
         adapters = shape.lora_params(lora_rank, tuple(lora_targets))
         parts |= _lora_state(adapters, W, parts, reduce_bucket_size, fused_adamw)
+    parts["fp32_grad_buffer"] = 0.0
+    if zero_stage == 3 and offload == "none":
+        # The 1-D norms (hidden_size elements each) form a small group of their own.
+        matrices = [n for n in numels if n != shape.hidden_size]
+        largest = largest_sub_group(matrices, W, sub_group_size)
+        parts["master_grad"] = min(parts["master_grad"], 4 * largest)
+        parts["adam_temp"] = min(parts["adam_temp"], 8 * largest)  # the per-tensor loop steps a sub group
+        if reuse_fp32_grad_buffer:
+            parts["fp32_grad_buffer"], parts["master_grad"] = parts["master_grad"], 0.0
     return parts
+
+
+def largest_sub_group(numels: list[int], world_size: int, sub_group_size: int) -> int:
+    """Elements of the largest of ZeRO-3's optimizer sub groups over parameters of `numels`
+    (in model order): DeepSpeed closes a group at the parameter whose partition
+    (ceil(numel / world_size)) takes it to sub_group_size (stage3._create_fp16_sub_groups)."""
+    largest = current = 0
+    for n in numels:
+        current += -(-n // world_size)
+        if current >= sub_group_size:
+            largest, current = max(largest, current), 0
+    return max(largest, current)
 
 
 def _lora_state(
@@ -456,7 +486,7 @@ def memory_stages(parts: dict[str, float], lora: bool = False) -> dict[str, floa
     the training dtype; the load's transients are gone). The fp32 gradient the optimizer reads
     (master_grad) is made inside each optimizer step and freed after it.
     after_optimizer: the first optimizer step (AdamW's moments exist from here on, and the
-    shared-memory collectives' slots are touched).
+    shared-memory collectives' slots and the reused fp32 gradient buffer are touched).
     peak: the high-water mark from the second step on, the larger of the forward/backward's
     transients (activations, logits, ZeRO-3's gathered parameters and gradient bucket, times
     the allocator's FRAGMENTATION) and the optimizer step's (master_grad, and with the
@@ -467,7 +497,7 @@ def memory_stages(parts: dict[str, float], lora: bool = False) -> dict[str, floa
     after_load = base + parts["load_transient"]
     after_master = base + INIT_OVERHEAD_BYTES + parts["master"] + parts["grads"]
     # The shared-memory slots count once the first step's collectives have touched them.
-    after_optimizer = after_master + parts["adam"] + parts["collective_buffers"]
+    after_optimizer = after_master + parts["adam"] + parts["collective_buffers"] + parts["fp32_grad_buffer"]
     backward = parts["activations"] + parts["logits"] + parts["gathered_params"] + parts["grad_bucket"]
     fragmentation = LORA_FRAGMENTATION if lora else FRAGMENTATION
     optimizer_step = parts["master_grad"] + parts["adam_temp"]
@@ -633,6 +663,8 @@ def plan(
     lora_dropout: float = 0.0,
     fused_adamw: bool = True,
     max_live_parameters: int = DS_MAX_LIVE_PARAMETERS,
+    sub_group_size: int = DS_SUB_GROUP_SIZE,
+    reuse_fp32_grad_buffer: bool = True,
 ) -> dict[str, Any]:
     """The whole estimate as a JSON-able dict (what `--json` prints).
 
@@ -670,6 +702,8 @@ def plan(
         lora_dropout=lora_dropout,
         fused_adamw=fused_adamw,
         max_live_parameters=max_live_parameters,
+        sub_group_size=sub_group_size,
+        reuse_fp32_grad_buffer=reuse_fp32_grad_buffer,
         shm_ranks=world_size if world_size <= ranks_per_node else 0,  # all ranks on one node
     )
     lora_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets)
@@ -754,6 +788,8 @@ def inputs_from_run_config(path: str) -> dict[str, Any]:
         lora_dropout=cfg.lora.dropout,
         fused_adamw=cfg.train.fused_adamw,
         max_live_parameters=cfg.deepspeed.max_live_parameters,
+        sub_group_size=cfg.deepspeed.sub_group_size,
+        reuse_fp32_grad_buffer=cfg.deepspeed.reuse_fp32_grad_buffer,
     )
 
 

@@ -34,9 +34,11 @@ def test_overrides_are_typed():
             "train.lr=1e-3",
             "train.betas=[0.8, 0.9]",
             "model.activation_checkpointing=true",
+            "deepspeed.sub_group_size=1e9",  # YAML 1.1 reads this as a string; an integer field takes it
         ],
     )
     assert cfg.train.max_steps == 20 and cfg.scaling.num_workers == 1
+    assert cfg.deepspeed.sub_group_size == 10**9 and isinstance(cfg.deepspeed.sub_group_size, int)
     assert cfg.train.lr == pytest.approx(1e-3) and cfg.train.betas == [0.8, 0.9]
     assert cfg.model.activation_checkpointing is True
 

@@ -1,0 +1,78 @@
+"""ZeRO-3's optimizer step with the reused fp32 gradient buffer (train.reuse_fp32_grad_buffer):
+the same losses and weights, bit for bit, as DeepSpeed's own step, over several sub groups."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+
+def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> None:
+    """One of 2 spawned ranks: 3 steps with DeepSpeed's step, then 3 from the same weights with the buffer."""
+    import torch
+
+    from raytrain_cpu import plan
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.train import Worker, build_engine, deepspeed_config, init_local_group, load_model
+
+    torch.set_num_threads(1)
+    init_local_group(rank, 2, port)
+    result = {}
+    for reuse in (False, True):
+        cfg = load_config(None, [*overrides, f"deepspeed.reuse_fp32_grad_buffer={str(reuse).lower()}"])
+        messages: list[str] = []
+        w = Worker(cfg, {"model_dir": f"{root}/model"}, rank, 2, Path(root), 8, messages.append)
+        ds_config = deepspeed_config(cfg, 2)
+        loaded = load_model(w, ds_config)
+        engine, _ = build_engine(w, loaded.model, ds_config)
+        ids = torch.randint(0, 2048, (4, 64), generator=torch.Generator().manual_seed(rank))
+        losses = []
+        for _ in range(3):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        flats = engine.optimizer.fp32_partitioned_groups_flat
+        result[str(reuse)] = {
+            "losses": losses,
+            "weights": torch.cat([f.detach().reshape(-1) for f in flats]).double().sum().item(),
+            "bits": torch.cat([f.detach().reshape(-1) for f in flats]).view(torch.int32).tolist()[::97],
+            "sub_groups": len(flats),
+            "largest": max(f.numel() for f in flats),
+            # what the planner counts: the weight-decay group (the matrices) in model order
+            "planned": plan.largest_sub_group(
+                [p.ds_numel for p in loaded.model.parameters() if len(p.ds_shape) >= 2], 2, cfg.deepspeed.sub_group_size
+            ),
+            "log": messages,
+        }
+        del engine, loaded
+    (Path(root) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.slow
+def test_reused_fp32_grad_buffer_steps_as_deepspeed_does(tmp_path, shared_cache):
+    import torch.multiprocessing as mp
+    from conftest import fast_overrides
+
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.model import write_tiny_model
+    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+    from raytrain_cpu.train import free_port
+
+    # ~0.18M parameters per rank in sub groups of 30k: several sub groups, the buffer reused.
+    overrides = fast_overrides(tmp_path / "runs", shared_cache, "deepspeed.sub_group_size=30000")
+    cfg = load_config(None, overrides)
+    write_tiny_model(cfg, load_tokenizer(resolve_tokenizer_path("bundled", "tiny")), tmp_path / "model")
+    mp.start_processes(_train_both_ways, args=(free_port(), str(tmp_path), overrides), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        stock, reused = r["False"], r["True"]
+        assert stock["sub_groups"] == reused["sub_groups"] > 2
+        assert reused["largest"] == reused["planned"]
+        assert reused["losses"] == stock["losses"] and reused["losses"][2] < reused["losses"][0]
+        assert reused["bits"] == stock["bits"] and reused["weights"] == stock["weights"]
+        assert any("fp32 gradient buffer" in m for m in reused["log"]) and not any(
+            "fp32 gradient buffer" in m for m in stock["log"]
+        )
