@@ -372,7 +372,8 @@ def build_engine(w: Worker, model, ds_config: dict[str, Any]):
     if w.cfg.deepspeed.reuse_fp32_grad_buffer:
         kept = reuse_fp32_grad_buffer(engine)
         if kept:
-            w.log(f"[engine] one fp32 gradient buffer of {kept / 2**30:.2f} GiB per rank, reused every step")
+            size = f"{kept / 2**30:.2f} GiB" if kept >= 2**30 else f"{kept / 2**20:.1f} MiB"
+            w.log(f"[engine] one fp32 gradient buffer of {size} per rank, reused every step")
     cache_dir = m.compile_cache_dir or str(w.run_dir.parent / "inductor_cache")
     if compile_layers:
         w.log(f"[engine] torch.compile: {cpu.compile_layers(layers, cache_dir)} decoder layers")
