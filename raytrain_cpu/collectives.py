@@ -137,24 +137,19 @@ class ShmCollectives:
             )
 
     def _reduce(self, parts: list[torch.Tensor], out: torch.Tensor, op: str) -> None:
-        if op in ("SUM", "AVG"):
-            if len(parts) == 2 and op == "SUM":
-                torch.add(parts[0], parts[1], out=out)  # bf16 adds in fp32 and rounds once
-                return
-            # A copy: the slots are the other ranks' input too.
-            wide = torch.promote_types(parts[0].dtype, torch.float32) if parts[0].is_floating_point() else None
-            acc = parts[0].to(wide, copy=True) if wide else parts[0].clone()
-            for p in parts[1:]:
-                acc += p
-            if op == "AVG":
-                acc /= self.world
-            out.copy_(acc)
-        else:
-            fn = torch.maximum if op == "MAX" else torch.minimum
-            acc = parts[0].clone()
-            for p in parts[1:]:
-                acc = fn(acc, p)
-            out.copy_(acc)
+        if op == "SUM" and len(parts) == 2:
+            torch.add(parts[0], parts[1], out=out)  # bf16 adds in fp32 and rounds once
+            return
+        # Into a copy: the slots are the other ranks' input too. Sums accumulate in fp32 at least.
+        widen = op in ("SUM", "AVG") and parts[0].is_floating_point()
+        dtype = torch.promote_types(parts[0].dtype, torch.float32) if widen else parts[0].dtype
+        acc = parts[0].to(dtype, copy=True)
+        combine = {"SUM": torch.add, "AVG": torch.add, "MAX": torch.maximum, "MIN": torch.minimum}[op]
+        for p in parts[1:]:
+            combine(acc, p, out=acc)
+        if op == "AVG":
+            acc /= self.world
+        out.copy_(acc)
 
 
 # ---------------------------------------------------------------------- DeepSpeed's backend

@@ -62,16 +62,19 @@ class ModelShape:
         """Width of the key (and of the value) projection under grouped-query attention."""
         return self.num_kv_heads * self.head_dim
 
-    def layer_param_numels(self) -> list[int]:
-        """Element counts of one decoder layer's tensors (q, k, v, o, gate, up, down, 2 norms)."""
+    def layer_param_numels(self, matrices_only: bool = False) -> list[int]:
+        """Element counts of one decoder layer's tensors (q, k, v, o, gate, up, down, 2 norms;
+        `matrices_only`: without the 1-D norms)."""
         h, i, kv = self.hidden_size, self.intermediate_size, self.kv_dim
-        return [h * h, h * kv, h * kv, h * h, h * i, h * i, i * h, h, h]
+        return [h * h, h * kv, h * kv, h * h, h * i, h * i, i * h, *([] if matrices_only else [h, h])]
 
-    def param_numels(self) -> list[int]:
-        """Element counts of every parameter tensor, as DeepSpeed sees them."""
+    def param_numels(self, matrices_only: bool = False) -> list[int]:
+        """Element counts of every parameter tensor in model order, as DeepSpeed sees them
+        (`matrices_only`: the weight-decay group of train._param_groups, without the norms)."""
         embed = self.vocab_size * self.hidden_size
         heads = [] if self.tie_word_embeddings else [embed]
-        return [embed, *self.layer_param_numels() * self.num_layers, self.hidden_size, *heads]
+        final_norm = [] if matrices_only else [self.hidden_size]
+        return [embed, *self.layer_param_numels(matrices_only) * self.num_layers, *final_norm, *heads]
 
     @property
     def layer_params(self) -> int:
@@ -400,9 +403,8 @@ def memory_breakdown(
         parts |= _lora_state(adapters, W, parts, reduce_bucket_size, fused_adamw)
     parts["fp32_grad_buffer"] = 0.0
     if zero_stage == 3 and offload == "none":
-        # The 1-D norms (hidden_size elements each) form a small group of their own.
-        matrices = [n for n in numels if n != shape.hidden_size]
-        largest = largest_sub_group(matrices, W, sub_group_size)
+        # The 1-D norms form a small parameter group of their own.
+        largest = largest_sub_group(shape.param_numels(matrices_only=True), W, sub_group_size)
         parts["master_grad"] = min(parts["master_grad"], 4 * largest)
         parts["adam_temp"] = min(parts["adam_temp"], 8 * largest)  # the per-tensor loop steps a sub group
         if reuse_fp32_grad_buffer:
