@@ -65,6 +65,10 @@ def _collectives_rank(rank: int, port: int, root: str) -> None:
         except RuntimeError as e:
             error = str(e)
     (Path(root) / f"rank{rank}.json").write_text(json.dumps({"mismatches": mismatches, "error": error}))
+    # Leave together, the group torn down: a rank exiting with gloo's threads still running
+    # (rank 1 while rank 0 waited above) aborted now and then ("terminate called ...").
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -49,6 +49,7 @@ def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> N
         }
         del engine, loaded
     (Path(root) / f"rank{rank}.json").write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
