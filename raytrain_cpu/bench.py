@@ -441,7 +441,8 @@ def suite_placement(r: Runner, args) -> dict[str, Any]:
 def suite_options(r: Runner, args) -> dict[str, Any]:
     """Each switch against the defaults, interleaved: bf16 forced, activation checkpointing,
     whole-layer ZeRO-3 gathers, gloo in place of the shared-memory collectives, DeepSpeed's
-    fresh fp32 gradient each step in place of the reused buffer, compile per layer and of the
+    fresh fp32 gradient each step in place of the reused buffer, SDPA's and the causal blocks'
+    attention in place of the start-up timing's pick, compile per layer and of the
     whole model, ZeRO-2 and ZeRO-1
     (no parameter gathers: for a model that fits whole on every rank, see `plan`),
     PyTorch's per-tensor AdamW loop in place of the fused kernel, and glibc malloc with the
@@ -456,7 +457,10 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
         "whole-layer gathers": ["deepspeed.gather_whole_layers=true"],
         "gloo collectives": ["deepspeed.shm_collectives=false"],
         "fresh fp32 gradients": ["deepspeed.reuse_fp32_grad_buffer=false"],
+        "sdpa attention": ["model.attention=sdpa"],
+        "causal-blocks attention": ["model.attention=causal_blocks"],
         "compile": ["model.compile=true"],
+        "compile + sdpa attention": ["model.compile=true", "model.attention=sdpa"],
         "compile (whole model)": ["model.compile=true", "model.compile_scope=model"],
         # Skipping a step on the gradient norm reads ZeRO-3's partitions: below 3 the guard logs.
         "ZeRO-2": ["deepspeed.zero_stage=2", "guards.action=log"],
@@ -661,6 +665,12 @@ def _reference_worker(
             m.grad = torch.empty_like(m)  # allocated once; each step copies the bf16 grads in
     else:
         params = opt_params = [p for p in model.parameters() if p.requires_grad]
+    attn = "sdpa"
+    if not (bf16 and not master):
+        # The trainers' attention pick (model.attention=auto); the blocks leave autocast to SDPA.
+        from raytrain_cpu import attention
+
+        attn, _ = attention.choose(model, "auto", batch, spec["seq_len"])
     # The project's optimizer: AdamW without weight decay on norms, its lr, betas and eps.
     groups = [
         {"params": [p for p in opt_params if p.ndim >= 2], "weight_decay": t.weight_decay},
@@ -713,7 +723,7 @@ def _reference_worker(
                 "final_loss": loss_value,
                 "allocator": cpu.allocator_in_use(),
                 "grad_clip": t.grad_clip,
-                "attention": model.config._attn_implementation,
+                "attention": attn,
             },
         )
     )

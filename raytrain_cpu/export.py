@@ -238,14 +238,21 @@ def probe_logits(engine, input_ids, rows: int = 2, tokens: int = 128) -> dict[st
     with torch.no_grad():
         logits = engine(input_ids=x).logits
     engine.train()
-    return {"input_ids": x.clone(), "logits": logits.float()}
+    attention = getattr(getattr(engine.module, "config", None), "_attn_implementation", None)
+    return {"input_ids": x.clone(), "logits": logits.float(), "attention": attention}
 
 
 def max_abs_logit_diff(out_dir: str | Path, probe: dict[str, Any]) -> float:
-    """Loads the export (its own dtype; an adapter on its base) and compares its logits with `probe`."""
+    """Loads the export (its own dtype; an adapter on its base) and compares its logits with `probe`,
+    computed with the attention the trained model ran (the same bits where the weights are)."""
     import torch
 
+    from raytrain_cpu import attention
+
     model = load_exported(out_dir)
+    if probe.get("attention") == attention.NAME:
+        attention.register()
+        model.set_attn_implementation(attention.NAME)
     with torch.no_grad():
         logits = model(input_ids=probe["input_ids"]).logits.float()
     return float((logits - probe["logits"]).abs().max())

@@ -309,6 +309,7 @@ class Loaded:
     load_peaks: list[float]  # every rank's peak RSS while loading
     params: dict[str, int]  # {"trainable", "total"}
     lora: dict[str, Any] | None  # the resolved LoRA settings, None for full fine-tuning
+    attention: str  # the attention the model runs: 'causal_blocks' or 'sdpa'
 
 
 def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
@@ -332,6 +333,7 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
         settings = lora.resolved_settings(model, cfg.lora)
     # Every rank's loading peak, gathered with a one-hot sum (summary.json: cpu.load_peak_rss_bytes).
     peaks = _allreduce_sum([float(cpu.peak_rss_bytes()) if r == w.rank else 0.0 for r in range(w.world)])
+    attn = choose_attention(w, model)  # after the peak: its timing's tensors are not the loading's
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     load_s = time.perf_counter() - t0
@@ -341,7 +343,24 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
         f"{params['trainable']:,} of {params['total']:,} parameters trainable"
         + (f" (LoRA rank {cfg.lora.rank} on {', '.join(settings['target_modules'])})" if settings else "")
     )
-    return Loaded(model, hf_ds_config, load_s, peaks, params, settings)
+    return Loaded(model, hf_ds_config, load_s, peaks, params, settings, attn)
+
+
+def choose_attention(w: Worker, model) -> str:
+    """model.attention on this model: 'auto' times both implementations here and every rank takes
+    the faster by the summed timings (raytrain_cpu.attention)."""
+    from raytrain_cpu import attention
+
+    chosen, timings = attention.choose(
+        model,
+        w.cfg.model.attention,
+        w.cfg.train.micro_batch_size,
+        w.cfg.data.seq_len,
+        lambda v: [x / w.world for x in _allreduce_sum(v)],
+    )
+    measured = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items())
+    w.log(f"[model] attention: {chosen}" + (f" (forward + backward, mean of ranks: {measured})" if measured else ""))
+    return chosen
 
 
 def build_engine(w: Worker, model, ds_config: dict[str, Any]):
@@ -680,6 +699,7 @@ def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu
         "total_params": loaded.params["total"],
         "optimizer_state_bytes": loaded.params["optimizer_state_bytes"],  # per rank
         "lora": loaded.lora,
+        "attention": loaded.attention,
         "train_wall_s": st.wall(),
         "guard_events_this_attempt": guard.counts,
         "skipped_steps": engine.skipped_steps,  # DeepSpeed's count, kept across resumes

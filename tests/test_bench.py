@@ -77,7 +77,9 @@ def test_reference_run_trains_the_tiny_model_in_one_plain_process(precision):
     res = bench.reference_run(bench.SIZES["tiny"], "bf16", threads=1, batch=2, steps=2, precision=precision)
     assert res["tokens_per_step"] == 2 * bench.SIZES["tiny"]["seq_len"] and res["tokens_per_s"] > 0
     assert res["threads"] == 1 and res["dtype"] == "bf16" and res["precision"] == precision
-    assert res["steps_timed"] == 2 and math.isfinite(res["final_loss"]) and res["attention"] == "sdpa"
+    assert res["steps_timed"] == 2 and math.isfinite(res["final_loss"])
+    # bf16 weights take the trainers' start-up pick; under autocast the blocks leave attention to SDPA.
+    assert res["attention"] in (("sdpa", "causal_blocks") if precision == "bf16_master" else ("sdpa",))
     parts = res["forward_s"] + res["backward_s"] + res["optimizer_step_s"]
     assert 0 < parts <= res["step_s"] * 1.001
 

@@ -1,0 +1,141 @@
+"""raytrain_cpu.attention: the causal-blocks attention against an fp64 reference and SDPA, and
+its place in a transformers Llama (what it computes, what it leaves to SDPA)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raytrain_cpu import attention
+from raytrain_cpu.config import ConfigError, load_config
+from raytrain_cpu.model import tiny_llama_config
+
+# (batch, heads, kv_heads, seq, head_dim): whole blocks, grouped queries with a ragged last
+# block, one kv head, and a sequence shorter than one block.
+SHAPES = [(2, 4, 4, 128, 16), (1, 8, 2, 100, 32), (2, 4, 1, 150, 16), (1, 2, 2, 7, 8)]
+
+
+def _inputs(shape):
+    b, h, hk, s, d = shape
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(*dims, generator=gen) for dims in ((b, h, s, d), (b, hk, s, d), (b, hk, s, d), (b, h, s, d))]
+
+
+def _output_and_grads(fn, q, k, v, grad, dtype):
+    q, k, v = (t.to(dtype).clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(grad.to(dtype))
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _rel_errors(got, ref):
+    return [((g.double() - r).norm() / r.norm()).item() for g, r in zip(got, ref, strict=True)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_causal_blocks_matches_an_fp64_reference_as_closely_as_sdpa(shape):
+    q, k, v, grad = _inputs(shape)
+    ref = _output_and_grads(_sdpa, q, k, v, grad, torch.float64)
+    # fp32: the same to rounding.
+    assert max(_rel_errors(_output_and_grads(attention.causal_blocks, q, k, v, grad, torch.float32), ref)) < 1e-6
+    # bf16: scores rounded to bf16 by the GEMM (as eager attention does); within 1.5x of the
+    # flash kernel's error in the output and each gradient.
+    blocks = _rel_errors(_output_and_grads(attention.causal_blocks, q, k, v, grad, torch.bfloat16), ref)
+    flash = _rel_errors(_output_and_grads(_sdpa, q, k, v, grad, torch.bfloat16), ref)
+    for name, b, f in zip(("out", "dq", "dk", "dv"), blocks, flash, strict=True):
+        assert b < 1.5 * f, f"{name}: {b:.2e} against SDPA's {f:.2e}"
+
+
+def _tiny_llama(attn: str, **overrides):
+    from transformers import LlamaForCausalLM
+
+    cfg = load_config(
+        None,
+        ["model.tiny.hidden_size=64", "model.tiny.num_heads=4", "model.tiny.num_kv_heads=2", "model.tiny.num_layers=2"],
+    )
+    config = tiny_llama_config(cfg, 256, eos_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    chosen, timings = attention.choose(model, attn, micro_batch=2, seq_len=96, **overrides)
+    return model, chosen, timings
+
+
+def test_llama_on_causal_blocks_trains_like_sdpa_and_leaves_masked_cached_and_autocast_calls_to_sdpa():
+    sdpa, _, _ = _tiny_llama("sdpa")
+    blocks, chosen, timings = _tiny_llama("causal_blocks")
+    assert chosen == "causal_blocks" and timings == {}
+    assert blocks.config._attn_implementation == attention.NAME
+    ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(1))
+
+    # Plain causal: fp32 loss and gradients agree with SDPA's to rounding.
+    losses, grads = [], []
+    for model in (sdpa, blocks):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+
+    # A padding mask, a KV cache and autocast go to SDPA: the same logits to the bit.
+    mask = torch.ones_like(ids)
+    mask[0, :10] = 0
+    with torch.no_grad():
+        assert torch.equal(
+            sdpa(input_ids=ids, attention_mask=mask).logits, blocks(input_ids=ids, attention_mask=mask).logits
+        )
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(sdpa(input_ids=ids).logits, blocks(input_ids=ids).logits)
+        prompt = ids[:1, :12]
+        a = sdpa.generate(prompt, max_new_tokens=5, do_sample=False)
+        b = blocks.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert torch.equal(a, b)
+
+
+def test_auto_times_both_and_every_rank_takes_the_same_choice():
+    seen = []
+
+    def agree(values):  # stands in for the ranks' all-reduce: this "rank" is told SDPA was faster
+        seen.append(list(values))
+        return [0.001, 1.0]
+
+    model, chosen, timings = _tiny_llama("auto", agree=agree)
+    assert set(timings) == {"sdpa", "causal_blocks"} and len(seen[0]) == 2
+    assert chosen == "sdpa" and model.config._attn_implementation == "sdpa"
+
+
+def test_config_rejects_an_unknown_attention():
+    with pytest.raises(ConfigError, match="model.attention"):
+        load_config(None, ["model.attention=flash"])
+
+
+def test_the_custom_operators_pass_torch_library_opcheck():
+    # Schema, autograd registration, fake (meta) kernels and AOT dispatch: what torch.compile needs.
+    q, k, v, grad = _inputs((1, 4, 2, 70, 8))
+    q = q.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # as projections hand it over
+    for op, args in (
+        (torch.ops.raytrain.causal_blocks.default, (q, k.requires_grad_(), v.requires_grad_(), 0.3, 64)),
+        (torch.ops.raytrain.causal_blocks_backward.default, (grad, q.detach(), k.detach(), v.detach(), 0.3, 64)),
+    ):
+        assert set(torch.library.opcheck(op, args).values()) == {"SUCCESS"}
+
+
+@pytest.mark.slow
+def test_compiled_decoder_layers_keep_the_blocks_without_graph_breaks():
+    import torch._dynamo
+
+    model, _, _ = _tiny_llama("causal_blocks")
+    ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(1))
+    eager = model(input_ids=ids, labels=ids).loss
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for layer in model.model.layers:
+        layer.compile()
+    compiled = model(input_ids=ids, labels=ids).loss
+    compiled.backward()
+    assert compiled.item() == pytest.approx(eager.item(), rel=1e-5)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
