@@ -112,7 +112,12 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
 
     from raytrain_cpu.cpu import malloc_setting
     from raytrain_cpu.model import load_sharded
-    from raytrain_cpu.train import _param_groups, init_deepspeed_comm, reuse_fp32_grad_buffer
+    from raytrain_cpu.train import (
+        _param_groups,
+        init_deepspeed_comm,
+        reuse_fp32_grad_buffer,
+        reuse_reduce_scatter_buffer,
+    )
 
     points: dict[str, float] = {"imports": _rss_gib()}
     init_deepspeed_comm()  # as the workers do
@@ -127,12 +132,13 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
     points["after_load"] = _rss_gib()
     points["load_peak"] = _hwm_gib()
 
-    # As train.build_engine: weight-decay groups (ZeRO-3 makes sub groups within each) and the
-    # fp32 gradient buffer the optimizer step reuses.
+    # As train.build_engine: weight-decay groups (ZeRO-3 makes sub groups within each), the
+    # fp32 gradient buffer the optimizer step reuses and the kept reduce-scatter buffer.
     groups = _param_groups(model, ds_config["optimizer"]["params"]["weight_decay"])
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
     engine.train()  # from_pretrained returns eval mode, where HF skips activation checkpointing
     fp32_grad_buffer = reuse_fp32_grad_buffer(engine)
+    reuse_reduce_scatter_buffer(True, int(ds_config["zero_optimization"]["reduce_bucket_size"]))
     points["after_initialize"] = _rss_gib()
 
     gen = torch.Generator().manual_seed(1234 + rank)

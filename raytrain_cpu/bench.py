@@ -441,7 +441,7 @@ def suite_placement(r: Runner, args) -> dict[str, Any]:
 def suite_options(r: Runner, args) -> dict[str, Any]:
     """Each switch against the defaults, interleaved: bf16 forced, activation checkpointing,
     whole-layer ZeRO-3 gathers, gloo in place of the shared-memory collectives, DeepSpeed's
-    fresh fp32 gradient each step in place of the reused buffer, SDPA's and the causal blocks'
+    fresh fp32 gradient each step and fresh reduce-scatter buffers in place of the kept ones, SDPA's and the causal blocks'
     attention in place of the start-up timing's pick, compile per layer and of the
     whole model, ZeRO-2 and ZeRO-1
     (no parameter gathers: for a model that fits whole on every rank, see `plan`),
@@ -457,6 +457,7 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
         "whole-layer gathers": ["deepspeed.gather_whole_layers=true"],
         "gloo collectives": ["deepspeed.shm_collectives=false"],
         "fresh fp32 gradients": ["deepspeed.reuse_fp32_grad_buffer=false"],
+        "fresh reduce buffers": ["deepspeed.reuse_reduce_buffer=false"],
         "sdpa attention": ["model.attention=sdpa"],
         "causal-blocks attention": ["model.attention=causal_blocks"],
         "compile": ["model.compile=true"],

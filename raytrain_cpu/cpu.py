@@ -874,21 +874,47 @@ OP_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # DeepSpeed's autograd functions around each gathered module: gathers, releases, gradient hand-off.
     ("ZeRO-3 hooks", ("backwardhookfunction", "prebackwardfunction", "postbackwardfunction", "zerostage3")),
     ("GEMM", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm", "mkldnn")),
-    ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention")),
+    # raytrain_cpu.attention's operators count with everything they run (their GEMMs, softmax).
+    (
+        "attention",
+        (
+            "scaled_dot_product",
+            "flash_attention",
+            "_efficient_attention",
+            "raytrain::causal_blocks",
+            "raytrain_causal_blocks",
+        ),
+    ),
     ("collectives", ("gloo", "c10d", "all_gather", "allgather", "reduce_scatter", "all_reduce", "allreduce")),
     ("optimizer", ("adamw", "_foreach_", "clip_grad")),
     ("copies and casts", ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat", "aten::index", "aten::empty")),
 )
 
 
-def op_time_by_kind(key_averages, step_wall_s: float) -> list[dict[str, Any]]:
+def _op_kind(name: str) -> str:
+    name = name.lower()
+    return next((k for k, pats in OP_KINDS if any(p in name for p in pats)), "other operators")
+
+
+def _inside_attention(ev) -> bool:
+    parent = getattr(ev, "cpu_parent", None)
+    while parent is not None:
+        if _op_kind(parent.name) == "attention":
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def op_time_by_kind(events, step_wall_s: float) -> list[dict[str, Any]]:
     """Self time per operator kind (GEMM, attention, collectives, optimizer, copies and casts,
     ZeRO-3's hooks, other elementwise work) as seconds and shares of the profiled step; what
-    no operator accounts for (Python, waiting for gloo's background collectives) is its own row."""
+    no operator accounts for (Python, waiting for gloo's background collectives) is its own row.
+
+    `events`: the profiler's events (`prof.events()`); an operator run inside an attention
+    operator (raytrain_cpu.attention's GEMMs and softmax) counts as attention."""
     seconds: dict[str, float] = {kind: 0.0 for kind, _ in OP_KINDS} | {"other operators": 0.0}
-    for ev in key_averages:
-        name = ev.key.lower()
-        kind = next((k for k, pats in OP_KINDS if any(p in name for p in pats)), "other operators")
+    for ev in events:
+        kind = "attention" if _inside_attention(ev) else _op_kind(getattr(ev, "name", None) or ev.key)
         seconds[kind] += ev.self_cpu_time_total / 1e6
     seconds["outside operators (Python, collective waits)"] = max(0.0, step_wall_s - sum(seconds.values()))
     return [{"kind": k, "seconds": round(v, 4), "share": round(v / step_wall_s, 3)} for k, v in seconds.items()]

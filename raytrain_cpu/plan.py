@@ -306,6 +306,7 @@ def memory_breakdown(
     shm_ranks: int = 0,
     sub_group_size: int = DS_SUB_GROUP_SIZE,
     reuse_fp32_grad_buffer: bool = True,
+    reuse_reduce_buffer: bool = True,
 ) -> dict[str, float]:
     """Per-rank bytes of each component (not cumulative), named after where it comes from.
 
@@ -319,7 +320,9 @@ def memory_breakdown(
     parameter that reaches it) at a time, so the fp32 gradient (and the per-tensor AdamW's
     temporaries) exist for one sub group at once: made and freed inside each step
     (master_grad), or with `reuse_fp32_grad_buffer` one buffer the size of the largest,
-    resident from the first step on (fp32_grad_buffer).
+    resident from the first step on (fp32_grad_buffer). With `reuse_reduce_buffer` ZeRO-3
+    flattens each gradient bucket for its reduce-scatter into one kept buffer of up to a
+    bucket (reduce_buffer, resident); without it that flat copy is a new tensor per bucket.
 
     With `lora_rank` the base model is frozen: its weights are held (and gathered) as in full
     fine-tuning, but it has no fp32 master copy, gradients or optimizer state; those exist
@@ -409,6 +412,7 @@ def memory_breakdown(
         parts["adam_temp"] = min(parts["adam_temp"], 8 * largest)  # the per-tensor loop steps a sub group
         if reuse_fp32_grad_buffer:
             parts["fp32_grad_buffer"], parts["master_grad"] = parts["master_grad"], 0.0
+    parts["reduce_buffer"] = parts["grad_bucket"] if zero_stage == 3 and reuse_reduce_buffer else 0.0
     return parts
 
 
@@ -488,7 +492,8 @@ def memory_stages(parts: dict[str, float], lora: bool = False) -> dict[str, floa
     the training dtype; the load's transients are gone). The fp32 gradient the optimizer reads
     (master_grad) is made inside each optimizer step and freed after it.
     after_optimizer: the first optimizer step (AdamW's moments exist from here on, and the
-    shared-memory collectives' slots and the reused fp32 gradient buffer are touched).
+    shared-memory collectives' slots, the reused fp32 gradient buffer and the kept reduce
+    buffer are touched).
     peak: the high-water mark from the second step on, the larger of the forward/backward's
     transients (activations, logits, ZeRO-3's gathered parameters and gradient bucket, times
     the allocator's FRAGMENTATION) and the optimizer step's (master_grad, and with the
@@ -499,7 +504,8 @@ def memory_stages(parts: dict[str, float], lora: bool = False) -> dict[str, floa
     after_load = base + parts["load_transient"]
     after_master = base + INIT_OVERHEAD_BYTES + parts["master"] + parts["grads"]
     # The shared-memory slots count once the first step's collectives have touched them.
-    after_optimizer = after_master + parts["adam"] + parts["collective_buffers"] + parts["fp32_grad_buffer"]
+    after_optimizer = after_master + parts["adam"] + parts["collective_buffers"]
+    after_optimizer += parts["fp32_grad_buffer"] + parts["reduce_buffer"]
     backward = parts["activations"] + parts["logits"] + parts["gathered_params"] + parts["grad_bucket"]
     fragmentation = LORA_FRAGMENTATION if lora else FRAGMENTATION
     optimizer_step = parts["master_grad"] + parts["adam_temp"]
@@ -667,6 +673,7 @@ def plan(
     max_live_parameters: int = DS_MAX_LIVE_PARAMETERS,
     sub_group_size: int = DS_SUB_GROUP_SIZE,
     reuse_fp32_grad_buffer: bool = True,
+    reuse_reduce_buffer: bool = True,
 ) -> dict[str, Any]:
     """The whole estimate as a JSON-able dict (what `--json` prints).
 
@@ -706,6 +713,7 @@ def plan(
         max_live_parameters=max_live_parameters,
         sub_group_size=sub_group_size,
         reuse_fp32_grad_buffer=reuse_fp32_grad_buffer,
+        reuse_reduce_buffer=reuse_reduce_buffer,
         shm_ranks=world_size if world_size <= ranks_per_node else 0,  # all ranks on one node
     )
     lora_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets)
@@ -792,6 +800,7 @@ def inputs_from_run_config(path: str) -> dict[str, Any]:
         max_live_parameters=cfg.deepspeed.max_live_parameters,
         sub_group_size=cfg.deepspeed.sub_group_size,
         reuse_fp32_grad_buffer=cfg.deepspeed.reuse_fp32_grad_buffer,
+        reuse_reduce_buffer=cfg.deepspeed.reuse_reduce_buffer,
     )
 
 

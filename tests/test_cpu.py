@@ -277,6 +277,26 @@ def test_op_time_by_kind_sorts_a_real_profile():
     assert sum(r["seconds"] for r in rows.values()) == pytest.approx(wall, abs=1e-3)
 
 
+def test_op_time_by_kind_counts_what_the_causal_blocks_run_as_attention():
+    import torch
+    from torch.profiler import profile
+
+    from raytrain_cpu.attention import causal_blocks
+
+    q = torch.randn(1, 2, 128, 16, requires_grad=True)
+    a = torch.randn(128, 128)
+    with profile() as prof:
+        causal_blocks(q, q, q).sum().backward()
+        a @ a
+    events = prof.events()
+    rows = {r["kind"]: r["seconds"] for r in cpu.op_time_by_kind(events, 1.0)}
+    own = sum(e.self_cpu_time_total for e in events if "causal_blocks" in e.name) / 1e6
+    mm = sum(e.self_cpu_time_total for e in events if e.name == "aten::mm") / 1e6
+    # Its bmm calls and softmax (forward and backward) count as attention; the plain mm stays a GEMM.
+    assert rows["attention"] > own + 1e-4
+    assert rows["GEMM"] == pytest.approx(mm, abs=1.5e-4)
+
+
 def test_usable_cores_follow_the_affinity_mask():
     """Under taskset (or a cpuset) only the cores with an allowed vCPU count, siblings once."""
     first, cpus = cpu.parse_cpuinfo(_cpuinfo(1, 8, 2, C7I_FLAGS))

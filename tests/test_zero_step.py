@@ -1,5 +1,6 @@
-"""ZeRO-3's optimizer step with the reused fp32 gradient buffer (train.reuse_fp32_grad_buffer):
-the same losses and weights, bit for bit, as DeepSpeed's own step, over several sub groups."""
+"""ZeRO-3's step with the reused fp32 gradient buffer (train.reuse_fp32_grad_buffer) and the
+kept reduce-scatter buffer (train.reuse_reduce_scatter_buffer): the same losses and weights,
+bit for bit, as DeepSpeed's own step, over several sub groups and gradient buckets."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> N
     """One of 2 spawned ranks: 3 steps with DeepSpeed's step, then 3 from the same weights with the buffer."""
     import torch
 
-    from raytrain_cpu import plan
+    from raytrain_cpu import plan, train
     from raytrain_cpu.config import load_config
     from raytrain_cpu.train import Worker, build_engine, deepspeed_config, init_local_group, load_model
 
@@ -21,10 +22,17 @@ def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> N
     init_local_group(rank, 2, port)
     result = {}
     for reuse in (False, True):
-        cfg = load_config(None, [*overrides, f"deepspeed.reuse_fp32_grad_buffer={str(reuse).lower()}"])
+        flags = [
+            f"deepspeed.reuse_fp32_grad_buffer={str(reuse).lower()}",
+            f"deepspeed.reuse_reduce_buffer={str(reuse).lower()}",
+        ]
+        cfg = load_config(None, [*overrides, *flags])
         messages: list[str] = []
         w = Worker(cfg, {"model_dir": f"{root}/model"}, rank, 2, Path(root), 8, messages.append)
         ds_config = deepspeed_config(cfg, 2)
+        ds_config["zero_optimization"]["reduce_bucket_size"] = (
+            50_000  # several gradient buckets through the kept buffer
+        )
         loaded = load_model(w, ds_config)
         engine, _ = build_engine(w, loaded.model, ds_config)
         ids = torch.randint(0, 2048, (4, 64), generator=torch.Generator().manual_seed(rank))
@@ -46,6 +54,8 @@ def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> N
                 [p.ds_numel for p in loaded.model.parameters() if len(p.ds_shape) >= 2], 2, cfg.deepspeed.sub_group_size
             ),
             "log": messages,
+            "kept_reduce_buffers": {str(k): v.numel() for k, v in train._KEPT_REDUCE_BUFFERS.items()},
+            "largest_param": max(p.ds_numel for p in loaded.model.parameters()),
         }
         del engine, loaded
     (Path(root) / f"rank{rank}.json").write_text(json.dumps(result))
@@ -74,6 +84,10 @@ def test_reused_fp32_grad_buffer_steps_as_deepspeed_does(tmp_path, shared_cache)
         assert reused["largest"] == reused["planned"]
         assert reused["losses"] == stock["losses"] and reused["losses"][2] < reused["losses"][0]
         assert reused["bits"] == stock["bits"] and reused["weights"] == stock["weights"]
+        # Buckets of at most 50k elements through the kept buffer; the embedding (131k, a
+        # bucket alone) reduces in place, as in DeepSpeed.
+        assert stock["kept_reduce_buffers"] == {} and reused["largest_param"] > 50_000
+        assert 0 < reused["kept_reduce_buffers"]["torch.bfloat16"] <= 50_000
         assert any("fp32 gradient buffer" in m for m in reused["log"]) and not any(
             "fp32 gradient buffer" in m for m in stock["log"]
         )
