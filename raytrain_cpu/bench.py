@@ -88,7 +88,8 @@ def model_overrides(shape: dict[str, int], seq_len: int) -> list[str]:
 
 
 def bench_model_config(shape: dict[str, int], seq_len: int) -> tuple[Any, Any]:
-    """(the run's Config, its LlamaConfig on SDPA attention) for the runs outside the trainer.
+    """(the run's Config, its LlamaConfig on SDPA attention, before any attention.choose) for the
+    runs outside the trainer.
 
     The LlamaConfig is built as write_tiny_model builds the training runs' model (untied unless
     configured); the eos id only names a token, it changes no shape.
@@ -923,7 +924,9 @@ def _reference_report(zero3: list[dict], refs: list[dict], tokens: str, cores: i
             ],
         },
         "notes": [
-            f"reference: one process, no DeepSpeed, no Ray; the same LlamaForCausalLM (SDPA attention), "
+            "reference: one process, no DeepSpeed, no Ray; the same LlamaForCausalLM (attention: "
+            + ", ".join(f"{r['precision']} {r.get('attention', 'sdpa')}" for r in refs)
+            + ", as the trainers' model.attention=auto picks it, SDPA under autocast), "
             f"{tokens} random tokens per step in one micro batch, {cores} threads, "
             "AdamW(fused=True) with the project's lr, betas, eps and weight-decay groups, gradient clipping "
             f"at {refs[0]['grad_clip']}; the first step excluded, as in the training runs.",
