@@ -60,42 +60,47 @@ def _probs(qi: torch.Tensor, k_e: torch.Tensor, i0: int, groups: int, mask: torc
     return torch.softmax(s, -1).view(b, hk, gn, e)
 
 
+def _each_block(qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, block: int):
+    """Per query block of `qb` (_query_blocks): (i, e, k[:e], v[:e], its probabilities), with
+    e the block's end: the keys it sees."""
+    seq = k.shape[2]
+    mask = torch.ones(block, block, dtype=torch.bool).triu_(1)
+    for i in range(qb.shape[0]):
+        e = min((i + 1) * block, seq)
+        k_e, v_e = k[:, :, :e].contiguous(), v[:, :, :e].contiguous()
+        yield i, e, k_e, v_e, _probs(qb[i], k_e, i * block, groups, mask)
+
+
 # Custom operators, not an autograd.Function: torch.compile (model.compile) keeps each one as
 # a single call in its graph and compiles the layer's other work around it.
 @torch.library.custom_op("raytrain::causal_blocks", mutates_args=())
 def _causal_blocks_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int) -> torch.Tensor:
-    groups, seq = q.shape[1] // k.shape[1], q.shape[2]
+    groups = q.shape[1] // k.shape[1]
     qb = _query_blocks(q * scale, groups, block)
-    mask = torch.ones(block, block, dtype=torch.bool).triu_(1)
     ob = torch.empty_like(qb)
-    for i in range(qb.shape[0]):
-        e = min((i + 1) * block, seq)
-        p = _probs(qb[i], k[:, :, :e].contiguous(), i * block, groups, mask)
-        torch.matmul(p, v[:, :, :e].contiguous(), out=ob[i])
-    return _from_query_blocks(ob, groups, seq).contiguous()
+    for i, _, _, v_e, p in _each_block(qb, k, v, groups, block):
+        torch.matmul(p, v_e, out=ob[i])
+    return _from_query_blocks(ob, groups, q.shape[2]).contiguous()
 
 
 @torch.library.custom_op("raytrain::causal_blocks_backward", mutates_args=())
 def _causal_blocks_bwd(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups, seq = q.shape[1] // k.shape[1], q.shape[2]
+    groups = q.shape[1] // k.shape[1]
     qb = _query_blocks(q * scale, groups, block)
     gb = _query_blocks(grad_out, groups, block)
-    mask = torch.ones(block, block, dtype=torch.bool).triu_(1)
     dqb = torch.empty_like(qb)
     dk = torch.zeros(k.shape, dtype=torch.float32)  # accumulated over the query blocks
     dv = torch.zeros(v.shape, dtype=torch.float32)
-    for i in range(qb.shape[0]):
-        e = min((i + 1) * block, seq)
-        k_e, v_e = k[:, :, :e].contiguous(), v[:, :, :e].contiguous()
-        p = _probs(qb[i], k_e, i * block, groups, mask)  # recomputed: only q, k and v are kept
+    # The probabilities are recomputed: only q, k and v are kept.
+    for i, e, k_e, v_e, p in _each_block(qb, k, v, groups, block):
         dv[:, :, :e] += torch.matmul(p.transpose(-1, -2), gb[i])
         # softmax's backward: p * (dp - rowsum(dp * p)); padded query rows have dp = 0.
         ds = torch._softmax_backward_data(torch.matmul(gb[i], v_e.transpose(-1, -2)), p, -1, p.dtype)
         torch.matmul(ds, k_e, out=dqb[i])
         dk[:, :, :e] += torch.matmul(ds.transpose(-1, -2), qb[i])
-    dq = _from_query_blocks(dqb.mul_(scale), groups, seq).contiguous()
+    dq = _from_query_blocks(dqb.mul_(scale), groups, q.shape[2]).contiguous()
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -389,7 +389,7 @@ def build_engine(w: Worker, model, ds_config: dict[str, Any]):
     # checkpointing stay off until the first evaluation switches the model back.
     engine.train()
     reuse_reduce_scatter_buffer(
-        w.cfg.deepspeed.reuse_reduce_buffer, int(ds_config["zero_optimization"].get("reduce_bucket_size", 5e7))
+        w.cfg.deepspeed.reuse_reduce_buffer, int(ds_config["zero_optimization"]["reduce_bucket_size"])
     )
     if w.cfg.deepspeed.reuse_fp32_grad_buffer:
         kept = reuse_fp32_grad_buffer(engine)
@@ -441,13 +441,12 @@ def reuse_fp32_grad_buffer(engine) -> int:
 
 
 _KEPT_REDUCE_BUFFERS: dict = {}  # dtype -> the flat reduce-scatter buffer, grown to the largest bucket
-_KEPT_REDUCE_LIMIT = [0]  # elements: reduce_bucket_size; a lone larger parameter's bucket is not kept
 
 
-def _reduce_scatter_into_kept_buffer(tensors, group=None):
-    """DeepSpeed's reduce_scatter_coalesced with its flat buffer kept: the same interleaving,
-    pre-division and reduce-scatter, so the same bits; the outputs view the buffer until the
-    next bucket (ZeRO-3 copies them into its gradient partitions first)."""
+def _reduce_scatter_into_kept_buffer(tensors, group=None, *, limit: int):
+    """DeepSpeed's reduce_scatter_coalesced with its flat buffer kept (up to `limit` elements):
+    the same interleaving, pre-division and reduce-scatter, so the same bits; the outputs view
+    the buffer until the next bucket (ZeRO-3 copies them into its gradient partitions first)."""
     import math
 
     import torch
@@ -460,26 +459,26 @@ def _reduce_scatter_into_kept_buffer(tensors, group=None):
     dtype = tensors[0].dtype
     if len(tensors) == 1 and tensors[0].numel() == total:
         flat = tensors[0].view(-1)  # as DeepSpeed: one unpadded tensor reduces in place
-    elif total > _KEPT_REDUCE_LIMIT[0]:
-        flat = torch.empty(total, dtype=dtype)  # a lone parameter over the bucket size: not kept
     else:
-        kept = _KEPT_REDUCE_BUFFERS.get(dtype)
-        if kept is None or kept.numel() < total:
-            kept = _KEPT_REDUCE_BUFFERS[dtype] = torch.empty(total, dtype=dtype)
-        flat = kept[:total]
-    parts = []
-    for r in range(world):  # rank r's piece of every tensor, each padded to its chunk
-        for t, c in zip(tensors, chunks, strict=True):
-            piece = t.view(-1)[r * c : r * c + c]
-            parts += [piece] if piece.numel() == c else [piece, flat.new_empty(c - piece.numel())]
-    if flat.data_ptr() != tensors[0].data_ptr():
+        if total > limit:
+            flat = torch.empty(total, dtype=dtype)  # a lone parameter over the bucket size: not kept
+        else:
+            kept = _KEPT_REDUCE_BUFFERS.get(dtype)
+            if kept is None or kept.numel() < total:
+                kept = _KEPT_REDUCE_BUFFERS[dtype] = torch.empty(total, dtype=dtype)
+            flat = kept[:total]
+        parts = []
+        for r in range(world):  # rank r's piece of every tensor, each padded to its chunk
+            for t, c in zip(tensors, chunks, strict=True):
+                piece = t.view(-1)[r * c : r * c + c]
+                parts += [piece] if piece.numel() == c else [piece, flat.new_empty(c - piece.numel())]
         torch.cat(parts, out=flat)
     flat.div_(world)
     mine = flat.chunk(world)[rank]
     _torch_reduce_scatter_fn(flat, mine, group=group)
     out, offset = [], 0
     for t, c in zip(tensors, chunks, strict=True):
-        out.append(mine.narrow(0, offset, t.view(-1)[rank * c : rank * c + c].numel()))
+        out.append(mine.narrow(0, offset, max(0, min(c, t.numel() - rank * c))))  # this rank's unpadded piece
         offset += c
     return out
 
@@ -490,12 +489,15 @@ def reuse_reduce_scatter_buffer(on: bool, bucket_elements: int) -> None:
     On the AMD host a 107 MB bf16 flatten took 69-78 ms into new memory, 12-14 ms into a kept
     buffer. With `on`, ZeRO-3 flattens into one kept buffer per dtype of at most
     `bucket_elements`; off restores DeepSpeed's."""
+    import functools
+
     from deepspeed.runtime.comm import coalesced_collectives
     from deepspeed.runtime.zero import stage3
 
-    _KEPT_REDUCE_LIMIT[0] = bucket_elements
     stage3.reduce_scatter_coalesced = (
-        _reduce_scatter_into_kept_buffer if on else coalesced_collectives.reduce_scatter_coalesced
+        functools.partial(_reduce_scatter_into_kept_buffer, limit=bucket_elements)
+        if on
+        else coalesced_collectives.reduce_scatter_coalesced
     )
 
 
