@@ -96,7 +96,8 @@ class ModelConfig:
     """Causal self-attention: 'causal_blocks' (raytrain_cpu.attention: 64 queries at a time
     against their key prefix, as GEMMs; 2x the speed of SDPA's CPU flash kernel on an AVX-512
     host at seq 512), 'sdpa', or 'auto': every rank times both at the run's shape at start-up
-    and all take the faster. Masked or cached attention always runs SDPA."""
+    and all take the faster; a resumed run keeps its checkpoint's pick, so its losses continue
+    bit for bit. Masked or cached attention always runs SDPA."""
     compile: bool = False
     """torch.compile with inductor; the first steps compile (minutes on a few cores, seconds from
     the cache after that)."""

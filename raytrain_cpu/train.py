@@ -217,6 +217,9 @@ class Worker:
     run_dir: Path
     global_batch: int
     log: Callable[[str], None]  # rank 0's console; a no-op elsewhere
+    # The manifest of the checkpoint this attempt resumes from ({} on a fresh start): what the run
+    # settled at its start by measuring (dtype, attention) stays, so a resumed run continues exactly.
+    resumed: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_main(self) -> bool:
@@ -266,8 +269,12 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
     # torch 2.13 warns on every DeepSpeed all-gather / reduce-scatter, from every rank: a flood, not news.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     log = (lambda msg: obs.console(f"[rank 0] {msg}")) if rank == 0 else (lambda msg: None)
+    # An unreadable checkpoint fails later, in `resume`, with its own message.
+    restored = ray.train.get_checkpoint()
+    manifest = Path(restored.path) / ckpt_io.MANIFEST if restored is not None else None
+    resumed = json.loads(manifest.read_text()) if manifest and manifest.is_file() else {}
     return Worker(
-        cfg, loop_config, rank, world, Path(loop_config["run_dir"]), cfg.train.derive_global_batch(world), log
+        cfg, loop_config, rank, world, Path(loop_config["run_dir"]), cfg.train.derive_global_batch(world), log, resumed
     )
 
 
@@ -277,12 +284,6 @@ def setup_cpu(w: Worker) -> dict[str, Any]:
 
     from raytrain_cpu import cpu
 
-    # A resumed run keeps its checkpoint's dtype (an unreadable checkpoint fails in `resume`).
-    restored = ray.train.get_checkpoint()
-    manifest_path = Path(restored.path) / ckpt_io.MANIFEST if restored is not None else None
-    resumed_dtype = (
-        json.loads(manifest_path.read_text()).get("dtype") if manifest_path and manifest_path.is_file() else None
-    )
     ctx = ray.train.get_context()
     setup = cpu.setup_worker(
         w.cfg.model.dtype,
@@ -293,7 +294,7 @@ def setup_cpu(w: Worker) -> dict[str, Any]:
         ctx.get_local_world_size(),
         w.cfg.scaling.pin_cores,
         agree=lambda v: [x / w.world for x in _allreduce_sum(v)],  # every rank takes the same decision
-        resumed_dtype=resumed_dtype,
+        resumed_dtype=w.resumed.get("dtype"),
     )
     w.cfg.model.dtype = setup["dtype"]["dtype"]  # the DeepSpeed config, load dtype and manifests follow
     w.loop_config["peak_flops"] = w.loop_config.get("peak_flops") or setup["dtype"]["peak_flops_per_s"]
@@ -348,18 +349,25 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
 
 def choose_attention(w: Worker, model) -> str:
     """model.attention on this model: 'auto' times both implementations here and every rank takes
-    the faster by the summed timings (raytrain_cpu.attention)."""
+    the faster by the summed timings (raytrain_cpu.attention); a resumed 'auto' run keeps the
+    attention its checkpoint trained with, so its losses continue bit for bit."""
     from raytrain_cpu import attention
 
+    setting, kept = w.cfg.model.attention, w.resumed.get("attention")
+    if setting == "auto" and kept in ("sdpa", "causal_blocks"):
+        setting = kept
     chosen, timings = attention.choose(
         model,
-        w.cfg.model.attention,
+        setting,
         w.cfg.train.micro_batch_size,
         w.cfg.data.seq_len,
         lambda v: [x / w.world for x in _allreduce_sum(v)],
     )
     measured = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items())
-    w.log(f"[model] attention: {chosen}" + (f" (forward + backward, mean of ranks: {measured})" if measured else ""))
+    why = f" (forward + backward, mean of ranks: {measured})" if measured else ""
+    if setting != w.cfg.model.attention:
+        why = f" (auto: kept from the checkpoint at step {w.resumed.get('step')})"
+    w.log(f"[model] attention: {chosen}{why}")
     return chosen
 
 
@@ -683,6 +691,7 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
         "settings": ckpt_io.hashed_settings(w.loop_config["config"]),  # names what changed on a bad resume
         "zero_stage": cfg.deepspeed.zero_stage,
         "dtype": cfg.model.dtype,
+        "attention": loaded.attention,  # an 'auto' run resumes with it
         "model_dir": w.loop_config["model_dir"],
         "tokenizer": resolve_tokenizer_path(cfg.model.tokenizer, w.loop_config["model_dir"]),
         "lora": loaded.lora,  # export writes an adapter (and merges it) when set

@@ -1,6 +1,8 @@
 """raytrain_cpu.attention: the causal-blocks attention against an fp64 reference and SDPA, and
 its place in a transformers Llama (what it computes, what it leaves to SDPA)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,6 +107,21 @@ def test_auto_times_both_and_every_rank_takes_the_same_choice():
     model, chosen, timings = _tiny_llama("auto", agree=agree)
     assert set(timings) == {"sdpa", "causal_blocks"} and len(seen[0]) == 2
     assert chosen == "sdpa" and model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("kept", ["sdpa", "causal_blocks"])
+def test_a_resumed_auto_run_keeps_the_checkpoints_attention_without_timing(kept):
+    """A resumed 'auto' run continues bit for bit: it takes the attention its manifest recorded and
+    times nothing (timing all-reduces over the ranks; there is no process group here to do it)."""
+    from raytrain_cpu.train import Worker, choose_attention
+
+    model, _, _ = _tiny_llama("sdpa")
+    logged = []
+    cfg = load_config(None, ["model.attention=auto"])
+    w = Worker(cfg, {}, 0, 1, Path("."), 4, logged.append, resumed={"attention": kept, "step": 3})
+    assert choose_attention(w, model) == kept
+    assert model.config._attn_implementation == (attention.NAME if kept == "causal_blocks" else "sdpa")
+    assert logged == [f"[model] attention: {kept} (auto: kept from the checkpoint at step 3)"]
 
 
 def test_config_rejects_an_unknown_attention():

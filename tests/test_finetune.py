@@ -125,7 +125,7 @@ def _lora_gathers_rank(rank: int, port: int, root: str) -> None:
     for whole in (False, True):
         cfg = load_config(
             None,
-            [*LORA, "model.dtype=bf16", "train.micro_batch_size=2", "data.seq_len=32"]
+            [*LORA, "model.dtype=bf16", "model.attention=causal_blocks", "train.micro_batch_size=2", "data.seq_len=32"]
             + [f"deepspeed.gather_whole_layers={whole}"],
         )
         batch = cfg.train.derive_global_batch(2)

@@ -29,6 +29,7 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
         "train.lr=1e-2",
         "run.num_to_keep=2",
         "train.profile_step=3",
+        "model.attention=auto",  # the default, which the suite's FAST settings pin
     ]
     cfg = make_config(*overrides, "train.max_steps=12")
     first = run(make_config(*overrides, "train.max_steps=6"))
@@ -67,8 +68,17 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
         table = (run_dir / "profile" / f"rank{r}.md").read_text()
         assert table.startswith(f"# Step 3, rank {r}") and "| GEMM |" in table and "| collectives |" in table
 
+    # ---- 'auto' attention: the checkpoint records the pick, and a resumed run keeps it rather than
+    # timing again; the manifest is made to name the other one, as if this host had timed it faster.
+    manifest_path = run_dir / "checkpoint_000006" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["attention"] == summary["attention"] in ("sdpa", "causal_blocks")
+    other = "sdpa" if manifest["attention"] == "causal_blocks" else "causal_blocks"
+    manifest_path.write_text(json.dumps({**manifest, "attention": other}))
+
     # ---- resume: the same command with more steps continues at step 7
     second = run(cfg)
+    assert second["attention"] == other
     assert second["resumed_from_step"] == 6 and second["steps"] == 12
     assert second["optimizer_step_at_resume"] == 6  # Adam's state came back, not a fresh optimizer
     steps = [m for m in _metrics(run_dir) if "loss" in m]
