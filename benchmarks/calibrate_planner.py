@@ -2,12 +2,12 @@
 
 Starts ``--world-size`` Ray Train workers (or plain processes, gloo on 127.0.0.1), and in each
 one does what a worker of this project does: start with the worker's allocator settings
-(``cpu.preload_env``), load a Llama with the project's sharded loader (``model.load_sharded``:
-built under ZeRO-3's ``zero.Init``, each rank reading only its bytes), ``deepspeed.initialize``
-with the project's DeepSpeed config (``raytrain_cpu.train.deepspeed_config``: torch's fused
-AdamW, bf16), then a few optimizer steps on random tokens. Each rank records its resident set size
-(VmRSS) after every stage of start-up and its high-water mark (VmHWM); rank-wise maxima are
-written, with the planner's prediction for the same case next to them, to
+(``cpu.preload_env``), then the training loop's own ``train.load_model`` (the sharded loader:
+built under ZeRO-3's ``zero.Init``, each rank reading only its bytes; the attention pick) and
+``train.build_engine`` (the project's DeepSpeed config, torch's fused AdamW, bf16, the kept
+gradient and reduce-scatter buffers), then a few optimizer steps on random tokens. Each rank
+records its resident set size (VmRSS) after every stage of start-up and its high-water mark
+(VmHWM); rank-wise maxima are written, with the planner's prediction for the same case next to them, to
 ``benchmarks/results/<machine>/planner_calibration.json``.
 
     python benchmarks/calibrate_planner.py                          # every case in plan.CALIBRATION_CASES
@@ -73,18 +73,29 @@ def _hwm_gib() -> float:
 # ----------------------------------------------------------------------------- one rank
 
 
-def _ds_config(micro_batch: int, zero_stage: int, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed config the project's training loop would use for this case."""
+def _worker(rank: int, world_size: int, case: dict[str, Any], out_dir: str):
+    """A worker of this project with this case's settings: the training loop's own load_model and
+    build_engine run on it, so what is measured is what a worker does."""
     from raytrain_cpu.config import load_config
-    from raytrain_cpu.train import deepspeed_config
+    from raytrain_cpu.train import Worker
 
-    overrides = [
-        "model.dtype=bf16",  # a worker resolves 'auto' before building this config; bf16 is planned
-        f"train.micro_batch_size={micro_batch}",
-        "train.grad_accum_steps=1",
-        f"deepspeed.zero_stage={zero_stage}",
-    ]
-    return deepspeed_config(load_config(None, overrides), world_size)
+    cfg = load_config(
+        None,
+        [
+            "model.dtype=bf16",  # a worker resolves 'auto' before building its config; bf16 is planned
+            f"model.activation_checkpointing={case['activation_checkpointing']}",
+            f"train.micro_batch_size={case['micro_batch']}",
+            "train.grad_accum_steps=1",
+            f"data.seq_len={case['seq_len']}",
+            f"deepspeed.zero_stage={case['zero_stage']}",
+            # Fitted on gloo: the shared-memory collectives' slots are the planner's arithmetic
+            # (plan.SHM_SLOT_BYTES), not a fitted constant.
+            "deepspeed.shm_collectives=false",
+        ],
+    )
+    log = print if rank == 0 else (lambda msg: None)
+    batch = cfg.train.derive_global_batch(world_size)
+    return Worker(cfg, {"model_dir": case["model_dir"]}, rank, world_size, Path(out_dir), batch, log)
 
 
 def _rank_main(rank: int, world_size: int, port: int, case: dict[str, Any], out_dir: str) -> None:
@@ -108,37 +119,23 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
     """Load, initialize and train one rank, recording resident memory at each stage."""
     torch.set_num_threads(1)  # 2 cores shared by 2 ranks (and by other people's tests)
     importlib.import_module("torch._dynamo")  # before zero.Init patches Tensor.__new__
-    import deepspeed
 
     from raytrain_cpu.cpu import malloc_setting
-    from raytrain_cpu.model import load_sharded
-    from raytrain_cpu.train import (
-        _param_groups,
-        init_deepspeed_comm,
-        reuse_fp32_grad_buffer,
-        reuse_reduce_scatter_buffer,
-    )
+    from raytrain_cpu.train import build_engine, deepspeed_config, kept_fp32_grad_buffer_bytes, load_model
 
     points: dict[str, float] = {"imports": _rss_gib()}
-    init_deepspeed_comm()  # as the workers do
-    points["process_group"] = _rss_gib()
-
-    ds_config = _ds_config(case["micro_batch"], case["zero_stage"], torch.distributed.get_world_size())
-    # The project's own loader: partitioned under zero.Init, each rank reading only its bytes.
-    model, dschf = load_sharded(case["model_dir"], ds_config, torch.bfloat16)  # noqa: F841  (keep dschf alive)
-    hf_config = model.config
-    if case["activation_checkpointing"]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    w = _worker(rank, torch.distributed.get_world_size(), case, out_dir)
+    ds_config = deepspeed_config(w.cfg, w.world)
+    # The workers' loader: partitioned under zero.Init, each rank reading only its bytes; then
+    # the attention pick and activation checkpointing as configured.
+    loaded = load_model(w, ds_config)
+    hf_config = loaded.model.config
     points["after_load"] = _rss_gib()
     points["load_peak"] = _hwm_gib()
 
-    # As train.build_engine: weight-decay groups (ZeRO-3 makes sub groups within each), the
-    # fp32 gradient buffer the optimizer step reuses and the kept reduce-scatter buffer.
-    groups = _param_groups(model, ds_config["optimizer"]["params"]["weight_decay"])
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
-    engine.train()  # from_pretrained returns eval mode, where HF skips activation checkpointing
-    fp32_grad_buffer = reuse_fp32_grad_buffer(engine)
-    reuse_reduce_scatter_buffer(True, int(ds_config["zero_optimization"]["reduce_bucket_size"]))
+    # The workers' engine: weight-decay groups (ZeRO-3 makes sub groups within each), the fp32
+    # gradient buffer the optimizer step reuses and the kept reduce-scatter buffer.
+    engine, _ = build_engine(w, loaded.model, ds_config)
     points["after_initialize"] = _rss_gib()
 
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -163,7 +160,7 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
         "rank": rank,
         "malloc": malloc_setting(),
         "fused_adamw": ds_config["optimizer"]["params"]["fused"],
-        "fp32_grad_buffer_bytes": fp32_grad_buffer,
+        "fp32_grad_buffer_bytes": kept_fp32_grad_buffer_bytes(engine),
         "rss_gib": points,
         "phases": phases,
         "step_s": step_times,

@@ -195,8 +195,15 @@ def resolve_shape(model: str) -> ModelShape:
 # DeepSpeed and Ray's core worker imported, the gloo process group up (measured: 0.48 GiB).
 BASELINE_BYTES = int(0.48 * GIB)
 # Fixed costs that do not grow with the model: the module objects and zero.Init hooks (load),
-# the DeepSpeed engine (initialize), autograd / oneDNN state of a step.
-LOAD_OVERHEAD_BYTES = int(0.035 * GIB)
+# the DeepSpeed engine (initialize), autograd / oneDNN state of a step. The load's includes what
+# the attention pick leaves resident (its custom operators' code, heap it does not give back):
+# +0.02 GiB when the calibration moved from the bare loader to the workers' own load_model.
+LOAD_OVERHEAD_BYTES = int(0.055 * GIB)
+# model.attention=auto's start-up timing of both attentions, forward and backward at the run's
+# shape: its high-water mark over the resident model, in units of the queries' bytes (measured
+# 13.6x with the workers' fixed mmap threshold at a Llama-3-8B layer's shape, batch 2 x 2,048:
+# the causal blocks' regrouped copies, per-block probabilities and fp32 dK/dV, SDPA's 7.6x).
+ATTENTION_PICK_FACTOR = 14
 INIT_OVERHEAD_BYTES = int(0.04 * GIB)
 STEP_OVERHEAD_BYTES = int(0.04 * GIB)
 # A step's transients cost this many times their live size. With glibc's own dynamic mmap
@@ -205,8 +212,8 @@ STEP_OVERHEAD_BYTES = int(0.04 * GIB)
 # 30% above live size on the 50M bench model). The planner plans for jemalloc (the cluster
 # images preload it) or glibc with a fixed threshold (scaling.glibc_mmap_threshold), which
 # measured the same peak: the five cases of CALIBRATION_FILE (tiny to 0.5B, fixed threshold)
-# fit 1.0 with STEP_OVERHEAD_BYTES, within 2% for all but llama-37m at micro batch 2, whose
-# activations are tensors under the threshold, left on the heap (measured 14% above).
+# fit 1.0 with STEP_OVERHEAD_BYTES, within 3.1% for all but llama-37m at micro batch 2, whose
+# activations are tensors under the threshold, left on the heap (measured 13% above).
 FRAGMENTATION = 1.0
 # LoRA's mid-size fp32 temporaries (each adapter's input cast to fp32, B's output, its scaled
 # copy, their sum with the base output) still leave some holes: on llama-37m, micro batch 8, a
@@ -363,6 +370,9 @@ def memory_breakdown(
     else:
         load_transient = min(b * P, CHECKPOINT_SHARD_BYTES)
     tokens = micro_batch * seq_len
+    # model.attention=auto times both attentions once, right after the load, on tensors of the
+    # run's shape (counted whichever model.attention says: the planner assumes the default).
+    attention_pick = ATTENTION_PICK_FACTOR * b * tokens * shape.num_heads * shape.head_dim
     per_token_layer = _act_bytes_per_token_layer(shape) * b // 2
     if lora_rank:
         per_token_layer += _lora_act_delta(shape, lora_rank, tuple(lora_targets), dtype, lora_dropout)
@@ -395,6 +405,7 @@ def memory_breakdown(
         "grads": grads,
         "adam": adam,
         "load_transient": load_transient,
+        "attention_pick": attention_pick,
         "activations": activations,
         "logits": logits,
         "gathered_params": gathered,
@@ -487,7 +498,8 @@ def memory_stages(parts: dict[str, float], lora: bool = False) -> dict[str, floa
     """Cumulative per-rank bytes at each stage of start-up, and the training peak.
 
     after_load: the high-water mark of loading (weights partitioned under zero.Init, plus the
-    largest tensor built whole or, without ZeRO-3, the checkpoint shard being mapped).
+    largest tensor built whole or, without ZeRO-3, the checkpoint shard being mapped, or the
+    attention pick's timing after it, whichever is larger).
     after_master: deepspeed.initialize (fp32 master partition and the gradient partition in
     the training dtype; the load's transients are gone). The fp32 gradient the optimizer reads
     (master_grad) is made inside each optimizer step and freed after it.
@@ -501,7 +513,7 @@ def memory_stages(parts: dict[str, float], lora: bool = False) -> dict[str, floa
     (LORA_FRAGMENTATION).
     """
     base = parts["baseline"] + LOAD_OVERHEAD_BYTES + parts["weights"]
-    after_load = base + parts["load_transient"]
+    after_load = base + max(parts["load_transient"], parts["attention_pick"])
     after_master = base + INIT_OVERHEAD_BYTES + parts["master"] + parts["grads"]
     # The shared-memory slots count once the first step's collectives have touched them.
     after_optimizer = after_master + parts["adam"] + parts["collective_buffers"]

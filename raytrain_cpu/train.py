@@ -444,8 +444,15 @@ def reuse_fp32_grad_buffer(engine) -> int:
         fp32.grad = grad.view_as(fp32)
         opt.averaged_gradients[sub_group_id] = None  # as DeepSpeed's own: the partitions are read
 
+    prepare.buffer = buffer  # type: ignore[attr-defined]  (kept_fp32_grad_buffer_bytes reads it)
     opt._prepare_fp32_grad_for_sub_group = prepare
-    return buffer.numel() * buffer.element_size()
+    return kept_fp32_grad_buffer_bytes(engine)
+
+
+def kept_fp32_grad_buffer_bytes(engine) -> int:
+    """The bytes of the fp32 gradient buffer reuse_fp32_grad_buffer keeps, 0 if none."""
+    buffer = getattr(getattr(engine.optimizer, "_prepare_fp32_grad_for_sub_group", None), "buffer", None)
+    return 0 if buffer is None else buffer.numel() * buffer.element_size()
 
 
 _KEPT_REDUCE_BUFFERS: dict = {}  # dtype -> the flat reduce-scatter buffer, grown to the largest bucket
