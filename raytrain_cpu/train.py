@@ -269,13 +269,27 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
     # torch 2.13 warns on every DeepSpeed all-gather / reduce-scatter, from every rank: a flood, not news.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     log = (lambda msg: obs.console(f"[rank 0] {msg}")) if rank == 0 else (lambda msg: None)
-    # An unreadable checkpoint fails later, in `resume`, with its own message.
     restored = ray.train.get_checkpoint()
-    manifest = Path(restored.path) / ckpt_io.MANIFEST if restored is not None else None
-    resumed = json.loads(manifest.read_text()) if manifest and manifest.is_file() else {}
     return Worker(
-        cfg, loop_config, rank, world, Path(loop_config["run_dir"]), cfg.train.derive_global_batch(world), log, resumed
+        cfg,
+        loop_config,
+        rank,
+        world,
+        Path(loop_config["run_dir"]),
+        cfg.train.derive_global_batch(world),
+        log,
+        _manifest_or_nothing(Path(restored.path)) if restored is not None else {},
     )
+
+
+def _manifest_or_nothing(ckpt_dir: Path) -> dict[str, Any]:
+    """The checkpoint's manifest; {} when it is missing or unreadable, which `resume` then
+    reports with its own message (and its remedy) once the engine exists."""
+    try:
+        manifest = json.loads((ckpt_dir / ckpt_io.MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
 
 
 def setup_cpu(w: Worker) -> dict[str, Any]:

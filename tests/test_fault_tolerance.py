@@ -185,6 +185,20 @@ def test_incomplete_checkpoint_fails_loudly(tmp_path, process_group):
     assert newest_checkpoint(run_dir) is None  # nothing reported yet: a fresh start is right
 
 
+def test_a_worker_reads_what_the_resumed_checkpoint_settled_or_nothing(tmp_path):
+    """setup_worker's read of the manifest (the dtype and attention a resumed run keeps) never
+    fails itself: a missing or unreadable manifest is `resume`'s to report, with its remedy."""
+    from raytrain_cpu.train import _manifest_or_nothing
+
+    assert _manifest_or_nothing(tmp_path) == {}
+    (tmp_path / ck.MANIFEST).write_text("{not json")
+    assert _manifest_or_nothing(tmp_path) == {}
+    (tmp_path / ck.MANIFEST).write_text("[]")
+    assert _manifest_or_nothing(tmp_path) == {}
+    (tmp_path / ck.MANIFEST).write_text(json.dumps({"dtype": "bf16", "attention": "sdpa"}))
+    assert _manifest_or_nothing(tmp_path) == {"dtype": "bf16", "attention": "sdpa"}
+
+
 # ----------------------------------------------------------------------------- point 3 (the pieces)
 
 
