@@ -54,7 +54,9 @@ class CheckpointError(RuntimeError):
 
 def hashed_settings(config_dict: dict[str, Any]) -> dict[str, Any]:
     """The settings that must not change across a resume: model, data, batch shape, seed and
-    LoRA (the step counter, LR schedule length, logging and checkpoint cadence may).
+    LoRA (the step counter, LR schedule length, logging and checkpoint cadence may), less the
+    EXECUTION_SETTINGS among them, which changed_settings lets change. The hash covers them all,
+    so checkpoints made before that rule still match theirs.
 
     LoRA counts only when on (lora.rank > 0), so a full fine-tuning run hashes as it did
     before LoRA existed and its older checkpoints still resume."""
@@ -77,11 +79,36 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# Hashed settings that choose how a step is computed, not what it computes: a resume may change
+# them (activation checkpointing to fit in memory, compilation, the attention kernel, the data
+# pipeline's parallelism and where its cache lies). The stream and the state stay what they were.
+EXECUTION_SETTINGS = frozenset(
+    {
+        "model.activation_checkpointing",
+        "model.attention",
+        "model.compile",
+        "model.compile_scope",
+        "model.compile_cache_dir",
+        "data.cache_dir",
+        "data.tokenize_actors",
+        "data.prefetch_batches",
+    }
+)
+
+
 def changed_settings(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """'key: old → new' for each hashed setting that differs between two resolved configs."""
+    """'key: old → new' for each hashed setting that differs between two resolved configs, other
+    than EXECUTION_SETTINGS. A key only one side has is a field an upgrade added or removed
+    since the checkpoint (its default keeps the old behaviour), except LoRA's, which are hashed
+    only while LoRA is on: there one side lacking them means LoRA was turned on or off."""
     a, b = _flatten(hashed_settings(old)), _flatten(hashed_settings(new))
-    keys = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or a[k] != b[k])
-    return [f"{k}: {_show(a, k)} → {_show(b, k)}" for k in keys]
+
+    def differs(k: str) -> bool:
+        if k in EXECUTION_SETTINGS:
+            return False
+        return a[k] != b[k] if k in a and k in b else k.startswith("lora.")
+
+    return [f"{k}: {_show(a, k)} → {_show(b, k)}" for k in sorted(a.keys() | b.keys()) if differs(k)]
 
 
 def _show(settings: dict[str, Any], key: str) -> str:
@@ -91,10 +118,11 @@ def _show(settings: dict[str, Any], key: str) -> str:
 def resume_conflict(manifest: dict[str, Any], path: str | Path, config_dict: dict[str, Any]) -> str | None:
     """Why `config_dict` can't resume from checkpoint `path` (its `manifest`); None when it can.
 
-    The old values come from the manifest's "settings" (hashed_settings) where it records them,
-    else from the run directory's config.yaml (the resolved config of the last run), trusted
-    only when it hashes to the checkpoint's value. Checked on the driver before Ray starts;
-    `load_into` repeats the hash check on every worker as the last line of defence.
+    The same hash resumes. Otherwise the old values come from the manifest's "settings"
+    (hashed_settings) where it records them, else from the run directory's config.yaml (the
+    resolved config of the last run), trusted only when they hash to the checkpoint's value,
+    and the run resumes when only execution settings differ (changed_settings). Checked on the
+    driver before Ray starts; `load_into` repeats it on every worker as the last line of defence.
     """
     if manifest["config_hash"] == config_hash(config_dict):
         return None
@@ -103,6 +131,8 @@ def resume_conflict(manifest: dict[str, Any], path: str | Path, config_dict: dic
     old = manifest.get("settings") or _saved_config(saved)
     if old is not None and config_hash(old) == manifest["config_hash"]:
         changes = "; ".join(changed_settings(old, config_dict))
+        if not changes:
+            return None
     else:  # config.yaml is gone or was written by another version: only the hashes are known
         changes = f"config hash {manifest['config_hash']} → {config_hash(config_dict)} ({saved} does not record the old values)"
     return (
@@ -438,20 +468,18 @@ def verify_checkpoint(
 # ----------------------------------------------------------------------------- loading
 
 
-def load_into(engine, ckpt_dir: str | Path, rank: int, world: int, expected_config_hash: str) -> dict[str, Any]:
+def load_into(engine, ckpt_dir: str | Path, rank: int, world: int, config_dict: dict[str, Any]) -> dict[str, Any]:
     """Restores model, optimizer, LR scheduler and this rank's RNG state; returns the manifest.
 
     Fails loudly (CheckpointError) when the checkpoint is incomplete, damaged, written for a
-    different world size or config, or unreadable by DeepSpeed; it never starts from scratch.
+    different world size or with settings `config_dict` may not change (resume_conflict), or
+    unreadable by DeepSpeed; it never starts from scratch.
     """
     ckpt_dir = Path(ckpt_dir)
     manifest = verify_checkpoint(ckpt_dir, world_size=world, hash_ranks=[rank])
-    if manifest["config_hash"] != expected_config_hash:
-        raise CheckpointError(
-            f"checkpoint {ckpt_dir} was written with different model/data/batch settings (config hash "
-            f"{manifest['config_hash']} != {expected_config_hash}); resume with the original config or "
-            "start a new run.name."
-        )
+    conflict = resume_conflict(manifest, ckpt_dir, config_dict)
+    if conflict:
+        raise CheckpointError(conflict)
     try:
         path, _ = engine.load_checkpoint(
             str(ckpt_dir), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True

@@ -539,7 +539,7 @@ def resume(w: Worker, engine) -> Loop:
     if restored is not None:
         with restored.as_directory() as d:  # shared storage: the directory itself, not a copy
             # Verified against its manifest first; incomplete or foreign checkpoints fail loudly.
-            manifest = ckpt_io.load_into(engine, d, w.rank, w.world, w.loop_config["config_hash"])
+            manifest = ckpt_io.load_into(engine, d, w.rank, w.world, w.loop_config["config"])
         st.step = st.resumed_from = manifest["step"]
         st.last_ckpt = Path(restored.path)
         st.opt_step_at_resume = _optimizer_step(engine)

@@ -87,8 +87,18 @@ def process_group(tmp_path):
     dist.destroy_process_group()
 
 
+CONFIG = load_config(None, []).to_dict()  # the settings the fake checkpoints were made with
+
+
 def _manifest(step: int) -> dict:
-    return {"step": step, "world_size": 1, "config_hash": "abc", "blocks_consumed": step * 8, "dtype": "bf16"}
+    return {
+        "step": step,
+        "world_size": 1,
+        "config_hash": ck.config_hash(CONFIG),
+        "settings": ck.hashed_settings(CONFIG),
+        "blocks_consumed": step * 8,
+        "dtype": "bf16",
+    }
 
 
 def _pretend_ray_reported(run_dir: Path, step: int) -> None:
@@ -117,7 +127,7 @@ def test_save_is_whole_or_absent(tmp_path, process_group):
         "ds/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "rng/rank0.pt",
     }
-    assert manifest["blocks_consumed"] == 40 and manifest["config_hash"] == "abc"
+    assert manifest["blocks_consumed"] == 40 and manifest["config_hash"] == ck.config_hash(CONFIG)
     assert not (good / "latest").exists() and not (good / ck.DS_TAG / "latest").exists()
     before = _tree(good)
 
@@ -154,10 +164,13 @@ def test_incomplete_checkpoint_fails_loudly(tmp_path, process_group):
 
     # A different number of workers: the error names the remedies.
     with pytest.raises(ck.CheckpointError, match=r"scaling.num_workers=1 .*raytrain_cpu.export"):
-        ck.load_into(FakeEngine(), good, rank=0, world=2, expected_config_hash="abc")
-    # A different model/data/batch config.
-    with pytest.raises(ck.CheckpointError, match="config hash"):
-        ck.load_into(FakeEngine(), good, rank=0, world=1, expected_config_hash="other")
+        ck.load_into(FakeEngine(), good, rank=0, world=2, config_dict=CONFIG)
+    # A different model/data/batch config, named; settings of how a step runs may change.
+    other = load_config(None, ["data.seq_len=32"]).to_dict()
+    with pytest.raises(ck.CheckpointError, match="data.seq_len: 256 → 32"):
+        ck.load_into(FakeEngine(), good, rank=0, world=1, config_dict=other)
+    refit = load_config(None, ["model.activation_checkpointing=true", "model.attention=sdpa"]).to_dict()
+    assert ck.load_into(FakeEngine(), good, rank=0, world=1, config_dict=refit)["step"] == 5
 
     damage = {
         "is missing": lambda: optim.unlink(),
@@ -170,7 +183,7 @@ def test_incomplete_checkpoint_fails_loudly(tmp_path, process_group):
         spoil()
         engine = FakeEngine()
         with pytest.raises(ck.CheckpointError, match=words):
-            ck.load_into(engine, good, rank=0, world=1, expected_config_hash="abc")
+            ck.load_into(engine, good, rank=0, world=1, config_dict=CONFIG)
         assert engine.loaded == []  # DeepSpeed never sees a damaged checkpoint
         if words != "sha256":  # the driver checks sizes only (the workers hash their own shards)
             with pytest.raises(ConfigError, match=words):
@@ -216,7 +229,7 @@ def test_rng_state_round_trip(tmp_path, process_group):
     saved = ck.write_checkpoint(FakeEngine(), run_dir, 3, _manifest(3), rank=0, world=1)
     expected = (torch.rand(3), np.random.rand(3), random.random())
     torch.rand(5), np.random.rand(5), random.random()  # the run goes on, then dies
-    ck.load_into(FakeEngine(), saved, rank=0, world=1, expected_config_hash="abc")
+    ck.load_into(FakeEngine(), saved, rank=0, world=1, config_dict=CONFIG)
     again = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1]) and expected[2] == again[2]
 

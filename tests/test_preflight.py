@@ -164,6 +164,36 @@ def test_settings_recorded_in_the_manifest_win_over_config_yaml(make_config):
         validate_before_ray(make_config("run.name=r", "train.micro_batch_size=2"))
 
 
+def test_how_a_step_runs_may_change_on_a_resume_and_fields_added_since_do_not_block_it(make_config):
+    """Activation checkpointing (to fit), compilation, the attention kernel and the data
+    pipeline's parallelism may change between runs; so may the config grow a field: a
+    checkpoint made before model.attention existed resumes. What the step computes may not."""
+    from raytrain_cpu import checkpoint as ck
+    from raytrain_cpu.main import validate_before_ray
+
+    old = make_config("run.name=r")
+    run_dir = fake_run_dir(old)
+    validate_before_ray(
+        make_config(
+            "run.name=r",
+            "model.activation_checkpointing=true",
+            "model.compile=true",
+            "model.attention=sdpa",
+            "data.tokenize_actors=2",
+            "data.prefetch_batches=1",
+        )
+    )
+    # As an older version wrote it: no model.attention in the settings or their hash.
+    settings = ck.hashed_settings(old.to_dict())
+    del settings["model"]["attention"]
+    manifest_path = run_dir / "checkpoint_000002" / ck.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "settings": settings, "config_hash": ck.config_hash(settings)}))
+    validate_before_ray(make_config("run.name=r"))
+    with pytest.raises(ConfigError, match=r"model.tiny.hidden_size: 64 → 96\."):
+        validate_before_ray(make_config("run.name=r", "model.tiny.hidden_size=96"))
+
+
 def test_workers_must_leave_ray_data_a_cpu():
     """Ray Data needs a whole CPU beside the workers, or they wait for their first batch forever."""
     from raytrain_cpu.main import check_data_cpus
