@@ -124,6 +124,8 @@ def resume_conflict(manifest: dict[str, Any], path: str | Path, config_dict: dic
     and the run resumes when only execution settings differ (changed_settings). Checked on the
     driver before Ray starts; `load_into` repeats it on every worker as the last line of defence.
     """
+    if layout := layout_conflict(manifest, path, config_dict):
+        return layout
     if manifest["config_hash"] == config_hash(config_dict):
         return None
     run_dir = Path(path).parent
@@ -140,6 +142,28 @@ def resume_conflict(manifest: dict[str, Any], path: str | Path, config_dict: dic
         f"model/data/batch settings: {changes}. Either run again with the old values (or choose a new run.name to "
         f"start from scratch), or export the checkpoint (python -m raytrain_cpu.export {path} <dir>) and start a "
         "new run.name with model.name_or_path=<dir>."
+    )
+
+
+# DeepSpeed settings the checkpoint's optimizer shards are laid out by (each manifest records
+# them as deepspeed.<key> was): ZeRO-3 keeps one entry per sub group.
+LAYOUT_SETTINGS = ("zero_stage", "sub_group_size")
+
+
+def layout_conflict(manifest: dict[str, Any], path: str | Path, config_dict: dict[str, Any]) -> str | None:
+    """The layout settings that differ from those the manifest records (ones it predates are
+    not checked; sub groups only between ZeRO-3 runs), as an error text; None when none do."""
+    ds = config_dict["deepspeed"]
+    keys = [k for k in LAYOUT_SETTINGS if k in manifest and manifest[k] != ds[k]]
+    if "sub_group_size" in keys and not manifest.get("zero_stage") == ds["zero_stage"] == 3:
+        keys.remove("sub_group_size")  # ZeRO-1 and -2 make no sub groups
+    if not keys:
+        return None
+    changes = "; ".join(f"deepspeed.{k}: {manifest[k]} → {ds[k]}" for k in keys)
+    return (
+        f"checkpoint {path} (step {manifest['step']}) holds DeepSpeed shards laid out for other settings: "
+        f"{changes}. Resume with {' '.join(f'deepspeed.{k}={manifest[k]}' for k in keys)}, or export it "
+        f"(python -m raytrain_cpu.export {path} <dir>) and start a new run.name with model.name_or_path=<dir>."
     )
 
 

@@ -444,7 +444,8 @@ class DeepSpeedSettings:
     sub groups). One sub group's fp32 gradient exists at a time, so this bounds it: 0.49 GiB
     per rank for Llama-3-8B at 4 ranks (its largest sub group) instead of the whole fp32
     gradient's 7.5 GiB. Checkpoints hold one entry per sub group: resume with the value the
-    run started with (DeepSpeed's default, 1e9, for runs made before raytrain_cpu set this)."""
+    run started with (DeepSpeed's default, 1e9, for runs made before raytrain_cpu set this);
+    the manifest records it, and another value stops the run before Ray starts."""
     reuse_fp32_grad_buffer: bool = True
     """ZeRO-3: cast each sub group's gradients into one fp32 buffer kept between steps, instead
     of DeepSpeed's fresh flattened copy and fresh fp32 copy every step, whose new pages each

@@ -711,6 +711,7 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
         "config_hash": w.loop_config["config_hash"],
         "settings": ckpt_io.hashed_settings(w.loop_config["config"]),  # names what changed on a bad resume
         "zero_stage": cfg.deepspeed.zero_stage,
+        "sub_group_size": cfg.deepspeed.sub_group_size,  # with zero_stage: how the shards are laid out
         "dtype": cfg.model.dtype,
         "attention": loaded.attention,  # an 'auto' run resumes with it
         "model_dir": w.loop_config["model_dir"],

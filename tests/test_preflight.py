@@ -194,6 +194,25 @@ def test_how_a_step_runs_may_change_on_a_resume_and_fields_added_since_do_not_bl
         validate_before_ray(make_config("run.name=r", "model.tiny.hidden_size=96"))
 
 
+def test_a_resume_keeps_the_zero_stage_and_sub_groups_its_shards_were_laid_out_by(make_config):
+    """The ZeRO stage and (at ZeRO-3) the sub-group size shape the optimizer shards: a resume that
+    changes them stops before Ray, naming the old values; a manifest that predates a key skips it."""
+    from raytrain_cpu import checkpoint as ck
+    from raytrain_cpu.main import validate_before_ray
+
+    run_dir = fake_run_dir(make_config("run.name=r"))
+    manifest_path = run_dir / "checkpoint_000002" / ck.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    validate_before_ray(make_config("run.name=r", "deepspeed.sub_group_size=1e9"))  # no record: not checked
+    manifest_path.write_text(json.dumps({**manifest, "zero_stage": 3, "sub_group_size": 100_000_000}))
+    validate_before_ray(make_config("run.name=r"))
+    with pytest.raises(ConfigError, match=r"deepspeed.sub_group_size: 100000000 → 1000000000\. Resume with "
+                                          r"deepspeed.sub_group_size=100000000, or export"):  # fmt: skip
+        validate_before_ray(make_config("run.name=r", "deepspeed.sub_group_size=1e9"))
+    with pytest.raises(ConfigError, match=r"deepspeed.zero_stage: 3 → 2\. Resume with deepspeed.zero_stage=3,"):
+        validate_before_ray(make_config("run.name=r", "deepspeed.zero_stage=2", "deepspeed.sub_group_size=1e9"))
+
+
 def test_workers_must_leave_ray_data_a_cpu():
     """Ray Data needs a whole CPU beside the workers, or they wait for their first batch forever."""
     from raytrain_cpu.main import check_data_cpus
