@@ -81,7 +81,8 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 # Hashed settings that choose how a step is computed, not what it computes: a resume may change
 # them (activation checkpointing to fit in memory, compilation, the attention kernel, the data
-# pipeline's parallelism and where its cache lies). The stream and the state stay what they were.
+# pipeline's parallelism and where its cache lies: data.cache_key leaves those data settings out,
+# the cache's blocks do not depend on them). The stream and the state stay what they were.
 EXECUTION_SETTINGS = frozenset(
     {
         "model.activation_checkpointing",
@@ -91,6 +92,7 @@ EXECUTION_SETTINGS = frozenset(
         "model.compile_cache_dir",
         "data.cache_dir",
         "data.tokenize_actors",
+        "data.tokenize_batch_size",
         "data.prefetch_batches",
     }
 )
