@@ -53,10 +53,10 @@ class CheckpointError(RuntimeError):
 
 
 def hashed_settings(config_dict: dict[str, Any]) -> dict[str, Any]:
-    """The settings that must not change across a resume: model, data, batch shape, seed and
-    LoRA (the step counter, LR schedule length, logging and checkpoint cadence may), less the
-    EXECUTION_SETTINGS among them, which changed_settings lets change. The hash covers them all,
-    so checkpoints made before that rule still match theirs.
+    """The settings a resume checks: model, data, batch shape, seed and LoRA (the step counter,
+    LR schedule length, logging and checkpoint cadence may change). The EXECUTION_SETTINGS among
+    them may change too (changed_settings); the hash still covers them, so it stays what the
+    checkpoints made before that rule recorded.
 
     LoRA counts only when on (lora.rank > 0), so a full fine-tuning run hashes as it did
     before LoRA existed and its older checkpoints still resume."""
