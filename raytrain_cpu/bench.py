@@ -659,6 +659,7 @@ def _reference_worker(
     model = LlamaForCausalLM(config).train()
     bf16 = dtype == "bf16"
     master = bf16 and precision == "bf16_master"
+    autocast_on = bf16 and not master
     if master:
         model.to(torch.bfloat16)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -668,7 +669,7 @@ def _reference_worker(
     else:
         params = opt_params = [p for p in model.parameters() if p.requires_grad]
     attn = "sdpa"
-    if not (bf16 and not master):
+    if not autocast_on:
         # The trainers' attention pick (model.attention=auto); the blocks leave autocast to SDPA.
         from raytrain_cpu import attention
 
@@ -680,7 +681,7 @@ def _reference_worker(
     ]
     opt = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps, fused=True)
     fwd = torch.compile(model) if compile else model
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 and not master)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_on)
     gen = torch.Generator().manual_seed(0)
     totals = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_step_s": 0.0, "step_s": 0.0}
     loss_value = float("nan")

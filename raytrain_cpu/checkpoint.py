@@ -461,6 +461,8 @@ def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except ValueError as e:
         raise CheckpointError(f"{path} is unreadable: {e}") from e
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path} holds no JSON object")
     if manifest.get("format") != FORMAT or "files" not in manifest:
         raise CheckpointError(f"{path} has no file list (format {manifest.get('format')}, expected {FORMAT})")
     return manifest

@@ -372,7 +372,7 @@ def memory_breakdown(
     tokens = micro_batch * seq_len
     # model.attention=auto times both attentions once, right after the load, on tensors of the
     # run's shape (counted whichever model.attention says: the planner assumes the default).
-    attention_pick = ATTENTION_PICK_FACTOR * b * tokens * shape.num_heads * shape.head_dim
+    attention_pick = ATTENTION_PICK_FACTOR * b * tokens * shape.hidden_size  # heads x head_dim
     per_token_layer = _act_bytes_per_token_layer(shape) * b // 2
     if lora_rank:
         per_token_layer += _lora_act_delta(shape, lora_rank, tuple(lora_targets), dtype, lora_dropout)

@@ -286,10 +286,9 @@ def _manifest_or_nothing(ckpt_dir: Path) -> dict[str, Any]:
     """The checkpoint's manifest; {} when it is missing or unreadable, which `resume` then
     reports with its own message (and its remedy) once the engine exists."""
     try:
-        manifest = json.loads((ckpt_dir / ckpt_io.MANIFEST).read_text())
-    except (OSError, ValueError):
+        return ckpt_io.read_manifest(ckpt_dir)
+    except ckpt_io.CheckpointError:
         return {}
-    return manifest if isinstance(manifest, dict) else {}
 
 
 def setup_cpu(w: Worker) -> dict[str, Any]:
@@ -367,19 +366,17 @@ def choose_attention(w: Worker, model) -> str:
     attention its checkpoint trained with, so its losses continue bit for bit."""
     from raytrain_cpu import attention
 
-    setting, kept = w.cfg.model.attention, w.resumed.get("attention")
-    if setting == "auto" and kept in ("sdpa", "causal_blocks"):
-        setting = kept
+    kept = w.cfg.model.attention == "auto" and w.resumed.get("attention") in ("sdpa", "causal_blocks")
     chosen, timings = attention.choose(
         model,
-        setting,
+        w.resumed["attention"] if kept else w.cfg.model.attention,
         w.cfg.train.micro_batch_size,
         w.cfg.data.seq_len,
         lambda v: [x / w.world for x in _allreduce_sum(v)],
     )
     measured = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items())
     why = f" (forward + backward, mean of ranks: {measured})" if measured else ""
-    if setting != w.cfg.model.attention:
+    if kept:
         why = f" (auto: kept from the checkpoint at step {w.resumed.get('step')})"
     w.log(f"[model] attention: {chosen}{why}")
     return chosen
@@ -710,8 +707,7 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
         "tokens_seen": st.step * w.tokens_per_step,
         "config_hash": w.loop_config["config_hash"],
         "settings": ckpt_io.hashed_settings(w.loop_config["config"]),  # names what changed on a bad resume
-        "zero_stage": cfg.deepspeed.zero_stage,
-        "sub_group_size": cfg.deepspeed.sub_group_size,  # with zero_stage: how the shards are laid out
+        **{k: getattr(cfg.deepspeed, k) for k in ckpt_io.LAYOUT_SETTINGS},  # how the shards are laid out
         "dtype": cfg.model.dtype,
         "attention": loaded.attention,  # an 'auto' run resumes with it
         "model_dir": w.loop_config["model_dir"],

@@ -208,8 +208,9 @@ def test_a_worker_reads_what_the_resumed_checkpoint_settled_or_nothing(tmp_path)
     assert _manifest_or_nothing(tmp_path) == {}
     (tmp_path / ck.MANIFEST).write_text("[]")
     assert _manifest_or_nothing(tmp_path) == {}
-    (tmp_path / ck.MANIFEST).write_text(json.dumps({"dtype": "bf16", "attention": "sdpa"}))
-    assert _manifest_or_nothing(tmp_path) == {"dtype": "bf16", "attention": "sdpa"}
+    manifest = {"format": ck.FORMAT, "files": {}, "dtype": "bf16", "attention": "sdpa"}
+    (tmp_path / ck.MANIFEST).write_text(json.dumps(manifest))
+    assert _manifest_or_nothing(tmp_path) == manifest
 
 
 # ----------------------------------------------------------------------------- point 3 (the pieces)
