@@ -91,6 +91,7 @@ def _worker(rank: int, world_size: int, case: dict[str, Any], out_dir: str):
             # Fitted on gloo: the shared-memory collectives' slots are the planner's arithmetic
             # (plan.SHM_SLOT_BYTES), not a fitted constant.
             "deepspeed.shm_collectives=false",
+            f"model.fused_loss={case['fused_loss']}",
         ],
     )
     log = print if rank == 0 else (lambda msg: None)
@@ -223,7 +224,14 @@ def _launch_ray(world_size: int, case: dict[str, Any], out_dir: str) -> None:
 
 
 def measure(
-    name: str, world_size: int, micro_batch: int, seq_len: int, steps: int, ac: bool, launcher: str = "mp"
+    name: str,
+    world_size: int,
+    micro_batch: int,
+    seq_len: int,
+    steps: int,
+    ac: bool,
+    launcher: str = "mp",
+    fused_loss: bool = True,
 ) -> dict[str, Any]:
     """Runs one calibration case and returns measured (max over ranks) next to predicted GiB."""
     shape = plan.CALIBRATION_SHAPES[name]
@@ -237,6 +245,7 @@ def measure(
             steps=steps,
             zero_stage=3,
             activation_checkpointing=ac,
+            fused_loss=fused_loss,
         )
         t0 = time.perf_counter()
         (_launch_ray if launcher == "ray" else _launch_mp)(world_size, case, tmp)
@@ -259,6 +268,7 @@ def measure(
         "micro_batch": micro_batch,
         "seq_len": seq_len,
         "activation_checkpointing": ac,
+        "fused_loss": fused_loss,
         "malloc": ranks[0]["malloc"],
         "fused_adamw": ranks[0]["fused_adamw"],
         "fp32_grad_buffer_bytes": max(r["fp32_grad_buffer_bytes"] for r in ranks),
@@ -292,6 +302,7 @@ def add_prediction(case: dict[str, Any]) -> dict[str, Any]:
         micro_batch=case["micro_batch"],
         seq_len=case["seq_len"],
         activation_checkpointing=case["activation_checkpointing"],
+        fused_loss=case.get("fused_loss", False),  # cases measured before it existed ran Hugging Face's
     )["memory_gib"]
     case["predicted_gib"] = {k: round(v, 4) for k, v in predicted.items()}
     case["predicted_over_measured"] = {
@@ -303,6 +314,7 @@ def add_prediction(case: dict[str, Any]) -> dict[str, Any]:
 
 def _print_case(case: dict[str, Any]) -> None:
     name = f"{case['model']} mb{case['micro_batch']}{' ac' if case['activation_checkpointing'] else ''}"
+    name += "" if case.get("fused_loss", False) else " unfused"
     cols = []
     for phase, (p, m) in PHASES.items():
         measured, predicted = case["measured_rss_gib"][m], case["predicted_gib"][p]
@@ -332,6 +344,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=plan.CALIBRATION_SEQ_LEN)
     p.add_argument("--steps", type=int, default=6, help="the high-water mark settles after ~4 steps")
     p.add_argument("--launcher", choices=("ray", "mp"), default="ray", help="Ray Train or torch.multiprocessing")
+    p.add_argument(
+        "--unfused-loss", action="store_true", help="Hugging Face's loss (model.fused_loss=false) in every case"
+    )
     p.add_argument("--no-write", action="store_true", help=f"print only; do not rewrite {RESULTS.name}")
     p.add_argument(
         "--repredict", action="store_true", help=f"measure nothing: refresh the predictions in {RESULTS.name}"
@@ -349,7 +364,11 @@ def main(argv: list[str] | None = None) -> None:
     cases = []
     for name, micro_batch, ac in args.case or plan.CALIBRATION_CASES:
         print(f"measuring {name}, micro batch {micro_batch}, activation checkpointing {ac} ...", flush=True)
-        r = add_prediction(measure(name, args.world_size, micro_batch, args.seq_len, args.steps, ac, args.launcher))
+        r = add_prediction(
+            measure(
+                name, args.world_size, micro_batch, args.seq_len, args.steps, ac, args.launcher, not args.unfused_loss
+            )
+        )
         print(json.dumps(r, indent=2), flush=True)
         _print_case(r)
         cases.append(r)

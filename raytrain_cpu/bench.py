@@ -443,7 +443,7 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
     """Each switch against the defaults, interleaved: bf16 forced, activation checkpointing,
     whole-layer ZeRO-3 gathers, gloo in place of the shared-memory collectives, DeepSpeed's
     fresh fp32 gradient each step and fresh reduce-scatter buffers in place of the kept ones, SDPA's and the causal blocks'
-    attention in place of the start-up timing's pick, compile per layer and of the
+    attention in place of the start-up timing's pick, Hugging Face's loss in place of the fused one, compile per layer and of the
     whole model, ZeRO-2 and ZeRO-1
     (no parameter gathers: for a model that fits whole on every rank, see `plan`),
     PyTorch's per-tensor AdamW loop in place of the fused kernel, and glibc malloc with the
@@ -461,6 +461,7 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
         "fresh reduce buffers": ["deepspeed.reuse_reduce_buffer=false"],
         "sdpa attention": ["model.attention=sdpa"],
         "causal-blocks attention": ["model.attention=causal_blocks"],
+        "unfused loss": ["model.fused_loss=false"],
         "compile": ["model.compile=true"],
         "compile + sdpa attention": ["model.compile=true", "model.attention=sdpa"],
         "compile (whole model)": ["model.compile=true", "model.compile_scope=model"],
@@ -674,6 +675,10 @@ def _reference_worker(
         from raytrain_cpu import attention
 
         attn, _ = attention.choose(model, "auto", batch, spec["seq_len"])
+        # ... and their loss (model.fused_loss; its GEMMs are written for one dtype, not autocast).
+        from raytrain_cpu import loss as fused_loss
+
+        fused_loss.install(model)
     # The project's optimizer: AdamW without weight decay on norms, its lr, betas and eps.
     groups = [
         {"params": [p for p in opt_params if p.ndim >= 2], "weight_decay": t.weight_decay},
@@ -927,7 +932,8 @@ def _reference_report(zero3: list[dict], refs: list[dict], tokens: str, cores: i
         "notes": [
             "reference: one process, no DeepSpeed, no Ray; the same LlamaForCausalLM (attention: "
             + ", ".join(f"{r['precision']} {r.get('attention', 'sdpa')}" for r in refs)
-            + ", as the trainers' model.attention=auto picks it, SDPA under autocast), "
+            + ", as the trainers' model.attention=auto picks it, SDPA under autocast; the trainers' fused "
+            "loss (model.fused_loss) except under autocast), "
             f"{tokens} random tokens per step in one micro batch, {cores} threads, "
             "AdamW(fused=True) with the project's lr, betas, eps and weight-decay groups, gradient clipping "
             f"at {refs[0]['grad_clip']}; the first step excluded, as in the training runs.",

@@ -89,6 +89,7 @@ EXECUTION_SETTINGS = frozenset(
         "model.attention",
         "model.compile",
         "model.compile_scope",
+        "model.fused_loss",
         "model.compile_cache_dir",
         "data.cache_dir",
         "data.tokenize_actors",

@@ -98,6 +98,12 @@ class ModelConfig:
     host at seq 512), 'sdpa', or 'auto': every rank times both at the run's shape at start-up
     and all take the faster; a resumed run keeps its checkpoint's pick, so its losses continue
     bit for bit. Masked or cached attention always runs SDPA."""
+    fused_loss: bool = True
+    """Compute the output layer and the cross-entropy loss together, a chunk of tokens at a time,
+    with their gradients in the forward (raytrain_cpu.loss): no full-size logits, their fp32
+    copy or their gradient (~14 bytes per token per vocabulary entry: 3.4 GiB per 2,048 tokens
+    for Llama-3's vocabulary), the same gradients to the last bit. Llama, Mistral, Qwen2/3,
+    Phi-3, OLMo-2 and Gemma heads; other models keep Hugging Face's loss."""
     compile: bool = False
     """torch.compile with inductor; the first steps compile (minutes on a few cores, seconds from
     the cache after that)."""

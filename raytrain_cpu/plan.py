@@ -155,6 +155,7 @@ CALIBRATION_CASES: list[tuple[str, int, bool]] = [
     ("llama-37m", 8, True),
     ("llama-37m", 2, False),
     ("llama-0.5b", 2, False),
+    ("llama-0.5b", 8, False),  # 2,048 tokens x 32,000 entries: the output layer and loss count
 ]
 
 
@@ -234,8 +235,16 @@ def _act_bytes_per_token_layer(s: ModelShape) -> int:
 
 
 # Logits per token: the bf16 logits, their fp32 copy in the loss, log-softmax's fp32 output
-# and its fp32 gradient live together at the start of backward.
+# and its fp32 gradient live together at the start of backward (Hugging Face's loss,
+# model.fused_loss=false).
 LOGITS_BYTES_PER_VOCAB = 2 + 4 + 4 + 4
+# The fused loss (raytrain_cpu.loss) runs one chunk of tokens at a time through the same
+# kernels: at most three fp32 tensors of the chunk's logits' size live at once. It keeps the
+# logits' gradient of every token in the training dtype for the output layer's weight gradient,
+# which it makes at the end of the forward. The chunk size mirrors loss.CHUNK_BYTES
+# (tests/test_plan.py checks).
+FUSED_LOSS_CHUNK_BYTES_PER_VOCAB = 3 * 4
+LOSS_CHUNK_BYTES = 256 << 20
 # Without ZeRO-3 every rank loads the whole model with from_pretrained, which maps the
 # checkpoint; the pages of the shard being read count as resident (Hugging Face checkpoints
 # are sharded at about 5 GB). ZeRO-3's sharded load maps nothing (model.load_sharded).
@@ -314,6 +323,7 @@ def memory_breakdown(
     sub_group_size: int = DS_SUB_GROUP_SIZE,
     reuse_fp32_grad_buffer: bool = True,
     reuse_reduce_buffer: bool = True,
+    fused_loss: bool = True,
 ) -> dict[str, float]:
     """Per-rank bytes of each component (not cumulative), named after where it comes from.
 
@@ -330,6 +340,9 @@ def memory_breakdown(
     resident from the first step on (fp32_grad_buffer). With `reuse_reduce_buffer` ZeRO-3
     flattens each gradient bucket for its reduce-scatter into one kept buffer of up to a
     bucket (reduce_buffer, resident); without it that flat copy is a new tensor per bucket.
+
+    `fused_loss` (model.fused_loss): the output layer and the loss a chunk of tokens at a time,
+    instead of Hugging Face's logits for every token (`logits` counts either).
 
     With `lora_rank` the base model is frozen: its weights are held (and gathered) as in full
     fine-tuning, but it has no fp32 master copy, gradients or optimizer state; those exist
@@ -382,7 +395,15 @@ def memory_breakdown(
         activations = b * shape.hidden_size * tokens * shape.num_layers + per_layer
     else:
         activations = per_layer * shape.num_layers
-    logits = LOGITS_BYTES_PER_VOCAB * shape.vocab_size * tokens
+    if fused_loss:
+        rows = min(tokens, max(1, LOSS_CHUNK_BYTES // (4 * shape.vocab_size)))
+        chunk = FUSED_LOSS_CHUNK_BYTES_PER_VOCAB * shape.vocab_size * rows
+        if lora_rank:  # a frozen output layer: no weight gradient, nothing kept for it
+            logits = chunk
+        else:
+            logits = b * shape.vocab_size * tokens + max(chunk, b * shape.vocab_size * shape.hidden_size)
+    else:
+        logits = LOGITS_BYTES_PER_VOCAB * shape.vocab_size * tokens
     if zero_stage == 3:
         # Gathered whole parameters, and the bucket that collects whole gradients before the
         # reduce-scatter. Once the first step has recorded the module order, ZeRO-3 keeps what
@@ -686,6 +707,7 @@ def plan(
     sub_group_size: int = DS_SUB_GROUP_SIZE,
     reuse_fp32_grad_buffer: bool = True,
     reuse_reduce_buffer: bool = True,
+    fused_loss: bool = True,
 ) -> dict[str, Any]:
     """The whole estimate as a JSON-able dict (what `--json` prints).
 
@@ -726,6 +748,7 @@ def plan(
         sub_group_size=sub_group_size,
         reuse_fp32_grad_buffer=reuse_fp32_grad_buffer,
         reuse_reduce_buffer=reuse_reduce_buffer,
+        fused_loss=fused_loss,
         shm_ranks=world_size if world_size <= ranks_per_node else 0,  # all ranks on one node
     )
     lora_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets)
@@ -813,6 +836,7 @@ def inputs_from_run_config(path: str) -> dict[str, Any]:
         sub_group_size=cfg.deepspeed.sub_group_size,
         reuse_fp32_grad_buffer=cfg.deepspeed.reuse_fp32_grad_buffer,
         reuse_reduce_buffer=cfg.deepspeed.reuse_reduce_buffer,
+        fused_loss=m.fused_loss,
     )
 
 
@@ -833,7 +857,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"hidden {m['hidden_size']}, vocab {m['vocab_size']})",
         f"setup       {i['world_size']} ranks, ZeRO-{i['zero_stage']}{offload}, {i['dtype']}, micro batch "
         f"{i['micro_batch']} x seq {i['seq_len']}, grad accum {i['grad_accum_steps']}, activation checkpointing "
-        f"{'on' if i['activation_checkpointing'] else 'off'}, AdamW {'fused' if i['fused_adamw'] else 'per-tensor'}",
+        f"{'on' if i['activation_checkpointing'] else 'off'}, AdamW {'fused' if i['fused_adamw'] else 'per-tensor'}, "
+        f"loss {'fused' if i['fused_loss'] else 'unfused'}",
         f"trainable   {_count(m['trainable_params'])} params"
         + (
             f" (LoRA rank {i['lora_rank']} on {', '.join(i['lora_targets'])}"
@@ -916,6 +941,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="PyTorch's fused AdamW (the default, train.fused_adamw); --no-fused-adamw adds its 8 B/param temporaries",
     )
     p.add_argument(
+        "--fused-loss",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the output layer and loss a chunk of tokens at a time (the default, model.fused_loss); "
+        "--no-fused-loss counts Hugging Face's logits for every token",
+    )
+    p.add_argument(
         "--max-live-parameters",
         type=float,
         help="ZeRO-3 parameters kept gathered (deepspeed.max_live_parameters; default 1e9)",
@@ -942,6 +974,7 @@ def main(argv: list[str] | None = None) -> int:
         lora_targets=LORA_TARGETS,
         lora_dropout=0.0,
         fused_adamw=True,
+        fused_loss=True,
         max_live_parameters=DS_MAX_LIVE_PARAMETERS,
     )
     try:
@@ -960,6 +993,7 @@ def main(argv: list[str] | None = None) -> int:
             lora_targets=tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None,
             lora_dropout=args.lora_dropout,
             fused_adamw=args.fused_adamw,
+            fused_loss=args.fused_loss,
             max_live_parameters=int(args.max_live_parameters) if args.max_live_parameters else None,
         )
         inputs |= {k: v for k, v in flags.items() if v is not None}

@@ -348,6 +348,7 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
     # Every rank's loading peak, gathered with a one-hot sum (summary.json: cpu.load_peak_rss_bytes).
     peaks = _allreduce_sum([float(cpu.peak_rss_bytes()) if r == w.rank else 0.0 for r in range(w.world)])
     attn = choose_attention(w, model)  # after the peak: its timing's tensors are not the loading's
+    install_fused_loss(w, model)  # after LoRA: an adapted output layer keeps Hugging Face's loss
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     load_s = time.perf_counter() - t0
@@ -380,6 +381,22 @@ def choose_attention(w: Worker, model) -> str:
         why = f" (auto: kept from the checkpoint at step {w.resumed.get('step')})"
     w.log(f"[model] attention: {chosen}{why}")
     return chosen
+
+
+def install_fused_loss(w: Worker, model) -> None:
+    """model.fused_loss: the output layer and the loss as one chunked operation (raytrain_cpu.loss)."""
+    from raytrain_cpu import loss
+
+    if not w.cfg.model.fused_loss:
+        w.log("[model] loss: Hugging Face's (model.fused_loss=false)")
+        return
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft
+    why_not = loss.install(causal_lm)
+    if why_not:
+        w.log(f"[model] loss: Hugging Face's, not fused: {why_not}")
+    else:
+        rows = loss.chunk_rows(causal_lm.config.vocab_size)
+        w.log(f"[model] loss: fused with the output layer, up to {rows:,} tokens per chunk")
 
 
 def build_engine(w: Worker, model, ds_config: dict[str, Any]):

@@ -243,6 +243,7 @@ def test_each_phase_within_10_percent_of_measured(case, phase):
         micro_batch=case["micro_batch"],
         seq_len=plan.CALIBRATION_SEQ_LEN,
         activation_checkpointing=case["activation_checkpointing"],
+        fused_loss=case.get("fused_loss", False),  # measured before model.fused_loss: Hugging Face's
     )["memory_gib"][phase]
     measured = case["measured_rss_gib"][PHASES[phase]]
     key = (case["model"], case["micro_batch"], case["activation_checkpointing"], phase)
@@ -503,3 +504,29 @@ def test_lora_activation_change_matches_autograd(dtype, targets, dropout):
     lora = plan.memory_breakdown(shape, 1, lora_rank=8, lora_targets=targets, lora_dropout=dropout, **kw)
     full = plan.memory_breakdown(shape, 1, **kw)
     assert (lora["activations"] - full["activations"]) / shape.num_layers == measured
+
+
+# ----------------------------------------------------------------------------- the fused loss
+
+
+def test_loss_chunk_mirrors_the_loss_module():
+    from raytrain_cpu import loss
+
+    assert plan.LOSS_CHUNK_BYTES == loss.CHUNK_BYTES
+
+
+def test_fused_loss_holds_less_than_logits_for_every_token():
+    """Llama-3-8B, 2,048 tokens per rank: the fused loss's chunk, the logits' gradient in bf16
+    and the output layer's gradient, against Hugging Face's ~14 bytes per token and entry."""
+    shape = plan.resolve_shape("meta-llama/Meta-Llama-3-8B")
+    kw = dict(micro_batch=1, seq_len=2048)
+    fused = plan.memory_breakdown(shape, 4, **kw)["logits"]
+    unfused = plan.memory_breakdown(shape, 4, fused_loss=False, **kw)["logits"]
+    assert unfused == plan.LOGITS_BYTES_PER_VOCAB * shape.vocab_size * 2048
+    assert fused == 2 * shape.vocab_size * 2048 + 2 * shape.vocab_size * shape.hidden_size
+    assert fused < 0.45 * unfused
+    # LoRA freezes the output layer: one chunk's temporaries only.
+    lora = plan.memory_breakdown(shape, 4, lora_rank=16, **kw)["logits"]
+    assert lora == plan.FUSED_LOSS_CHUNK_BYTES_PER_VOCAB * shape.vocab_size * (
+        plan.LOSS_CHUNK_BYTES // (4 * shape.vocab_size)
+    )

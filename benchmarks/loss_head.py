@@ -1,0 +1,124 @@
+"""The output layer and loss alone: Hugging Face's against the fused one (raytrain_cpu.loss).
+
+    python benchmarks/loss_head.py [--shapes 50m,llama3-8b] [--tokens 2048] [--threads 1] [--repeats 2]
+
+Forward and backward of `cross_entropy(hidden @ weight.T, targets)` with bf16 hidden states
+and weight, as one worker's last layer runs it: at the ~50M bench model's shape (hidden 512,
+2,048-entry vocabulary) and at Llama-3-8B's (hidden 4,096, 128,256 entries). Each variant runs
+in a fresh spawned process, interleaved `--repeats` times, which records the step's time (the
+median after a warm-up step) and its resident-memory high-water mark above the inputs (the
+kernel's VmHWM, reset through /proc/self/clear_refs once the inputs exist, over the warm-up and
+timed steps; the inputs and their gradients' size are not counted). No sampling thread: its
+wake-ups take the GIL from the fused loss's Python loop and slowed it by a third at the 50M
+shape. Writes benchmarks/results/<machine>/loss_head.json (and .md), or to --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from raytrain_cpu import loss as fused
+from raytrain_cpu.bench import _run_procs, package_versions, write_results
+from raytrain_cpu.cpu import cpu_features
+
+SHAPES = {"50m": (512, 2048), "llama3-8b": (4096, 128256)}  # hidden, vocabulary
+VARIANTS = ("hugging face", "fused")
+
+
+def _status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def child(_: int, spec: dict[str, Any], out) -> None:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    n, (d, v) = spec["tokens"], SHAPES[spec["shape"]]
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, d, generator=gen).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(v, d, generator=gen) * d**-0.5).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=gen)
+
+    def step() -> float:
+        hidden.grad = weight.grad = None
+        if spec["variant"] == "fused":
+            loss = fused.LinearCrossEntropy.apply(hidden, weight, targets, fused.chunk_rows(v))
+        else:
+            loss = torch.nn.functional.cross_entropy((hidden @ weight.t()).float(), targets)
+        loss.backward()
+        return float(loss.detach())
+
+    # The inputs resident, plus what their gradients will hold: the rest of the peak is the loss's.
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
+    base = _status_bytes("VmRSS") + hidden.nbytes + weight.nbytes
+    loss = step()  # warm-up, not timed (its memory counts: the first step is a step)
+    times = []
+    for _ in range(spec["steps"]):
+        t0 = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t0)
+    peak = _status_bytes("VmHWM")
+    out.put((0, {"step_s": median(times), "peak_over_inputs_gib": (peak - base) / 2**30, "loss": loss}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="50m,llama3-8b", help=f"comma-separated: {', '.join(SHAPES)}")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per step (micro batch x seq)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads: one worker's share")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per run, after one warm-up")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved runs of each variant")
+    ap.add_argument("--json", default=None, help="where to write the results (default: the machine's folder)")
+    args = ap.parse_args()
+    rows = []
+    for shape in args.shapes.split(","):
+        for rep in range(args.repeats):
+            for variant in VARIANTS:
+                spec = {"shape": shape, "variant": variant, "tokens": args.tokens, "threads": args.threads}
+                (res,) = _run_procs(child, 1, (spec | {"steps": args.steps},))
+                rows.append(spec | {"rep": rep} | res)
+                print(f"[loss_head] {shape} {variant}: {res['step_s']:.3f} s, +{res['peak_over_inputs_gib']:.3f} GiB")
+    table = []
+    for shape in args.shapes.split(","):
+        hf = [r for r in rows if r["shape"] == shape and r["variant"] == "hugging face"]
+        for variant in VARIANTS:
+            mine = [r for r in rows if r["shape"] == shape and r["variant"] == variant]
+            table.append(
+                {
+                    "shape": f"{shape} (hidden {SHAPES[shape][0]}, vocab {SHAPES[shape][1]:,})",
+                    "variant": variant,
+                    "step s each": ", ".join(f"{r['step_s']:.3f}" for r in mine),
+                    "vs hugging face (time, medians)": median(r["step_s"] for r in hf)
+                    / median(r["step_s"] for r in mine),
+                    "peak over inputs GiB (max)": max(r["peak_over_inputs_gib"] for r in mine),
+                    "loss": mine[0]["loss"],
+                }
+            )
+    result = {
+        "command": "python benchmarks/loss_head.py " + " ".join(sys.argv[1:]),
+        "machine": cpu_features().describe(),
+        "versions": package_versions(),
+        "runs": rows,
+        "tables": {f"output layer + loss, forward and backward, {args.tokens} tokens, {args.threads} thread(s)": table},
+        "notes": [
+            "bf16 hidden states and weight; 'hugging face' = cross_entropy((hidden @ weight.T).float(), targets) as "
+            "ForCausalLMLoss computes it; 'fused' = raytrain_cpu.loss.LinearCrossEntropy (model.fused_loss).",
+            "peak over inputs: the VmHWM high-water mark of all steps (reset once the inputs exist) above the "
+            "inputs and their gradients' size.",
+            f"chunk: raytrain_cpu.loss.CHUNK_BYTES = {fused.CHUNK_BYTES >> 20} MiB of fp32 logits.",
+        ],
+    }
+    path = write_results("loss_head", result, args.json)
+    print(path.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()

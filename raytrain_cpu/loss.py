@@ -1,0 +1,146 @@
+"""The output layer and the cross-entropy loss as one operation, a chunk of tokens at a time.
+
+Why: Hugging Face's causal-LM loss multiplies every token by the whole output matrix, keeps the
+bf16 logits, casts them to fp32, keeps log-softmax's fp32 output for the backward, and makes a
+fp32 gradient of the same size there: about 12 bytes per token per vocabulary entry at the
+start of the backward, when the activations peak too. For Llama-3-8B (128,256 entries) that is
+3.2 GB per 2,048 tokens. Each of those passes is a fresh tensor as large as the logits, so on
+CPU the step pays for their page faults and memory traffic as well.
+
+Here the loss is the step's last operation, so its gradient can be computed in the forward:
+for each chunk of at most `CHUNK_BYTES` of fp32 logits, the logits' GEMM, a log-sum-exp and the
+softmax minus the one-hot target give the loss and the chunk's logit gradient, which two GEMMs
+turn into the hidden states' and the weight's gradients at once. The backward only scales
+them. The GEMMs are the same three as Hugging Face's, with the same dtypes (bf16 in, fp32
+softmax, the logit gradient cast to bf16 before its GEMMs), so the gradients are the same to
+the last bit, in any number of chunks: each row's arithmetic is its own, and the weight's
+gradient is one GEMM over every token's logit gradient (kept in bf16, a seventh of what Hugging
+Face's loss holds). The loss is the same bits in one chunk; over several it sums the chunks in
+another order (fp32 rounding). What is kept between forward and backward is the two
+gradients, which the backward would make anyway.
+
+`install` puts it under the model's own forward for the architectures whose causal-LM head is
+exactly `logits = lm_head(hidden)` followed by Hugging Face's `ForCausalLMLoss`; calls without
+labels (generation, the export check's logits) run the model's forward unchanged. Under ZeRO-3
+the loss runs inside the output layer's own call, so DeepSpeed's hooks gather its weight as
+they would for the logits.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+IGNORE_INDEX = -100  # Hugging Face's label for "no loss here" (padding, prompts)
+# fp32 logits per chunk; a chunk holds three times this while it runs (the logits, their
+# log-softmax and its gradient). Each chunk reads the whole output matrix twice, so chunks too
+# short pay for it: at Llama-3-8B's head (2,048 tokens, one thread, benchmarks/loss_head.py)
+# 128 MiB (261 tokens of its 128,256 entries) took 1.17x Hugging Face's time, 256 MiB (523
+# tokens) 1.05-1.08x, one chunk 1.0x, at 0.52 GiB over the inputs where Hugging Face's took 1.97.
+# The ~50M bench model's 2,048-entry vocabulary fits 32,768 tokens in one chunk.
+CHUNK_BYTES = 256 << 20
+# Architectures whose ForCausalLM.forward is `logits = self.lm_head(hidden_states)` followed by
+# self.loss_function (ForCausalLMLoss) in transformers 5.x, with no logit scaling or capping.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma")
+
+
+def chunk_rows(vocab_size: int) -> int:
+    """Tokens per chunk: as many as keep one chunk's fp32 logits within CHUNK_BYTES."""
+    return max(1, CHUNK_BYTES // (4 * vocab_size))
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """mean over targets != -100 of cross_entropy(hidden @ weight.T, targets), gradients computed
+    in the forward. hidden (N, d), weight (V, d), targets (N,) int64.
+
+    Each chunk runs the very kernels of Hugging Face's loss and its backward (log_softmax,
+    nll_loss, nll_loss_backward with the whole batch's target count, log_softmax's backward),
+    row by row the same arithmetic, so one chunk gives the same bits."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        count = (targets != IGNORE_INDEX).sum().to(torch.float32)  # nll_loss's total_weight
+        one = torch.ones((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32)
+        grad_h = torch.empty_like(hidden) if want_h else None
+        # The logits' gradient in the weights' dtype, every chunk's, for the weight's gradient:
+        # one GEMM over all tokens at the end, Hugging Face's own (one rounding, no re-reads of
+        # a (V, d) accumulator per chunk). A seventh of the bytes its loss holds.
+        grad_logits = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype) if want_w else None
+        for s in range(0, hidden.shape[0], rows):
+            h, t = hidden[s : s + rows], targets[s : s + rows]
+            logp = torch.log_softmax(torch.mm(h, weight.t()).float(), dim=-1)
+            total += torch.nn.functional.nll_loss(logp, t, ignore_index=IGNORE_INDEX, reduction="sum")
+            if not (want_h or want_w):
+                continue
+            g = torch.ops.aten.nll_loss_backward(one, logp, t, None, 1, IGNORE_INDEX, count)  # 1: mean
+            g = torch._log_softmax_backward_data(g, logp, -1, torch.float32)
+            del logp
+            g = grad_logits[s : s + rows].copy_(g) if want_w else g.to(hidden.dtype)
+            if want_h:
+                torch.mm(g, weight, out=grad_h[s : s + rows])
+        grad_w = torch.mm(grad_logits.t(), hidden) if want_w else None
+        del grad_logits
+        ctx.save_for_backward(grad_h, grad_w)
+        return total / count  # NaN when every target is ignored, as Hugging Face's mean
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        if not bool(grad_out == 1):  # DeepSpeed divides the loss by the accumulation steps
+            grad_h = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
+            grad_w = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
+        return grad_h, grad_w, None, None
+
+
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Position t predicts label t+1; the last position predicts nothing (ForCausalLMLoss's shift)."""
+    pad = torch.full_like(labels[:, :1], IGNORE_INDEX)
+    return torch.cat([labels[:, 1:], pad], dim=1).reshape(-1)
+
+
+def _head_forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    """The output layer: logits as nn.Linear makes them, or with targets the mean loss."""
+    if targets is None:
+        return torch.nn.Linear.forward(self, hidden)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return LinearCrossEntropy.apply(flat, self.weight, targets, chunk_rows(self.weight.shape[0]))
+
+
+def _causal_lm_forward(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs: Any):
+    """The model's forward; with labels, the loss without logits (output.logits is None)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    plain = isinstance(logits_to_keep, int) and logits_to_keep == 0
+    if labels is None or not plain or kwargs.get("num_items_in_batch") is not None or "return_dict" in kwargs:
+        return type(self).forward(self, input_ids=input_ids, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    out = self.model(input_ids=input_ids, **kwargs)
+    loss = self.lm_head(out.last_hidden_state, targets=shifted_targets(labels))
+    return CausalLMOutputWithPast(
+        loss=loss, past_key_values=out.past_key_values, hidden_states=out.hidden_states, attentions=out.attentions
+    )
+
+
+def supported(model) -> str | None:
+    """None when the fused loss can replace this model's, else why not."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {model_type!r} (fused for {', '.join(SUPPORTED_MODEL_TYPES)})"
+    head = getattr(model, "lm_head", None)
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return f"its output layer is a {type(head).__name__}, not a plain bias-free Linear"
+    return None
+
+
+def install(model) -> str | None:
+    """Puts the fused loss under `model` (the causal LM itself, not a peft wrapper); returns None,
+    or why the model keeps Hugging Face's loss."""
+    why_not = supported(model)
+    if why_not is None:
+        # Instance attributes: nn.Module.__call__ (and DeepSpeed's hooks around it) still runs.
+        model.forward = types.MethodType(_causal_lm_forward, model)
+        model.lm_head.forward = types.MethodType(_head_forward, model.lm_head)
+    return why_not

@@ -1,0 +1,181 @@
+"""The fused output layer + cross-entropy (raytrain_cpu.loss) against Hugging Face's loss: the same
+loss and gradients on a tiny Llama, in one process and under ZeRO-3 on 2 ranks."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_cpu import loss as fused
+
+VOCAB = 512
+
+
+def _pair(dtype=torch.bfloat16):
+    """(Hugging Face's model, the same weights with the fused loss installed)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    hf = LlamaForCausalLM(config).to(dtype)
+    ours = copy.deepcopy(hf)
+    assert fused.install(ours) is None
+    return hf, ours
+
+
+def _batch():
+    ids = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :10] = -100  # a prompt that takes no loss
+    return ids, labels
+
+
+def _loss_and_grads(model, ids, labels, scale: float = 1.0):
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=labels).loss
+    (loss * scale).backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_one_chunk_matches_hugging_face_bit_for_bit():
+    """bf16, every token in one chunk: the same loss and the same gradients to the last bit."""
+    hf, ours = _pair()
+    ids, labels = _batch()
+    loss_hf, grads_hf = _loss_and_grads(hf, ids, labels)
+    loss_ours, grads_ours = _loss_and_grads(ours, ids, labels)
+    assert torch.equal(loss_hf, loss_ours)
+    assert all(torch.equal(a, b) for a, b in zip(grads_hf, grads_ours, strict=True))
+
+
+def test_scaled_backward_matches():
+    """DeepSpeed divides the loss by the accumulation steps: the kept gradients are scaled."""
+    hf, ours = _pair()
+    ids, labels = _batch()
+    _, grads_hf = _loss_and_grads(hf, ids, labels, scale=0.5)
+    _, grads_ours = _loss_and_grads(ours, ids, labels, scale=0.5)
+    assert all(torch.equal(a, b) for a, b in zip(grads_hf, grads_ours, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunks_match_hugging_face(monkeypatch, dtype):
+    """16 tokens a chunk (8 chunks): every gradient to the last bit (each row's arithmetic is its
+    own, the weight's gradient one GEMM over all rows); the loss sums its chunks in another order,
+    so to fp32 rounding."""
+    monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * VOCAB * 16)
+    assert fused.chunk_rows(VOCAB) == 16
+    hf, ours = _pair(dtype)
+    ids, labels = _batch()
+    loss_hf, grads_hf = _loss_and_grads(hf, ids, labels)
+    loss_ours, grads_ours = _loss_and_grads(ours, ids, labels)
+    assert float(loss_ours) == pytest.approx(float(loss_hf), rel=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(grads_hf, grads_ours, strict=True))
+
+
+def test_no_targets_means_nan_loss_and_no_gradient():
+    """Every label ignored: Hugging Face's mean is NaN (0/0); the fused loss says the same and
+    sends no gradient."""
+    hf, ours = _pair()
+    ids, _ = _batch()
+    labels = torch.full_like(ids, -100)
+    assert torch.isnan(hf(input_ids=ids, labels=labels).loss)
+    out = ours(input_ids=ids, labels=labels)
+    assert torch.isnan(out.loss)
+    out.loss.backward()
+    assert float(ours.lm_head.weight.grad.abs().max()) == 0.0
+
+
+def test_calls_without_labels_run_the_model_unchanged():
+    """Generation and the export check read logits: without labels nothing changes."""
+    hf, ours = _pair()
+    ids, labels = _batch()
+    with torch.no_grad():
+        assert torch.equal(hf(input_ids=ids).logits, ours(input_ids=ids).logits)
+        assert torch.equal(hf(input_ids=ids, logits_to_keep=1).logits, ours(input_ids=ids, logits_to_keep=1).logits)
+        # Evaluation: a loss, no gradients made, no logits returned.
+        out = ours(input_ids=ids, labels=labels)
+        assert out.logits is None
+        assert torch.equal(out.loss, hf(input_ids=ids, labels=labels).loss)
+
+
+def test_other_heads_keep_hugging_face_loss():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB))
+    assert "gpt2" in fused.install(gpt2)
+    assert "forward" not in vars(gpt2)  # untouched
+    _, ours = _pair()
+    ours.lm_head = torch.nn.Linear(64, VOCAB, bias=True)
+    assert "bias" in fused.supported(ours)
+
+
+# ----------------------------------------------------------------------------- under ZeRO-3
+
+
+def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> None:
+    """One of 2 spawned ranks: 3 optimizer steps of 2 micro batches with Hugging Face's loss, then
+    the same from the same weights with the fused one."""
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.train import Worker, build_engine, deepspeed_config, init_local_group, load_model
+
+    torch.set_num_threads(1)
+    init_local_group(rank, 2, port)
+    result = {}
+    for fused_loss in (False, True):
+        cfg = load_config(None, [*overrides, f"model.fused_loss={str(fused_loss).lower()}"])
+        messages: list[str] = []
+        w = Worker(cfg, {"model_dir": f"{root}/model"}, rank, 2, Path(root), 16, messages.append)
+        ds_config = deepspeed_config(cfg, 2)
+        loaded = load_model(w, ds_config)
+        engine, _ = build_engine(w, loaded.model, ds_config)
+        gen = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(3 * cfg.train.grad_accum_steps):
+            ids = torch.randint(0, 2048, (4, 64), generator=gen)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        flats = engine.optimizer.fp32_partitioned_groups_flat
+        result[str(fused_loss)] = {
+            "losses": losses,
+            "bits": torch.cat([f.detach().reshape(-1) for f in flats]).view(torch.int32).tolist()[::97],
+            "log": [m for m in messages if m.startswith("[model] loss")],
+        }
+        del engine, loaded
+    (Path(root) / f"rank{rank}.json").write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_zero3_trains_the_same_with_the_fused_loss(tmp_path, shared_cache):
+    """DeepSpeed gathers the output layer inside the fused loss's call and reduces the gradient
+    it returns: losses and updated weights bit for bit as with Hugging Face's loss."""
+    import torch.multiprocessing as mp
+    from conftest import fast_overrides
+
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.model import write_tiny_model
+    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+    from raytrain_cpu.train import free_port
+
+    overrides = fast_overrides(tmp_path / "runs", shared_cache, "train.grad_accum_steps=2")
+    cfg = load_config(None, overrides)
+    write_tiny_model(cfg, load_tokenizer(resolve_tokenizer_path("bundled", "tiny")), tmp_path / "model")
+    mp.start_processes(_train_both_ways, args=(free_port(), str(tmp_path), overrides), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["True"]["losses"] == r["False"]["losses"]
+        assert r["True"]["bits"] == r["False"]["bits"]
+        assert r["False"]["log"] == ["[model] loss: Hugging Face's (model.fused_loss=false)"]
+        assert r["True"]["log"][0].startswith("[model] loss: fused with the output layer")
