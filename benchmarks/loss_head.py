@@ -18,23 +18,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from statistics import median
 from typing import Any
 
 from raytrain_cpu import loss as fused
-from raytrain_cpu.bench import _run_procs, package_versions, write_results
-from raytrain_cpu.cpu import cpu_features
+from raytrain_cpu.bench import _rss, _run_procs, package_versions, write_results
+from raytrain_cpu.cpu import cpu_features, peak_rss_bytes, reset_peak_rss
 
 SHAPES = {"50m": (512, 2048), "llama3-8b": (4096, 128256)}  # hidden, vocabulary
 VARIANTS = ("hugging face", "fused")
-
-
-def _status_bytes(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def child(_: int, spec: dict[str, Any], out) -> None:
@@ -57,15 +49,15 @@ def child(_: int, spec: dict[str, Any], out) -> None:
         return float(loss.detach())
 
     # The inputs resident, plus what their gradients will hold: the rest of the peak is the loss's.
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
-    base = _status_bytes("VmRSS") + hidden.nbytes + weight.nbytes
+    reset_peak_rss()  # VmHWM := VmRSS now
+    base = _rss() + hidden.nbytes + weight.nbytes
     loss = step()  # warm-up, not timed (its memory counts: the first step is a step)
     times = []
     for _ in range(spec["steps"]):
         t0 = time.perf_counter()
         loss = step()
         times.append(time.perf_counter() - t0)
-    peak = _status_bytes("VmHWM")
+    peak = peak_rss_bytes()
     out.put((0, {"step_s": median(times), "peak_over_inputs_gib": (peak - base) / 2**30, "loss": loss}))
 
 

@@ -338,10 +338,15 @@ def load_sharded(model_dir: str, ds_config: dict[str, Any], dtype):
     return model, hf_ds_config
 
 
+def unwrapped(model):
+    """The transformers model itself: peft wraps LoRA models."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def decoder_layers(model) -> list:
     """The model's decoder layers, for any architecture: the modules of the classes transformers
     never splits across devices (`_no_split_modules`)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps LoRA models
+    base = unwrapped(model)
     names = set(getattr(base, "_no_split_modules", None) or [])
     return [m for m in base.modules() if type(m).__name__ in names]
 

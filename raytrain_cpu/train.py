@@ -386,11 +386,12 @@ def choose_attention(w: Worker, model) -> str:
 def install_fused_loss(w: Worker, model) -> None:
     """model.fused_loss: the output layer and the loss as one chunked operation (raytrain_cpu.loss)."""
     from raytrain_cpu import loss
+    from raytrain_cpu.model import unwrapped
 
     if not w.cfg.model.fused_loss:
         w.log("[model] loss: Hugging Face's (model.fused_loss=false)")
         return
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft
+    causal_lm = unwrapped(model)
     why_not = loss.install(causal_lm)
     if why_not:
         w.log(f"[model] loss: Hugging Face's, not fused: {why_not}")

@@ -35,6 +35,40 @@ def fast_overrides(storage, cache, *extra: str) -> list[str]:
     return [f"run.storage_path={storage}", f"data.cache_dir={cache}", *FAST, *extra]
 
 
+def spawn_two_ranks_on_tiny_model(rank_fn, tmp_path, overrides: list[str]) -> None:
+    """Writes the tiny model under tmp_path/model and runs rank_fn(rank, port, str(tmp_path),
+    overrides) in 2 spawned processes (a real gloo group, no Ray)."""
+    import torch.multiprocessing as mp
+
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.model import write_tiny_model
+    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+    from raytrain_cpu.train import free_port
+
+    cfg = load_config(None, overrides)
+    write_tiny_model(cfg, load_tokenizer(resolve_tokenizer_path("bundled", "tiny")), tmp_path / "model")
+    mp.start_processes(rank_fn, args=(free_port(), str(tmp_path), overrides), nprocs=2, start_method="spawn")
+
+
+def zero3_steps(engine, batches) -> list[float]:
+    """engine(ids, labels=ids), backward and step for each batch: the micro batches' losses."""
+    losses = []
+    for ids in batches:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
+
+
+def fp32_partition_bits(engine) -> list[int]:
+    """Every 97th element of the rank's fp32 master partitions, as int32 bits (bit-for-bit checks)."""
+    import torch
+
+    flats = engine.optimizer.fp32_partitioned_groups_flat
+    return torch.cat([f.detach().reshape(-1) for f in flats]).view(torch.int32).tolist()[::97]
+
+
 @pytest.fixture
 def one_vcpu():
     """This thread narrowed to one vCPU, as under `taskset -c N`; the full mask comes back after."""

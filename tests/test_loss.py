@@ -125,6 +125,8 @@ def test_other_heads_keep_hugging_face_loss():
 def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> None:
     """One of 2 spawned ranks: 3 optimizer steps of 2 micro batches with Hugging Face's loss, then
     the same from the same weights with the fused one."""
+    from conftest import fp32_partition_bits, zero3_steps
+
     from raytrain_cpu.config import load_config
     from raytrain_cpu.train import Worker, build_engine, deepspeed_config, init_local_group, load_model
 
@@ -139,17 +141,10 @@ def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> N
         loaded = load_model(w, ds_config)
         engine, _ = build_engine(w, loaded.model, ds_config)
         gen = torch.Generator().manual_seed(rank)
-        losses = []
-        for _ in range(3 * cfg.train.grad_accum_steps):
-            ids = torch.randint(0, 2048, (4, 64), generator=gen)
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss))
-        flats = engine.optimizer.fp32_partitioned_groups_flat
+        batches = [torch.randint(0, 2048, (4, 64), generator=gen) for _ in range(3 * cfg.train.grad_accum_steps)]
         result[str(fused_loss)] = {
-            "losses": losses,
-            "bits": torch.cat([f.detach().reshape(-1) for f in flats]).view(torch.int32).tolist()[::97],
+            "losses": zero3_steps(engine, batches),
+            "bits": fp32_partition_bits(engine),
             "log": [m for m in messages if m.startswith("[model] loss")],
         }
         del engine, loaded
@@ -161,18 +156,10 @@ def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> N
 def test_zero3_trains_the_same_with_the_fused_loss(tmp_path, shared_cache):
     """DeepSpeed gathers the output layer inside the fused loss's call and reduces the gradient
     it returns: losses and updated weights bit for bit as with Hugging Face's loss."""
-    import torch.multiprocessing as mp
-    from conftest import fast_overrides
-
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.model import write_tiny_model
-    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
-    from raytrain_cpu.train import free_port
+    from conftest import fast_overrides, spawn_two_ranks_on_tiny_model
 
     overrides = fast_overrides(tmp_path / "runs", shared_cache, "train.grad_accum_steps=2")
-    cfg = load_config(None, overrides)
-    write_tiny_model(cfg, load_tokenizer(resolve_tokenizer_path("bundled", "tiny")), tmp_path / "model")
-    mp.start_processes(_train_both_ways, args=(free_port(), str(tmp_path), overrides), nprocs=2, start_method="spawn")
+    spawn_two_ranks_on_tiny_model(_train_both_ways, tmp_path, overrides)
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["True"]["losses"] == r["False"]["losses"]

@@ -13,6 +13,7 @@ import pytest
 def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> None:
     """One of 2 spawned ranks: 3 steps with DeepSpeed's step, then 3 from the same weights with the buffer."""
     import torch
+    from conftest import fp32_partition_bits, zero3_steps
 
     from raytrain_cpu import plan, train
     from raytrain_cpu.config import load_config
@@ -36,17 +37,12 @@ def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> N
         loaded = load_model(w, ds_config)
         engine, _ = build_engine(w, loaded.model, ds_config)
         ids = torch.randint(0, 2048, (4, 64), generator=torch.Generator().manual_seed(rank))
-        losses = []
-        for _ in range(3):
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss))
+        losses = zero3_steps(engine, [ids] * 3)
         flats = engine.optimizer.fp32_partitioned_groups_flat
         result[str(reuse)] = {
             "losses": losses,
             "weights": torch.cat([f.detach().reshape(-1) for f in flats]).double().sum().item(),
-            "bits": torch.cat([f.detach().reshape(-1) for f in flats]).view(torch.int32).tolist()[::97],
+            "bits": fp32_partition_bits(engine),
             "sub_groups": len(flats),
             "largest": max(f.numel() for f in flats),
             # what the planner counts: the weight-decay group (the matrices) in model order
@@ -64,19 +60,11 @@ def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> N
 
 @pytest.mark.slow
 def test_reused_fp32_grad_buffer_steps_as_deepspeed_does(tmp_path, shared_cache):
-    import torch.multiprocessing as mp
-    from conftest import fast_overrides
-
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.model import write_tiny_model
-    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
-    from raytrain_cpu.train import free_port
+    from conftest import fast_overrides, spawn_two_ranks_on_tiny_model
 
     # ~0.18M parameters per rank in sub groups of 30k: several sub groups, the buffer reused.
     overrides = fast_overrides(tmp_path / "runs", shared_cache, "deepspeed.sub_group_size=30000")
-    cfg = load_config(None, overrides)
-    write_tiny_model(cfg, load_tokenizer(resolve_tokenizer_path("bundled", "tiny")), tmp_path / "model")
-    mp.start_processes(_train_both_ways, args=(free_port(), str(tmp_path), overrides), nprocs=2, start_method="spawn")
+    spawn_two_ranks_on_tiny_model(_train_both_ways, tmp_path, overrides)
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         stock, reused = r["False"], r["True"]
