@@ -92,6 +92,7 @@ def _worker(rank: int, world_size: int, case: dict[str, Any], out_dir: str):
             # (plan.SHM_SLOT_BYTES), not a fitted constant.
             "deepspeed.shm_collectives=false",
             f"model.fused_loss={case['fused_loss']}",
+            f"model.fused_norm={case['fused_norm']}",
         ],
     )
     log = print if rank == 0 else (lambda msg: None)
@@ -232,6 +233,7 @@ def measure(
     ac: bool,
     launcher: str = "mp",
     fused_loss: bool = True,
+    fused_norm: bool = True,
 ) -> dict[str, Any]:
     """Runs one calibration case and returns measured (max over ranks) next to predicted GiB."""
     shape = plan.CALIBRATION_SHAPES[name]
@@ -246,6 +248,7 @@ def measure(
             zero_stage=3,
             activation_checkpointing=ac,
             fused_loss=fused_loss,
+            fused_norm=fused_norm,
         )
         t0 = time.perf_counter()
         (_launch_ray if launcher == "ray" else _launch_mp)(world_size, case, tmp)
@@ -269,6 +272,7 @@ def measure(
         "seq_len": seq_len,
         "activation_checkpointing": ac,
         "fused_loss": fused_loss,
+        "fused_norm": fused_norm,
         "malloc": ranks[0]["malloc"],
         "fused_adamw": ranks[0]["fused_adamw"],
         "fp32_grad_buffer_bytes": max(r["fp32_grad_buffer_bytes"] for r in ranks),
@@ -303,6 +307,7 @@ def add_prediction(case: dict[str, Any]) -> dict[str, Any]:
         seq_len=case["seq_len"],
         activation_checkpointing=case["activation_checkpointing"],
         fused_loss=case.get("fused_loss", False),  # cases measured before it existed ran Hugging Face's
+        fused_norm=case.get("fused_norm", False),  # likewise
     )["memory_gib"]
     case["predicted_gib"] = {k: round(v, 4) for k, v in predicted.items()}
     case["predicted_over_measured"] = {
@@ -315,6 +320,7 @@ def add_prediction(case: dict[str, Any]) -> dict[str, Any]:
 def _print_case(case: dict[str, Any]) -> None:
     name = f"{case['model']} mb{case['micro_batch']}{' ac' if case['activation_checkpointing'] else ''}"
     name += "" if case.get("fused_loss", False) else " unfused"
+    name += "" if case.get("fused_norm", False) else " hf-norm"
     cols = []
     for phase, (p, m) in PHASES.items():
         measured, predicted = case["measured_rss_gib"][m], case["predicted_gib"][p]
@@ -347,6 +353,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--unfused-loss", action="store_true", help="Hugging Face's loss (model.fused_loss=false) in every case"
     )
+    p.add_argument(
+        "--unfused-norm", action="store_true", help="Hugging Face's RMSNorms (model.fused_norm=false) in every case"
+    )
     p.add_argument("--no-write", action="store_true", help=f"print only; do not rewrite {RESULTS.name}")
     p.add_argument(
         "--repredict", action="store_true", help=f"measure nothing: refresh the predictions in {RESULTS.name}"
@@ -366,7 +375,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"measuring {name}, micro batch {micro_batch}, activation checkpointing {ac} ...", flush=True)
         r = add_prediction(
             measure(
-                name, args.world_size, micro_batch, args.seq_len, args.steps, ac, args.launcher, not args.unfused_loss
+                name,
+                args.world_size,
+                micro_batch,
+                args.seq_len,
+                args.steps,
+                ac,
+                args.launcher,
+                not args.unfused_loss,
+                not args.unfused_norm,
             )
         )
         print(json.dumps(r, indent=2), flush=True)

@@ -15,15 +15,13 @@ shape. Writes benchmarks/results/<machine>/loss_head.json (and .md), or to --jso
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from statistics import median
 from typing import Any
 
 from raytrain_cpu import loss as fused
-from raytrain_cpu.bench import _rss, _run_procs, package_versions, write_results
-from raytrain_cpu.cpu import cpu_features, peak_rss_bytes, reset_peak_rss
+from raytrain_cpu.bench import _rss, against_baseline, interleaved_runs, kernel_bench_parser, write_kernel_bench
+from raytrain_cpu.cpu import peak_rss_bytes, reset_peak_rss
 
 SHAPES = {"50m": (512, 2048), "llama3-8b": (4096, 128256)}  # hidden, vocabulary
 VARIANTS = ("hugging face", "fused")
@@ -62,54 +60,35 @@ def child(_: int, spec: dict[str, Any], out) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="50m,llama3-8b", help=f"comma-separated: {', '.join(SHAPES)}")
-    ap.add_argument("--tokens", type=int, default=2048, help="tokens per step (micro batch x seq)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads: one worker's share")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per run, after one warm-up")
-    ap.add_argument("--repeats", type=int, default=2, help="interleaved runs of each variant")
-    ap.add_argument("--json", default=None, help="where to write the results (default: the machine's folder)")
-    args = ap.parse_args()
-    rows = []
-    for shape in args.shapes.split(","):
-        for rep in range(args.repeats):
-            for variant in VARIANTS:
-                spec = {"shape": shape, "variant": variant, "tokens": args.tokens, "threads": args.threads}
-                (res,) = _run_procs(child, 1, (spec | {"steps": args.steps},))
-                rows.append(spec | {"rep": rep} | res)
-                print(f"[loss_head] {shape} {variant}: {res['step_s']:.3f} s, +{res['peak_over_inputs_gib']:.3f} GiB")
-    table = []
-    for shape in args.shapes.split(","):
-        hf = [r for r in rows if r["shape"] == shape and r["variant"] == "hugging face"]
-        for variant in VARIANTS:
-            mine = [r for r in rows if r["shape"] == shape and r["variant"] == variant]
-            table.append(
-                {
-                    "shape": f"{shape} (hidden {SHAPES[shape][0]}, vocab {SHAPES[shape][1]:,})",
-                    "variant": variant,
-                    "step s each": ", ".join(f"{r['step_s']:.3f}" for r in mine),
-                    "vs hugging face (time, medians)": median(r["step_s"] for r in hf)
-                    / median(r["step_s"] for r in mine),
-                    "peak over inputs GiB (max)": max(r["peak_over_inputs_gib"] for r in mine),
-                    "loss": mine[0]["loss"],
-                }
-            )
-    result = {
-        "command": "python benchmarks/loss_head.py " + " ".join(sys.argv[1:]),
-        "machine": cpu_features().describe(),
-        "versions": package_versions(),
-        "runs": rows,
-        "tables": {f"output layer + loss, forward and backward, {args.tokens} tokens, {args.threads} thread(s)": table},
-        "notes": [
-            "bf16 hidden states and weight; 'hugging face' = cross_entropy((hidden @ weight.T).float(), targets) as "
-            "ForCausalLMLoss computes it; 'fused' = raytrain_cpu.loss.LinearCrossEntropy (model.fused_loss).",
-            "peak over inputs: the VmHWM high-water mark of all steps (reset once the inputs exist) above the "
-            "inputs and their gradients' size.",
-            f"chunk: raytrain_cpu.loss.CHUNK_BYTES = {fused.CHUNK_BYTES >> 20} MiB of fp32 logits.",
-        ],
-    }
-    path = write_results("loss_head", result, args.json)
-    print(path.with_suffix(".md").read_text())
+    args = kernel_bench_parser(__doc__, list(SHAPES), steps=3, repeats=2).parse_args()
+    spec = {"tokens": args.tokens, "threads": args.threads, "steps": args.steps}
+    rows = interleaved_runs(child, args.shapes.split(","), VARIANTS, args.repeats, spec)
+    table = [
+        {
+            "shape": f"{shape} (hidden {SHAPES[shape][0]}, vocab {SHAPES[shape][1]:,})",
+            "variant": variant,
+            "step s each": ", ".join(f"{r['step_s']:.3f}" for r in mine),
+            "vs hugging face (time, medians)": speed,
+            "peak over inputs GiB (max)": max(r["peak_over_inputs_gib"] for r in mine),
+            "loss": mine[0]["loss"],
+        }
+        for shape, variant, mine, speed in against_baseline(rows, "step_s", "hugging face")
+    ]
+    notes = [
+        "bf16 hidden states and weight; 'hugging face' = cross_entropy((hidden @ weight.T).float(), targets) as "
+        "ForCausalLMLoss computes it; 'fused' = raytrain_cpu.loss.LinearCrossEntropy (model.fused_loss).",
+        "peak over inputs: the VmHWM high-water mark of all steps (reset once the inputs exist) above the "
+        "inputs and their gradients' size.",
+        f"chunk: raytrain_cpu.loss.CHUNK_BYTES = {fused.CHUNK_BYTES >> 20} MiB of fp32 logits.",
+    ]
+    write_kernel_bench(
+        "loss_head",
+        rows,
+        f"output layer + loss, forward and backward, {args.tokens} tokens, {args.threads} thread(s)",
+        table,
+        notes,
+        args.json,
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,9 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from raytrain_cpu import cpu
@@ -443,7 +444,8 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
     """Each switch against the defaults, interleaved: bf16 forced, activation checkpointing,
     whole-layer ZeRO-3 gathers, gloo in place of the shared-memory collectives, DeepSpeed's
     fresh fp32 gradient each step and fresh reduce-scatter buffers in place of the kept ones, SDPA's and the causal blocks'
-    attention in place of the start-up timing's pick, Hugging Face's loss in place of the fused one, compile per layer and of the
+    attention in place of the start-up timing's pick, Hugging Face's loss and norms in place of the fused ones, micro
+    batch 8 in place of 4 (half the ZeRO-3 gathers and hooks per token), compile per layer and of the
     whole model, ZeRO-2 and ZeRO-1
     (no parameter gathers: for a model that fits whole on every rank, see `plan`),
     PyTorch's per-tensor AdamW loop in place of the fused kernel, and glibc malloc with the
@@ -462,6 +464,8 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
         "sdpa attention": ["model.attention=sdpa"],
         "causal-blocks attention": ["model.attention=causal_blocks"],
         "unfused loss": ["model.fused_loss=false"],
+        "unfused norm": ["model.fused_norm=false"],
+        "micro batch 8": ["train.micro_batch_size=8"],
         "compile": ["model.compile=true"],
         "compile + sdpa attention": ["model.compile=true", "model.attention=sdpa"],
         "compile (whole model)": ["model.compile=true", "model.compile_scope=model"],
@@ -470,7 +474,9 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
         "ZeRO-1": ["deepspeed.zero_stage=1", "guards.action=log"],
         "ZeRO-2 + compile": ["deepspeed.zero_stage=2", "guards.action=log", "model.compile=true"],
         "AdamW per-tensor": ["train.fused_adamw=false"],
-        "glibc dynamic mmap threshold": ["scaling.allocator=system"],
+        "glibc 32 MiB mmap threshold": ["scaling.allocator=system"],  # the workers' glibc default
+        "glibc dynamic mmap threshold": ["scaling.allocator=system", "scaling.glibc_mmap_threshold=0"],
+        "jemalloc": ["scaling.allocator=jemalloc"],  # against a base run with scaling.allocator=system
         "glibc fixed mmap threshold": ["scaling.allocator=system", f"scaling.glibc_mmap_threshold={1 << 20}"],
     }
     only = set(args.variants.split(",")) if args.variants else None
@@ -679,6 +685,10 @@ def _reference_worker(
         from raytrain_cpu import loss as fused_loss
 
         fused_loss.install(model)
+    if not compile:  # the trainers' norms (model.fused_norm), under autocast too; inductor fuses its own
+        from raytrain_cpu import norm
+
+        norm.install(model)
     # The project's optimizer: AdamW without weight decay on norms, its lr, betas and eps.
     groups = [
         {"params": [p for p in opt_params if p.ndim >= 2], "weight_decay": t.weight_decay},
@@ -947,6 +957,65 @@ def _reference_report(zero3: list[dict], refs: list[dict], tokens: str, cores: i
             f"ZeRO-3 / best, per core = {ratio:.3f} (mean of {len(zero3)} interleaved ZeRO-3 runs).",
         ],
     }
+
+
+# ----------------------------------------------------------------------------- one kernel, variant against variant
+
+
+def kernel_bench_parser(doc: str, shapes: list[str], steps: int, repeats: int) -> argparse.ArgumentParser:
+    """The command line of the one-kernel benchmarks (benchmarks/loss_head.py, benchmarks/norm.py)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(shapes), help=f"comma-separated: {', '.join(shapes)}")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per step (micro batch x seq)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads: one worker's share")
+    ap.add_argument("--steps", type=int, default=steps, help="timed steps per run, after a warm-up")
+    ap.add_argument("--repeats", type=int, default=repeats, help="interleaved runs of each variant")
+    ap.add_argument("--json", default=None, help="where to write the results (default: the machine's folder)")
+    return ap
+
+
+def interleaved_runs(
+    child: Callable, shapes: list[str], variants: tuple[str, ...], repeats: int, spec: dict
+) -> list[dict]:
+    """child(0, spec | {shape, variant}, queue) once per shape, repeat and variant, each in a fresh
+    spawned process (its allocator and caches start clean), the variants interleaved so that
+    the host's drift falls on all of them; the rows are the spec, the repeat and the result."""
+    rows = []
+    for shape in shapes:
+        for rep in range(repeats):
+            for variant in variants:
+                run = spec | {"shape": shape, "variant": variant}
+                (res,) = _run_procs(child, 1, (run,))
+                rows.append(run | {"rep": rep} | res)
+                print(f"[{child.__module__}] {shape} {variant}: {res}", flush=True)
+    return rows
+
+
+def write_kernel_bench(
+    name: str, rows: list[dict], title: str, table: list[dict], notes: list[str], json_path: str | None
+) -> None:
+    """Writes a one-kernel benchmark's JSON and table (benchmarks/<name>.py) and prints the table."""
+    result = {
+        "command": f"python benchmarks/{name}.py " + " ".join(sys.argv[1:]),
+        "machine": cpu.cpu_features().describe(),
+        "versions": package_versions(),
+        "runs": rows,
+        "tables": {title: table},
+        "notes": notes,
+    }
+    print(write_results(name, result, json_path).with_suffix(".md").read_text())
+
+
+def against_baseline(rows: list[dict], key: str, baseline: str) -> Iterator[tuple[str, str, list[dict], float]]:
+    """(shape, variant, that variant's rows, median `key` of the baseline / of the variant) for
+    each shape and variant in the order run: > 1 means the variant took less."""
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    for shape in shapes:
+        base = median(r[key] for r in rows if r["shape"] == shape and r["variant"] == baseline)
+        for variant in variants:
+            mine = [r for r in rows if r["shape"] == shape and r["variant"] == variant]
+            yield shape, variant, mine, base / median(r[key] for r in mine)
 
 
 # ----------------------------------------------------------------------------- load

@@ -90,6 +90,7 @@ EXECUTION_SETTINGS = frozenset(
         "model.compile",
         "model.compile_scope",
         "model.fused_loss",
+        "model.fused_norm",
         "model.compile_cache_dir",
         "data.cache_dir",
         "data.tokenize_actors",

@@ -17,8 +17,9 @@ Why each piece exists:
   socket per rank, so memory stays NUMA-local).
 * **allocator**: jemalloc/tcmalloc keep freed activations for reuse without fragmenting; they
   must be preloaded before the worker starts, so the driver puts them in the workers'
-  LD_PRELOAD (`preload_env`). Without them glibc malloc keeps its dynamic mmap threshold
-  (fast, but it fragments), or takes a fixed one on request (`GLIBC_MMAP_THRESHOLD`).
+  LD_PRELOAD (`preload_env`). Without them glibc malloc gets a fixed mmap threshold at its
+  32 MiB ceiling and a heap it does not trim below twice that (`GLIBC_HEAP_THRESHOLD`), or
+  the planner's calibration's 1 MiB (`GLIBC_MMAP_THRESHOLD`) on request.
 """
 
 from __future__ import annotations
@@ -542,9 +543,13 @@ _LIB_DIRS = (
     "/usr/local/lib",
     "/lib64",
 )
-# Keep freed pages around for 10 s (jemalloc's default) but purge them from a background
-# thread instead of inside malloc on the training thread.
-JEMALLOC_CONF = "background_thread:true,metadata_thp:auto"
+# Purge freed pages from a background thread instead of inside malloc on the training thread,
+# and only after 30 s unused: with jemalloc's default 10 s a step's freed activations were
+# partly returned before the next step made them again, so their pages faulted in afresh. On
+# the AMX host (bench model, 2 cores per suite, `benchmarks/results/intel-xeon-amx_bf16/
+# options-lease4b-alloc-*`) the 10 s default ran at 0.86x and 0.91x glibc's speed, 30 s at 1.04x,
+# never purging at 1.01x both ways but with a 9% higher peak than 30 s.
+JEMALLOC_CONF = "background_thread:true,metadata_thp:auto,dirty_decay_ms:30000,muzzy_decay_ms:30000"
 
 
 def find_allocator(choice: str = "auto", search_dirs: Sequence[str] = ()) -> tuple[str, str]:
@@ -579,20 +584,31 @@ def find_allocator(choice: str = "auto", search_dirs: Sequence[str] = ()) -> tup
 # GiB at 8 MiB; on the ~50M bench model the fixed 1 MiB ran at 0.73-0.77x the dynamic one's
 # tokens/s. So it is opt-in (scaling.glibc_mmap_threshold) and the planner's calibration.
 GLIBC_MMAP_THRESHOLD = 1 << 20
+# The workers' default: glibc's dynamic threshold at its ceiling from the first step, with its
+# trim threshold (twice it, as glibc's dynamic rule sets it). The dynamic pair trims the heap
+# whenever its free top passes twice the largest block freed so far, so the next step faults
+# those pages in again: the embedded default ran at 19.9k and 27.5k tokens/s (fused loss)
+# against 33.7k and 35.9k with this pair; with Hugging Face's loss 32.2k and 32.9k against
+# 32.1k and 30.7k (the same perplexity). The 50M bench model: 1,344 and 1,323 against 1,307
+# and 1,346, at 2.84 GB peak per rank against 2.87.
+GLIBC_HEAP_THRESHOLD = 32 << 20
 
 
-def preload_env(choice: str = "auto", glibc_mmap_threshold: int = 0) -> dict[str, str]:
+def preload_env(choice: str = "auto", glibc_mmap_threshold: int = GLIBC_HEAP_THRESHOLD) -> dict[str, str]:
     """Env vars a worker process must start with for its allocator.
 
     jemalloc or tcmalloc when installed (LD_PRELOAD); otherwise glibc's fixed mmap threshold
-    (MALLOC_MMAP_THRESHOLD_; 0 keeps glibc's dynamic one; a value already in this process's
-    environment wins).
+    and twice it as its trim threshold (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_; 0 keeps
+    glibc's dynamic ones; a value already in this process's environment wins).
     """
     name, path = find_allocator(choice)
     if not path:
         if not glibc_mmap_threshold:
             return {}
-        return {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(glibc_mmap_threshold))}
+        return {
+            "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(glibc_mmap_threshold)),
+            "MALLOC_TRIM_THRESHOLD_": os.environ.get("MALLOC_TRIM_THRESHOLD_", str(2 * glibc_mmap_threshold)),
+        }
     env = {"LD_PRELOAD": ":".join(p for p in (path, os.environ.get("LD_PRELOAD", "")) if p)}
     if name == "jemalloc":
         env["MALLOC_CONF"] = os.environ.get("MALLOC_CONF", JEMALLOC_CONF)

@@ -211,9 +211,10 @@ STEP_OVERHEAD_BYTES = int(0.04 * GIB)
 # threshold they fragmented its heap (1.63, and 3.34 for LoRA's mid-size fp32 temporaries,
 # fitted on an AVX2 host: benchmarks/results/amd-epyc-avx2/planner_calibration.json, about
 # 30% above live size on the 50M bench model). The planner plans for jemalloc (the cluster
-# images preload it) or glibc with a fixed threshold (scaling.glibc_mmap_threshold), which
-# measured the same peak: the five cases of CALIBRATION_FILE (tiny to 0.5B, fixed threshold)
-# fit 1.0 with STEP_OVERHEAD_BYTES, within 3.1% for all but llama-37m at micro batch 2, whose
+# images preload it) or glibc with the fixed 1 MiB threshold (scaling.glibc_mmap_threshold;
+# the workers' 32 MiB default keeps more on the heap: 2.87 GB against 2.30 at the 50M bench
+# model's peak, glibc's dynamic one 2.84), which measured the same peak as jemalloc: the
+# cases of CALIBRATION_FILE (tiny to 0.5B, fixed threshold) fit 1.0 with STEP_OVERHEAD_BYTES, within 3.1% for all but llama-37m at micro batch 2, whose
 # activations are tensors under the threshold, left on the heap (measured 13% above).
 FRAGMENTATION = 1.0
 # LoRA's mid-size fp32 temporaries (each adapter's input cast to fp32, B's output, its scaled
@@ -232,6 +233,13 @@ def _act_bytes_per_token_layer(s: ModelShape) -> int:
     product (2i each). Checked against autograd's saved tensors (within 10%).
     """
     return 26 * s.hidden_size + 8 * s.kv_dim + 8 * s.intermediate_size
+
+
+# model.fused_norm: activation bytes per token per layer per hidden unit that the fused
+# RMSNorms do not keep (two norms: 12h under Hugging Face's, 4h fused, in bf16 and in fp32);
+# autograd's saved tensors of a 50M bench layer measured 10h less, the layer input included
+# (which the next layer's fused norm keeps: 2h of those 10 come back).
+FUSED_NORM_SAVED_PER_HIDDEN = 8
 
 
 # Logits per token: the bf16 logits, their fp32 copy in the loss, log-softmax's fp32 output
@@ -324,6 +332,7 @@ def memory_breakdown(
     reuse_fp32_grad_buffer: bool = True,
     reuse_reduce_buffer: bool = True,
     fused_loss: bool = True,
+    fused_norm: bool = True,
 ) -> dict[str, float]:
     """Per-rank bytes of each component (not cumulative), named after where it comes from.
 
@@ -343,6 +352,9 @@ def memory_breakdown(
 
     `fused_loss` (model.fused_loss): the output layer and the loss a chunk of tokens at a time,
     instead of Hugging Face's logits for every token (`logits` counts either).
+
+    `fused_norm` (model.fused_norm): each RMSNorm keeps its bf16 input (2h bytes a token) for
+    the backward instead of an fp32 copy and its bf16 output (6h): 8h less per token per layer.
 
     With `lora_rank` the base model is frozen: its weights are held (and gathered) as in full
     fine-tuning, but it has no fp32 master copy, gradients or optimizer state; those exist
@@ -386,7 +398,9 @@ def memory_breakdown(
     # model.attention=auto times both attentions once, right after the load, on tensors of the
     # run's shape (counted whichever model.attention says: the planner assumes the default).
     attention_pick = ATTENTION_PICK_FACTOR * b * tokens * shape.hidden_size  # heads x head_dim
-    per_token_layer = _act_bytes_per_token_layer(shape) * b // 2
+    per_token_layer = _act_bytes_per_token_layer(shape) * b // 2 - (
+        FUSED_NORM_SAVED_PER_HIDDEN * shape.hidden_size if fused_norm else 0
+    )
     if lora_rank:
         per_token_layer += _lora_act_delta(shape, lora_rank, tuple(lora_targets), dtype, lora_dropout)
     per_layer = per_token_layer * tokens
@@ -708,6 +722,7 @@ def plan(
     reuse_fp32_grad_buffer: bool = True,
     reuse_reduce_buffer: bool = True,
     fused_loss: bool = True,
+    fused_norm: bool = True,
 ) -> dict[str, Any]:
     """The whole estimate as a JSON-able dict (what `--json` prints).
 
@@ -749,6 +764,7 @@ def plan(
         reuse_fp32_grad_buffer=reuse_fp32_grad_buffer,
         reuse_reduce_buffer=reuse_reduce_buffer,
         fused_loss=fused_loss,
+        fused_norm=fused_norm,
         shm_ranks=world_size if world_size <= ranks_per_node else 0,  # all ranks on one node
     )
     lora_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets)
@@ -837,6 +853,7 @@ def inputs_from_run_config(path: str) -> dict[str, Any]:
         reuse_fp32_grad_buffer=cfg.deepspeed.reuse_fp32_grad_buffer,
         reuse_reduce_buffer=cfg.deepspeed.reuse_reduce_buffer,
         fused_loss=m.fused_loss,
+        fused_norm=m.fused_norm,
     )
 
 
@@ -858,7 +875,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"setup       {i['world_size']} ranks, ZeRO-{i['zero_stage']}{offload}, {i['dtype']}, micro batch "
         f"{i['micro_batch']} x seq {i['seq_len']}, grad accum {i['grad_accum_steps']}, activation checkpointing "
         f"{'on' if i['activation_checkpointing'] else 'off'}, AdamW {'fused' if i['fused_adamw'] else 'per-tensor'}, "
-        f"loss {'fused' if i['fused_loss'] else 'unfused'}",
+        f"loss {'fused' if i['fused_loss'] else 'unfused'}, norms {'fused' if i['fused_norm'] else 'unfused'}",
         f"trainable   {_count(m['trainable_params'])} params"
         + (
             f" (LoRA rank {i['lora_rank']} on {', '.join(i['lora_targets'])}"
@@ -876,7 +893,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"  peak during training      {mem['peak']:10.2f}",
         "  of which: " + ", ".join(f"{k} {v:.2f}" for k, v in result["components_gib"].items() if v >= 0.005),
         "  (for jemalloc or tcmalloc, which the cluster images preload, or glibc with"
-        " scaling.glibc_mmap_threshold=1048576; glibc's default measured ~30% higher at the peak)",
+        " scaling.glibc_mmap_threshold=1048576; the workers' glibc default, 32 MiB, measured ~25% higher at the peak)",
         "",
         f"communication per rank per step   {result['comm_gib_per_step']:.3g} GiB "
         f"(>= {result['comm_seconds_per_step_min']:.2f} s at {result['network_node']}'s line rate)",
@@ -948,6 +965,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-fused-loss counts Hugging Face's logits for every token",
     )
     p.add_argument(
+        "--fused-norm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="RMSNorms as one autograd operation (the default, model.fused_norm); "
+        "--no-fused-norm counts Hugging Face's fp32 copies",
+    )
+    p.add_argument(
         "--max-live-parameters",
         type=float,
         help="ZeRO-3 parameters kept gathered (deepspeed.max_live_parameters; default 1e9)",
@@ -975,6 +999,7 @@ def main(argv: list[str] | None = None) -> int:
         lora_dropout=0.0,
         fused_adamw=True,
         fused_loss=True,
+        fused_norm=True,
         max_live_parameters=DS_MAX_LIVE_PARAMETERS,
     )
     try:
@@ -994,6 +1019,7 @@ def main(argv: list[str] | None = None) -> int:
             lora_dropout=args.lora_dropout,
             fused_adamw=args.fused_adamw,
             fused_loss=args.fused_loss,
+            fused_norm=args.fused_norm,
             max_live_parameters=int(args.max_live_parameters) if args.max_live_parameters else None,
         )
         inputs |= {k: v for k, v in flags.items() if v is not None}

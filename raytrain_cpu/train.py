@@ -349,6 +349,7 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
     peaks = _allreduce_sum([float(cpu.peak_rss_bytes()) if r == w.rank else 0.0 for r in range(w.world)])
     attn = choose_attention(w, model)  # after the peak: its timing's tensors are not the loading's
     install_fused_loss(w, model)  # after LoRA: an adapted output layer keeps Hugging Face's loss
+    install_fused_norm(w, model)
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     load_s = time.perf_counter() - t0
@@ -398,6 +399,19 @@ def install_fused_loss(w: Worker, model) -> None:
     else:
         rows = loss.chunk_rows(causal_lm.config.vocab_size)
         w.log(f"[model] loss: fused with the output layer, up to {rows:,} tokens per chunk")
+
+
+def install_fused_norm(w: Worker, model) -> None:
+    """model.fused_norm: Llama-style RMSNorms as one autograd operation (raytrain_cpu.norm)."""
+    from raytrain_cpu import norm
+
+    m = w.cfg.model
+    if not m.fused_norm or m.compile:
+        why = "model.fused_norm=false" if not m.fused_norm else "inductor fuses them in compiled code"
+        w.log(f"[model] norms: Hugging Face's ({why})")
+        return
+    n = norm.install(model)
+    w.log(f"[model] norms: {n} fused RMSNorms" if n else "[model] norms: Hugging Face's (no Llama-style RMSNorm)")
 
 
 def build_engine(w: Worker, model, ds_config: dict[str, Any]):

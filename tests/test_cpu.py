@@ -212,21 +212,24 @@ def test_worker_env_turns_omp_binding_off_for_shared_nodes(monkeypatch):
     from raytrain_cpu.main import worker_env
 
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    cfg = load_config(None, ["scaling.allocator=system"])
+    cfg = load_config(None, ["scaling.allocator=system", "scaling.glibc_mmap_threshold=0"])
     assert worker_env(cfg, 1) == {}
     assert worker_env(cfg, 2) == {"OMP_PROC_BIND": "false"}
 
 
-def test_glibc_workers_can_get_a_fixed_mmap_threshold(monkeypatch):
-    """Without jemalloc/tcmalloc, a fixed threshold keeps glibc's heap from fragmenting (opt-in)."""
+def test_glibc_workers_get_a_fixed_mmap_threshold_and_twice_it_to_trim(monkeypatch):
+    """Without jemalloc/tcmalloc: 32 MiB by default (a kept heap), 1 MiB on request (less memory)."""
     from raytrain_cpu.config import load_config
     from raytrain_cpu.main import worker_env
 
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    default = load_config(None, ["scaling.allocator=system"])
+    assert worker_env(default, 1) == {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
     cfg = load_config(None, ["scaling.allocator=system", f"scaling.glibc_mmap_threshold={1 << 20}"])
-    assert worker_env(cfg, 1) == {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    assert worker_env(cfg, 1) == {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(2 << 20)}
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the user's own setting wins
-    assert worker_env(cfg, 1) == {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    assert worker_env(cfg, 1)["MALLOC_MMAP_THRESHOLD_"] == "65536"
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     monkeypatch.setattr(cpu, "find_allocator", lambda choice: ("jemalloc", "/x/libjemalloc.so.2"))
     assert "MALLOC_MMAP_THRESHOLD_" not in worker_env(load_config(None, []), 1)  # jemalloc has its own

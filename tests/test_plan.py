@@ -244,6 +244,7 @@ def test_each_phase_within_10_percent_of_measured(case, phase):
         seq_len=plan.CALIBRATION_SEQ_LEN,
         activation_checkpointing=case["activation_checkpointing"],
         fused_loss=case.get("fused_loss", False),  # measured before model.fused_loss: Hugging Face's
+        fused_norm=case.get("fused_norm", False),  # likewise, before model.fused_norm
     )["memory_gib"][phase]
     measured = case["measured_rss_gib"][PHASES[phase]]
     key = (case["model"], case["micro_batch"], case["activation_checkpointing"], phase)

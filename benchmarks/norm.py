@@ -1,0 +1,110 @@
+"""One RMSNorm alone: Hugging Face's Llama RMSNorm against the fused one (raytrain_cpu.norm).
+
+    python benchmarks/norm.py [--shapes 50m,llama3-8b] [--tokens 2048] [--threads 1] [--repeats 3]
+
+Forward and backward of one norm on bf16 hidden states, as one worker runs it twice per decoder
+layer: at the ~50M bench model's width (512) and at Llama-3-8B's (4,096). Each variant runs in
+a fresh spawned process, interleaved `--repeats` times, and records the median step time (after
+two warm-up steps), the minor page faults per step and the bytes autograd keeps for the
+backward (saved tensors, the input excluded: the residual stream holds it). Writes
+benchmarks/results/<machine>/norm.json (and .md), or to --json.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from statistics import median
+from typing import Any
+
+from raytrain_cpu.bench import against_baseline, interleaved_runs, kernel_bench_parser, write_kernel_bench
+
+SHAPES = {"50m": 512, "llama3-8b": 4096}  # hidden size
+VARIANTS = ("hugging face", "fused")
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def child(_: int, spec: dict[str, Any], out) -> None:
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from raytrain_cpu import norm
+
+    torch.set_num_threads(spec["threads"])
+    d = SHAPES[spec["shape"]]
+    gen = torch.Generator().manual_seed(0)
+    module = LlamaRMSNorm(d).to(torch.bfloat16)
+    if spec["variant"] == "fused":
+        norm.install(module)
+    x = torch.randn(spec["tokens"], d, generator=gen).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(spec["tokens"], d, generator=gen).to(torch.bfloat16)
+
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x).backward(grad)
+    own = {x.untyped_storage().data_ptr(), module.weight.untyped_storage().data_ptr()}
+    saved_bytes = sum(n for ptr, n in saved.items() if ptr not in own)
+
+    def step() -> float:
+        x.grad = module.weight.grad = None
+        t0 = time.perf_counter()
+        module(x).backward(grad)
+        return time.perf_counter() - t0
+
+    step()
+    times, f0 = [], _faults()
+    for _ in range(spec["steps"]):
+        times.append(step())
+    faults = (_faults() - f0) / spec["steps"]
+    out.put(
+        (
+            0,
+            {
+                "step_ms": 1e3 * median(times),
+                "faults_per_step": faults,
+                "saved_bytes_per_token": saved_bytes / spec["tokens"],
+            },
+        )
+    )
+
+
+def main() -> None:
+    args = kernel_bench_parser(__doc__, list(SHAPES), steps=20, repeats=3).parse_args()
+    spec = {"tokens": args.tokens, "threads": args.threads, "steps": args.steps}
+    rows = interleaved_runs(child, args.shapes.split(","), VARIANTS, args.repeats, spec)
+    table = [
+        {
+            "shape": f"{shape} (hidden {SHAPES[shape]})",
+            "variant": variant,
+            "ms per forward + backward, each run": ", ".join(f"{r['step_ms']:.2f}" for r in mine),
+            "speed vs hugging face (medians)": speed,
+            "page faults per step (median)": median(r["faults_per_step"] for r in mine),
+            "saved for backward, bytes per token": mine[0]["saved_bytes_per_token"],
+        }
+        for shape, variant, mine, speed in against_baseline(rows, "step_ms", "hugging face")
+    ]
+    notes = [
+        "bf16 input and weight; 'hugging face' = LlamaRMSNorm.forward under autograd; 'fused' = "
+        "raytrain_cpu.norm.RMSNormFunction (model.fused_norm): the same forward, a closed-form backward.",
+        "saved for backward: autograd's saved tensors other than the input and the weight.",
+    ]
+    write_kernel_bench(
+        "norm",
+        rows,
+        f"one RMSNorm, forward and backward, {args.tokens} tokens, {args.threads} thread(s)",
+        table,
+        notes,
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()
