@@ -531,3 +531,20 @@ def test_fused_loss_holds_less_than_logits_for_every_token():
     assert lora == plan.FUSED_LOSS_CHUNK_BYTES_PER_VOCAB * shape.vocab_size * (
         plan.LOSS_CHUNK_BYTES // (4 * shape.vocab_size)
     )
+
+
+def test_micro_batch_advice_trades_accumulation_for_fewer_gathers():
+    """At ZeRO-3 with accumulation: the largest micro batch that keeps the global batch and fits."""
+    kwargs = dict(seq_len=1024, activation_checkpointing=True)
+    accumulated = plan.plan("meta-llama/Meta-Llama-3-8B", 4, micro_batch=1, grad_accum_steps=8, **kwargs)
+    advice = accumulated["micro_batch_advice"]
+    assert "micro batch 8 x grad accum 1" in advice and "train.micro_batch_size=8" in advice
+    whole = plan.plan("meta-llama/Meta-Llama-3-8B", 4, micro_batch=8, grad_accum_steps=1, **kwargs)
+    assert whole["micro_batch_advice"] is None  # nothing left to trade
+    assert whole["comm_gib_per_step"] * 7 < accumulated["comm_gib_per_step"]
+    assert plan.plan("tiny", 2, zero_stage=2, grad_accum_steps=4)["micro_batch_advice"] is None  # no gathers
+    # Micro batch 2 at seq 2048 would not fit a c7i.8xlarge (micro batch 1 does, at 46.5 GiB): no advice.
+    tight = plan.plan(
+        "meta-llama/Meta-Llama-3-8B", 4, micro_batch=1, grad_accum_steps=2, seq_len=2048, instance="c7i.8xlarge"
+    )
+    assert tight["recommendation"]["fits_instance"] and tight["micro_batch_advice"] is None
