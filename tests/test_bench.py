@@ -59,6 +59,24 @@ def test_compare_reports_ratios_to_the_baseline():
     assert table["a"]["tokens/s (median)"] == 110.0 and table["b"]["vs a"] == pytest.approx(150 / 110)
 
 
+def test_kernel_benches_compare_medians_per_shape_against_the_baseline():
+    """The one-kernel benches (loss_head, norm): baseline median / variant median, per shape."""
+    rows = [
+        {"shape": "s", "variant": "hf", "ms": 4.0},
+        {"shape": "s", "variant": "fused", "ms": 2.0},
+        {"shape": "s", "variant": "hf", "ms": 6.0},
+        {"shape": "s", "variant": "fused", "ms": 3.0},
+        {"shape": "l", "variant": "hf", "ms": 10.0},
+        {"shape": "l", "variant": "fused", "ms": 20.0},
+    ]
+    out = {
+        (shape, variant): (len(mine), speed) for shape, variant, mine, speed in bench.against_baseline(rows, "ms", "hf")
+    }
+    assert list(out) == [("s", "hf"), ("s", "fused"), ("l", "hf"), ("l", "fused")]  # the order run
+    assert out[("s", "fused")] == (2, pytest.approx(2.0)) and out[("s", "hf")][1] == 1.0
+    assert out[("l", "fused")][1] == pytest.approx(0.5)
+
+
 @pytest.mark.slow
 def test_gemm_and_load_suites_at_tiny_size(tmp_path):
     assert bench.main(["gemm", "--size", "tiny", "--json", str(tmp_path / "gemm.json")]) == 0
