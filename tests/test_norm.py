@@ -44,11 +44,14 @@ def test_same_output_bits_and_gradients_within_hugging_face_rounding(dtype):
     x64 = x.double().requires_grad_()
     w64 = hf.weight.detach().double().requires_grad_()
     (w64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))).backward(g.double())
+    # Within the dtype's rounding of the exact gradient, or at least as close as Hugging Face's
+    # (which worst element rounds which way can differ between CPUs' summation orders).
+    rounding = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-20
     for ours_grad, hf_grad, exact in ((gx_ours, gx_hf, x64.grad), (gw_ours, gw_hf, w64.grad)):
         assert ours_grad.dtype == dtype
         err_ours = (ours_grad.double() - exact).abs().max()
         err_hf = (hf_grad.double() - exact).abs().max()
-        assert err_ours <= err_hf * 1.01 + 1e-6 * exact.abs().max()
+        assert err_ours <= max(1.01 * err_hf, rounding * exact.abs().max())
 
 
 def test_frozen_weight_and_frozen_input():
