@@ -61,8 +61,7 @@ def child(_: int, spec: dict[str, Any], out) -> None:
 
 def main() -> None:
     args = kernel_bench_parser(__doc__, list(SHAPES), steps=3, repeats=2).parse_args()
-    spec = {"tokens": args.tokens, "threads": args.threads, "steps": args.steps}
-    rows = interleaved_runs(child, args.shapes.split(","), VARIANTS, args.repeats, spec)
+    rows = interleaved_runs(child, args, VARIANTS)
     table = [
         {
             "shape": f"{shape} (hidden {SHAPES[shape][0]}, vocab {SHAPES[shape][1]:,})",

@@ -974,15 +974,15 @@ def kernel_bench_parser(doc: str, shapes: list[str], steps: int, repeats: int) -
     return ap
 
 
-def interleaved_runs(
-    child: Callable, shapes: list[str], variants: tuple[str, ...], repeats: int, spec: dict
-) -> list[dict]:
-    """child(0, spec | {shape, variant}, queue) once per shape, repeat and variant, each in a fresh
-    spawned process (its allocator and caches start clean), the variants interleaved so that
-    the host's drift falls on all of them; the rows are the spec, the repeat and the result."""
+def interleaved_runs(child: Callable, args: argparse.Namespace, variants: tuple[str, ...]) -> list[dict]:
+    """child(0, spec, queue) once per shape, repeat and variant of `args` (kernel_bench_parser's),
+    each in a fresh spawned process (its allocator and caches start clean), the variants
+    interleaved so that the host's drift falls on all of them; spec holds the shape, variant,
+    tokens, threads and steps; the rows are the spec, the repeat and the result."""
+    spec = {"tokens": args.tokens, "threads": args.threads, "steps": args.steps}
     rows = []
-    for shape in shapes:
-        for rep in range(repeats):
+    for shape in args.shapes.split(","):
+        for rep in range(args.repeats):
             for variant in variants:
                 run = spec | {"shape": shape, "variant": variant}
                 (res,) = _run_procs(child, 1, (run,))

@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from raytrain_cpu.cpu import GLIBC_HEAP_THRESHOLD
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key and the fix."""
@@ -400,7 +402,7 @@ class ScalingConfig:
     allocator: str = "auto"
     """malloc of the training workers: 'auto' preloads jemalloc, else tcmalloc, when the
     library is installed (apt-get install libjemalloc2); 'jemalloc', 'tcmalloc' or 'system'."""
-    glibc_mmap_threshold: int = 33554432
+    glibc_mmap_threshold: int = GLIBC_HEAP_THRESHOLD
     """With glibc malloc (no jemalloc/tcmalloc): allocations at least this many bytes get their
     own mapping, returned to the OS when freed and faulted in afresh when made again; smaller
     ones come from the heap, which keeps up to twice this free before trimming (glibc's own

@@ -1,7 +1,7 @@
 """RMSNorm as one autograd operation: Hugging Face's forward, a hand-written backward.
 
-Why: Hugging Face's Llama RMSNorm is five eager operators (cast to fp32, square, mean, rsqrt,
-scale, cast back, weight), so autograd keeps an fp32 copy of the input and the bf16 output for
+Why: Hugging Face's Llama RMSNorm is a chain of eager operators (cast to fp32, square, mean,
+rsqrt, scale, cast back, weight), so autograd keeps an fp32 copy of the input and the bf16 output for
 the backward (6 bytes per element, twice per decoder layer), and its backward is a dozen more
 operators, among them a broadcast product from `mean`'s expanded gradient that runs off
 PyTorch's vectorized path. Here the forward runs the very same operators (the output is the
@@ -24,6 +24,7 @@ hooks still gather its weight around the call.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 
@@ -70,33 +71,24 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-_LLAMA_SOURCE: list[str] = []
-
-
+@functools.cache
 def _runs_llama_formula(cls: type) -> bool:
     """True for a norm class whose forward is Llama's, line for line (transformers' modular
-    copies give each architecture its own class with the same source)."""
-    if not _LLAMA_SOURCE:
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    copies give each architecture its own class with the same source); read once per class."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-        _LLAMA_SOURCE.append(inspect.getsource(LlamaRMSNorm.forward))
     try:
-        return inspect.getsource(cls.forward) == _LLAMA_SOURCE[0]
+        return inspect.getsource(cls.forward) == inspect.getsource(LlamaRMSNorm.forward)
     except (OSError, TypeError):
         return False
 
 
 def install(model) -> int:
     """Swaps in the fused norm on every module of `model` that runs Llama's RMSNorm; how many."""
-    verdict: dict[type, bool] = {}
     n = 0
     for module in model.modules():
         cls = type(module)
-        if not cls.__name__.endswith("RMSNorm") or not hasattr(module, "variance_epsilon"):
-            continue
-        if cls not in verdict:
-            verdict[cls] = _runs_llama_formula(cls)
-        if verdict[cls]:
+        if cls.__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and _runs_llama_formula(cls):
             module.forward = types.MethodType(_norm_forward, module)
             n += 1
     return n

@@ -214,8 +214,9 @@ STEP_OVERHEAD_BYTES = int(0.04 * GIB)
 # images preload it) or glibc with the fixed 1 MiB threshold (scaling.glibc_mmap_threshold;
 # the workers' 32 MiB default keeps more on the heap: 2.87 GB against 2.30 at the 50M bench
 # model's peak, glibc's dynamic one 2.84), which measured the same peak as jemalloc: the
-# cases of CALIBRATION_FILE (tiny to 0.5B, fixed threshold) fit 1.0 with STEP_OVERHEAD_BYTES, within 3.1% for all but llama-37m at micro batch 2, whose
-# activations are tensors under the threshold, left on the heap (measured 13% above).
+# cases of CALIBRATION_FILE (tiny to 0.5B, fixed threshold) fit 1.0 with STEP_OVERHEAD_BYTES,
+# within 5.5% for all but llama-37m at micro batch 2, whose activations are tensors under the
+# threshold, left on the heap (measured 13% above).
 FRAGMENTATION = 1.0
 # LoRA's mid-size fp32 temporaries (each adapter's input cast to fp32, B's output, its scaled
 # copy, their sum with the base output) still leave some holes: on llama-37m, micro batch 8, a
