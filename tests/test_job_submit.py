@@ -71,17 +71,32 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _wait_for(what: str, ready, procs: list[subprocess.Popen], logs: list[Path], timeout: float = 180):
+def _until(ready, procs: list[subprocess.Popen], timeout: float = 180) -> bool:
+    """Whether `ready()` came true before the timeout and while every process lived."""
     t0 = time.time()
     while time.time() - t0 < timeout:
         if ready():
-            return
-        dead = [p for p in procs if p.poll() is not None]
-        if dead:
-            break
+            return True
+        if any(p.poll() is not None for p in procs):
+            return False
         time.sleep(0.5)
-    tails = "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in logs if log.exists())
-    pytest.fail(f"{what} did not come up in {time.time() - t0:.0f}s\n{tails}")
+    return False
+
+
+def _tails(root: Path, node: str = "*") -> str:
+    """A node's (by default every node's) `ray start`, raylet and GCS logs: why it did not come up."""
+    raylet_gcs = ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err")
+    logs = [
+        *sorted(root.glob(f"{node}.log")),
+        *(log for n in raylet_gcs for log in sorted(root.glob(f"{node}/session_2*/logs/{n}"))),
+    ]
+    return "\n".join(f"--- {log}\n{log.read_text(errors='replace')[-3000:]}" for log in logs)
+
+
+def _wait_for(what: str, ready, procs: list[subprocess.Popen], root: Path, timeout: float = 180) -> None:
+    t0 = time.time()
+    if not _until(ready, procs, timeout):
+        pytest.fail(f"{what} did not come up in {time.time() - t0:.0f}s\n{_tails(root)}")
 
 
 def _dashboard_answers(url: str) -> bool:
@@ -136,35 +151,26 @@ def cluster():
     gcs, dash, client = _free_ports(3)
     gcs_address = f"{ray.util.get_node_ip_address()}:{gcs}"  # the address Ray advertises for the head
     url = f"http://127.0.0.1:{dash}"
-    logs = [root / "head.log", root / "node2.log"]
-    outs = [log.open("w") for log in logs]
+    outs: list = []
     procs: list[subprocess.Popen] = []
     t0 = time.time()
     try:
+        outs.append((root / "head.log").open("w"))
         head = subprocess.Popen(
             [BIN / "ray", "start", "--head", "--block", f"--temp-dir={root / 'head'}", f"--port={gcs}"]
             + ["--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--ray-client-server-port={client}"]
             + ["--num-cpus=0", *_node_ports()],
             env=env,
             preexec_fn=_die_with_parent,
-            stdout=outs[0],
+            stdout=outs[-1],
             stderr=subprocess.STDOUT,
         )
         procs.append(head)
-        # The second node only needs the GCS, which is up seconds before the rest of the head.
-        _wait_for("the head's GCS", lambda: _listening(gcs), procs, logs)
-        node2 = subprocess.Popen(
-            [BIN / "ray", "start", "--block", f"--address={gcs_address}", f"--temp-dir={root / 'node2'}"]
-            + ["--num-cpus=2", '--resources={"trainer": 2}', *_node_ports()],
-            env=env,
-            preexec_fn=_die_with_parent,
-            stdout=outs[1],
-            stderr=subprocess.STDOUT,
-        )
-        procs.insert(0, node2)
-        for name in ("head", "node2"):  # each `ray start` writes its address file once its node is up
-            _wait_for(f"the {name} node", (root / name / "ray_current_cluster").exists, procs, logs)
-        _wait_for("the dashboard", lambda: _dashboard_answers(url), procs, logs)
+        # `ray start` writes its address file once its node is up. The second node starts after
+        # the whole head, so the two don't race for the ports each picked free beforehand.
+        _wait_for("the head node", (root / "head" / "ray_current_cluster").exists, procs, root)
+        procs.insert(0, _start_trainer_node(root, gcs_address, env, outs))
+        _wait_for("the dashboard", lambda: _dashboard_answers(url), procs, root)
         print(f"\ncluster up in {time.time() - t0:.1f}s")
         # Clients find the job API as the README says (RAY_API_SERVER_ADDRESS); the token comes
         # from RAY_AUTH_TOKEN_PATH above.
@@ -176,6 +182,28 @@ def cluster():
             out.close()
         print(f"cluster stopped in {time.time() - t1:.1f}s")
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _start_trainer_node(root: Path, gcs_address: str, env: dict, outs: list, tries: int = 3) -> subprocess.Popen:
+    """The second node, with fresh free ports on each try. `ray start` gives its raylet a fixed
+    30 s to register (not configurable in Ray 2.60); a raylet that lost a port to another process
+    or was starved on a busy CI machine does not register, and the whole `ray start` exits."""
+    for attempt in range(1, tries + 1):
+        temp = root / f"node{attempt + 1}"
+        outs.append((root / f"{temp.name}.log").open("w"))
+        node = subprocess.Popen(
+            [BIN / "ray", "start", "--block", f"--address={gcs_address}", f"--temp-dir={temp}"]
+            + ["--num-cpus=2", '--resources={"trainer": 2}', *_node_ports()],
+            env=env,
+            preexec_fn=_die_with_parent,
+            stdout=outs[-1],
+            stderr=subprocess.STDOUT,
+        )
+        if _until((temp / "ray_current_cluster").exists, [node]):
+            return node
+        _stop([node])
+        print(f"trainer node try {attempt} did not come up:\n{_tails(root, temp.name)}")
+    pytest.fail(f"the trainer node did not come up in {tries} tries\n{_tails(root)}")
 
 
 def _ray(cluster: dict, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -256,7 +284,8 @@ def test_job_submit_runs_main(cluster, job):
 
 
 def test_training_workers_land_on_the_non_head_node(cluster, job):
-    nodes = json.loads(_ray(cluster, "list", "nodes", "--format=json").stdout)
+    listed = json.loads(_ray(cluster, "list", "nodes", "--format=json").stdout)
+    nodes = [n for n in listed if n["state"] == "ALIVE"]  # not a trainer node's failed first try
     head = {n["node_id"] for n in nodes if n["is_head_node"]}
     trainer_nodes = {n["node_id"] for n in nodes if n["resources_total"].get("trainer")}
     assert len(head) == 1 and len(trainer_nodes) == 1 and head != trainer_nodes
