@@ -93,6 +93,7 @@ def _worker(rank: int, world_size: int, case: dict[str, Any], out_dir: str):
             "deepspeed.shm_collectives=false",
             f"model.fused_loss={case['fused_loss']}",
             f"model.fused_norm={case['fused_norm']}",
+            f"model.fused_mlp={case['fused_mlp']}",
         ],
     )
     log = print if rank == 0 else (lambda msg: None)
@@ -234,6 +235,7 @@ def measure(
     launcher: str = "mp",
     fused_loss: bool = True,
     fused_norm: bool = True,
+    fused_mlp: bool = True,
 ) -> dict[str, Any]:
     """Runs one calibration case and returns measured (max over ranks) next to predicted GiB."""
     shape = plan.CALIBRATION_SHAPES[name]
@@ -249,6 +251,7 @@ def measure(
             activation_checkpointing=ac,
             fused_loss=fused_loss,
             fused_norm=fused_norm,
+            fused_mlp=fused_mlp,
         )
         t0 = time.perf_counter()
         (_launch_ray if launcher == "ray" else _launch_mp)(world_size, case, tmp)
@@ -273,6 +276,7 @@ def measure(
         "activation_checkpointing": ac,
         "fused_loss": fused_loss,
         "fused_norm": fused_norm,
+        "fused_mlp": fused_mlp,
         "malloc": ranks[0]["malloc"],
         "fused_adamw": ranks[0]["fused_adamw"],
         "fp32_grad_buffer_bytes": max(r["fp32_grad_buffer_bytes"] for r in ranks),
@@ -308,6 +312,7 @@ def add_prediction(case: dict[str, Any]) -> dict[str, Any]:
         activation_checkpointing=case["activation_checkpointing"],
         fused_loss=case.get("fused_loss", False),  # cases measured before it existed ran Hugging Face's
         fused_norm=case.get("fused_norm", False),  # likewise
+        fused_mlp=case.get("fused_mlp", False),  # likewise
     )["memory_gib"]
     case["predicted_gib"] = {k: round(v, 4) for k, v in predicted.items()}
     case["predicted_over_measured"] = {
@@ -321,6 +326,7 @@ def _print_case(case: dict[str, Any]) -> None:
     name = f"{case['model']} mb{case['micro_batch']}{' ac' if case['activation_checkpointing'] else ''}"
     name += "" if case.get("fused_loss", False) else " unfused"
     name += "" if case.get("fused_norm", False) else " hf-norm"
+    name += "" if case.get("fused_mlp", False) else " hf-mlp"
     cols = []
     for phase, (p, m) in PHASES.items():
         measured, predicted = case["measured_rss_gib"][m], case["predicted_gib"][p]
@@ -356,6 +362,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--unfused-norm", action="store_true", help="Hugging Face's RMSNorms (model.fused_norm=false) in every case"
     )
+    p.add_argument(
+        "--unfused-mlp", action="store_true", help="Hugging Face's SwiGLU (model.fused_mlp=false) in every case"
+    )
     p.add_argument("--no-write", action="store_true", help=f"print only; do not rewrite {RESULTS.name}")
     p.add_argument(
         "--repredict", action="store_true", help=f"measure nothing: refresh the predictions in {RESULTS.name}"
@@ -384,6 +393,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.launcher,
                 not args.unfused_loss,
                 not args.unfused_norm,
+                not args.unfused_mlp,
             )
         )
         print(json.dumps(r, indent=2), flush=True)

@@ -12,19 +12,20 @@ benchmarks/results/<machine>/norm.json (and .md), or to --json.
 
 from __future__ import annotations
 
-import resource
-import time
 from statistics import median
 from typing import Any
 
-from raytrain_cpu.bench import against_baseline, interleaved_runs, kernel_bench_parser, write_kernel_bench
+from raytrain_cpu.bench import (
+    against_baseline,
+    interleaved_runs,
+    kernel_bench_parser,
+    saved_tensor_bytes,
+    time_kernel_steps,
+    write_kernel_bench,
+)
 
 SHAPES = {"50m": 512, "llama3-8b": 4096}  # hidden size
 VARIANTS = ("hugging face", "fused")
-
-
-def _faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def child(_: int, spec: dict[str, Any], out) -> None:
@@ -42,38 +43,10 @@ def child(_: int, spec: dict[str, Any], out) -> None:
     x = torch.randn(spec["tokens"], d, generator=gen).to(torch.bfloat16).requires_grad_()
     grad = torch.randn(spec["tokens"], d, generator=gen).to(torch.bfloat16)
 
-    saved: dict[int, int] = {}
+    saved_bytes = saved_tensor_bytes(lambda: module(x).backward(grad), [x, module.weight])
 
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(x).backward(grad)
-    own = {x.untyped_storage().data_ptr(), module.weight.untyped_storage().data_ptr()}
-    saved_bytes = sum(n for ptr, n in saved.items() if ptr not in own)
-
-    def step() -> float:
-        x.grad = module.weight.grad = None
-        t0 = time.perf_counter()
-        module(x).backward(grad)
-        return time.perf_counter() - t0
-
-    step()
-    times, f0 = [], _faults()
-    for _ in range(spec["steps"]):
-        times.append(step())
-    faults = (_faults() - f0) / spec["steps"]
-    out.put(
-        (
-            0,
-            {
-                "step_ms": 1e3 * median(times),
-                "faults_per_step": faults,
-                "saved_bytes_per_token": saved_bytes / spec["tokens"],
-            },
-        )
-    )
+    timing = time_kernel_steps(lambda: module(x).backward(grad), [x, module.weight], spec["steps"])
+    out.put((0, timing | {"saved_bytes_per_token": saved_bytes / spec["tokens"]}))
 
 
 def main() -> None:

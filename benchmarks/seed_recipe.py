@@ -11,7 +11,8 @@ optimizer and parameters offloaded to the CPU, `overlap_comm`, `contiguous_gradi
     torchrun --nproc_per_node=2 benchmarks/seed_recipe.py --model_dir DIR --max_steps 10 --out seed.json
 
 It counts *useful* tokens (non-padding: the attention mask's ones) in the batches trained and
-reports their rate in steady state (after the first optimizer step), summed over ranks.
+reports their rate in steady state (after the first WARMUP_STEPS optimizer steps, as the
+trainers' step clock), summed over ranks.
 DeepSpeed's CPU Adam (needed by optimizer offload) is compiled from C++ on first use: that
 build is timed on its own (`cpu_adam_build_s`, a fresh TORCH_EXTENSIONS_DIR unless
 --reuse_build) and not counted in the throughput.
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+WARMUP_STEPS = 2  # raytrain_cpu.cpu.WARMUP_STEPS: this script runs without importing raytrain_cpu
 TEXT = REPO / "raytrain_cpu" / "assets" / "wikitext-2" / "test.txt"
 
 DS_CONFIG = {
@@ -165,8 +167,9 @@ def main() -> None:
     trainer.train()
     wall = time.perf_counter() - t0
 
-    # ---- steady state: from the end of the first optimizer step to the end of the last
-    (t_first, tok_first), (t_last, tok_last) = marks[0], marks[-1]
+    # ---- steady state: from the end of the last warm-up optimizer step to the end of the last
+    (t_first, tok_first), (t_last, tok_last) = marks[WARMUP_STEPS - 1], marks[-1]
+    steady = len(marks) - WARMUP_STEPS
     local = torch.tensor(
         [tok_last - tok_first, t_last - t_first, CountingTrainer.useful_tokens, len(marks)], dtype=torch.float64
     )
@@ -180,12 +183,12 @@ def main() -> None:
             "world_size": world,
             "threads_per_rank": torch.get_num_threads(),
             "max_steps": args.max_steps,
-            "steady_steps": len(marks) - 1,
+            "steady_steps": steady,
             "useful_tokens_steady": float(totals[0]),
             "useful_tokens_per_s": float(totals[0]) / steady_s if steady_s > 0 else None,
-            "padded_tokens_per_s": seq_tokens * (len(marks) - 1) / steady_s if steady_s > 0 else None,
-            "useful_fraction": float(totals[0]) / (seq_tokens * (len(marks) - 1)) if len(marks) > 1 else None,
-            "step_s": steady_s / max(len(marks) - 1, 1),
+            "padded_tokens_per_s": seq_tokens * steady / steady_s if steady_s > 0 else None,
+            "useful_fraction": float(totals[0]) / (seq_tokens * steady) if steady else None,
+            "step_s": steady_s / max(steady, 1),
             "train_wall_s": wall,
             "cpu_adam_build_s": build_s,
             "final_loss": trainer.state.log_history[-1].get("train_loss") if trainer.state.log_history else None,

@@ -127,9 +127,11 @@ def _backward(ctx, grad_out):
 _causal_blocks_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def causal_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def causal_blocks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, block: int = BLOCK
+) -> torch.Tensor:
     """Causal attention, (B, H, S, D) out; k and v may have fewer heads (grouped queries)."""
-    return _causal_blocks_fwd(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale, BLOCK)
+    return _causal_blocks_fwd(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale, block)
 
 
 def _plain_causal(module, query, key, value, attention_mask, dropout: float, kwargs: dict[str, Any]) -> bool:

@@ -37,7 +37,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -57,7 +57,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "model": {"hidden_size": 512, "num_layers": 16, "num_heads": 8, "num_kv_heads": 8, "intermediate_size": 1408},
         "seq_len": 512,
         "micro_batch": 4,
-        "steps": 6,
+        "steps": 8,  # 6 timed after cpu.WARMUP_STEPS
         "load_model": {
             "hidden_size": 1536,
             "num_layers": 16,
@@ -418,6 +418,15 @@ def suite_scaling(r: Runner, args) -> dict[str, Any]:
     }
 
 
+def in_rep_order(variants: Iterable, rep: int) -> list:
+    """The variants in repetition `rep`'s order: as given in even repetitions, reversed in odd
+    ones, so that each holds each place equally often over an even number of repetitions. The
+    same settings ran 1.02x and 1.05x faster second than first in a pair (AMD Zen 5, `bench
+    options --variants model.dtype=bf16 --repeats 2`, options-order.md there)."""
+    ordered = list(variants)
+    return ordered[::-1] if rep % 2 else ordered
+
+
 def suite_placement(r: Runner, args) -> dict[str, Any]:
     """This project's default placement vs Ray's plain settings vs pinned, interleaved twice."""
     from raytrain_cpu.main import local_ray_cpus
@@ -435,7 +444,7 @@ def suite_placement(r: Runner, args) -> dict[str, Any]:
     }
     rows = []
     for rep in range(args.repeats):
-        for name, ov in variants.items():
+        for name, ov in in_rep_order(variants.items(), rep):
             rows.append(r.run(f"{name.replace(' ', '-')}-{rep}", ov) | {"variant": name, "rep": rep})
     return {"runs": rows, "tables": {"placement": _compare(rows, "raytrain default")}}
 
@@ -443,14 +452,14 @@ def suite_placement(r: Runner, args) -> dict[str, Any]:
 def suite_options(r: Runner, args) -> dict[str, Any]:
     """Each switch against the defaults, interleaved: bf16 forced, activation checkpointing,
     whole-layer ZeRO-3 gathers, gloo in place of the shared-memory collectives, DeepSpeed's
-    fresh fp32 gradient each step and fresh reduce-scatter buffers in place of the kept ones, SDPA's and the causal blocks'
-    attention in place of the start-up timing's pick, Hugging Face's loss and norms in place of the fused ones, micro
-    batch 8 in place of 4 (half the ZeRO-3 gathers and hooks per token), compile per layer and of the
-    whole model, ZeRO-2 and ZeRO-1
-    (no parameter gathers: for a model that fits whole on every rank, see `plan`),
-    PyTorch's per-tensor AdamW loop in place of the fused kernel, and glibc malloc with the
-    workers' fixed mmap threshold and with its own dynamic one (against jemalloc or tcmalloc
-    where the defaults find them installed)."""
+    fresh fp32 gradient each step and fresh reduce-scatter buffers in place of the kept ones,
+    SDPA's and the causal blocks' attention in place of the start-up timing's pick, Hugging
+    Face's loss, norms and MLP activations in place of the fused ones, micro batch 8 in place
+    of 4 (half the ZeRO-3 gathers and hooks per token), compile per layer and of the whole
+    model, ZeRO-2 and ZeRO-1 (no parameter gathers: for a model that fits whole on every rank,
+    see `plan`), PyTorch's per-tensor AdamW loop in place of the fused kernel, and glibc malloc
+    with the workers' fixed mmap threshold and with its own dynamic one (against jemalloc or
+    tcmalloc where the defaults find them installed)."""
     variants = {
         "defaults": [],
         "model.dtype=bf16": ["model.dtype=bf16"],
@@ -465,6 +474,7 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
         "causal-blocks attention": ["model.attention=causal_blocks"],
         "unfused loss": ["model.fused_loss=false"],
         "unfused norm": ["model.fused_norm=false"],
+        "unfused MLP": ["model.fused_mlp=false"],
         "micro batch 8": ["train.micro_batch_size=8"],
         "compile": ["model.compile=true"],
         "compile + sdpa attention": ["model.compile=true", "model.attention=sdpa"],
@@ -482,7 +492,7 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
     only = set(args.variants.split(",")) if args.variants else None
     rows = []
     for rep in range(args.repeats):
-        for name, ov in variants.items():
+        for name, ov in in_rep_order(variants.items(), rep):
             if only and name not in only and name != "defaults":
                 continue
             rows.append(r.run(f"opt-{len(rows)}", ov) | {"variant": name, "rep": rep})
@@ -502,7 +512,7 @@ def suite_lora(r: Runner, args) -> dict[str, Any]:
     only = set(args.variants.split(",")) if args.variants else None
     rows = []
     for rep in range(args.repeats):
-        for name, ov in variants.items():
+        for name, ov in in_rep_order(variants.items(), rep):
             if only and name not in only | {"full fine-tuning", "LoRA r=16"}:  # the two baselines always run
                 continue
             row = r.run(f"lora-{len(rows)}", ov) | {"variant": name, "rep": rep}
@@ -685,10 +695,11 @@ def _reference_worker(
         from raytrain_cpu import loss as fused_loss
 
         fused_loss.install(model)
-    if not compile:  # the trainers' norms (model.fused_norm), under autocast too; inductor fuses its own
-        from raytrain_cpu import norm
+    if not compile:  # the trainers' norms and MLPs (model.fused_norm, fused_mlp); inductor fuses its own
+        from raytrain_cpu import mlp, norm
 
         norm.install(model)
+        mlp.install(model)
     # The project's optimizer: AdamW without weight decay on norms, its lr, betas and eps.
     groups = [
         {"params": [p for p in opt_params if p.ndim >= 2], "weight_decay": t.weight_decay},
@@ -767,14 +778,14 @@ def reference_run(
     Runs in a fresh spawned process so its thread pool and allocator start clean, preloading
     the allocator a training worker gets (`allocator`, cpu.preload_env); compiled kernels go
     to `compile_cache_dir` (inductor's cache, reused by later runs). Returns tokens/s and
-    the mean forward, backward and optimizer seconds of `steps` steps after `warmup` (1, or
-    2 with compile: the first call compiles the forward and backward graphs).
+    the mean forward, backward and optimizer seconds of `steps` steps after `warmup` (by
+    default the trainers' cpu.WARMUP_STEPS; with compile the first compiles the graphs).
     """
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype must be 'bf16' or 'fp32', not {dtype!r}")
     if precision not in REFERENCE_PRECISIONS:
         raise ValueError(f"precision must be one of {REFERENCE_PRECISIONS}, not {precision!r}")
-    warmup = (2 if compile else 1) if warmup is None else warmup
+    warmup = cpu.WARMUP_STEPS if warmup is None else warmup
     args = (spec, dtype, threads, batch, steps, compile, precision, warmup)
     env = cpu.preload_env(allocator)
     if compile_cache_dir:
@@ -873,7 +884,7 @@ def suite_reference(r: Runner, args) -> dict[str, Any]:
     def reference(name: str, precision: str, compiled: bool) -> dict[str, Any]:
         print(f"[bench] {name}: {batch} x {r.spec['seq_len']} tokens, {cores} threads, {z['dtype']}", flush=True)
         res = reference_run(
-            r.spec, z["dtype"], cores, batch, r.spec["steps"] - 1, compile=compiled, precision=precision,
+            r.spec, z["dtype"], cores, batch, r.spec["steps"] - cpu.WARMUP_STEPS, compile=compiled, precision=precision,
             allocator=z["allocator"], compile_cache_dir=str(r.workdir / "inductor_cache"),
         )  # fmt: skip
         print(f"[bench] {name}: {res['tokens_per_s']:.0f} tokens/s, step {res['step_s']:.2f}s", flush=True)
@@ -946,11 +957,10 @@ def _reference_report(zero3: list[dict], refs: list[dict], tokens: str, cores: i
             "loss (model.fused_loss) except under autocast), "
             f"{tokens} random tokens per step in one micro batch, {cores} threads, "
             "AdamW(fused=True) with the project's lr, betas, eps and weight-decay groups, gradient clipping "
-            f"at {refs[0]['grad_clip']}; the first step excluded, as in the training runs.",
+            f"at {refs[0]['grad_clip']}; the first {cpu.WARMUP_STEPS} steps excluded, as in the training runs.",
             "bf16 recipes: 'autocast' = fp32 weights and optimizer, forward under torch.autocast(bf16); "
             "'bf16_master' = bf16 weights and gradients with an fp32 master copy for clipping and AdamW "
-            "(DeepSpeed's bf16 recipe by hand). The ratio row of the faster one is the goal's. "
-            "A compiled reference excludes two warm-up steps (the first compiles).",
+            "(DeepSpeed's bf16 recipe by hand). The ratio row of the faster one is the goal's.",
             "final loss: the training runs read the bench corpus, the reference random tokens "
             "(ln 2048 = 7.62 is chance), so the two losses are not comparable.",
             f"best reference here: {best['variant']} ({per_core(best):.0f} tokens/s per core); "
@@ -976,19 +986,59 @@ def kernel_bench_parser(doc: str, shapes: list[str], steps: int, repeats: int) -
 
 def interleaved_runs(child: Callable, args: argparse.Namespace, variants: tuple[str, ...]) -> list[dict]:
     """child(0, spec, queue) once per shape, repeat and variant of `args` (kernel_bench_parser's),
-    each in a fresh spawned process (its allocator and caches start clean), the variants
-    interleaved so that the host's drift falls on all of them; spec holds the shape, variant,
-    tokens, threads and steps; the rows are the spec, the repeat and the result."""
+    each in a fresh spawned process (its allocator and caches start clean) with the allocator
+    settings a training worker gets (cpu.preload_env: which tensors come back as fresh, faulted
+    pages depends on them), the variants interleaved so that the host's drift falls on all of
+    them; spec holds the shape, variant, tokens, threads and steps; the rows are the spec, the
+    repeat and the result."""
     spec = {"tokens": args.tokens, "threads": args.threads, "steps": args.steps}
+    env = cpu.preload_env()
     rows = []
     for shape in args.shapes.split(","):
         for rep in range(args.repeats):
-            for variant in variants:
+            for variant in in_rep_order(variants, rep):
                 run = spec | {"shape": shape, "variant": variant}
-                (res,) = _run_procs(child, 1, (run,))
+                (res,) = _run_procs(child, 1, (run,), env)
                 rows.append(run | {"rep": rep} | res)
                 print(f"[{child.__module__}] {shape} {variant}: {res}", flush=True)
     return rows
+
+
+def time_kernel_steps(run: Callable[[], Any], leaves: Sequence, steps: int) -> dict[str, float]:
+    """A one-kernel bench's timing: `run()` (a forward and backward) once to warm up, then
+    `steps` times, the gradients of `leaves` cleared before each; the median milliseconds and
+    the minor page faults per step (every fresh allocation the allocator maps anew)."""
+    import resource
+
+    def step() -> float:
+        for t in leaves:
+            t.grad = None
+        t0 = time.perf_counter()
+        run()
+        return time.perf_counter() - t0
+
+    step()
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    times = [step() for _ in range(steps)]
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
+    return {"step_ms": 1e3 * median(times), "faults_per_step": faults / steps}
+
+
+def saved_tensor_bytes(run: Callable[[], Any], exclude: Sequence = ()) -> int:
+    """Bytes autograd keeps for the backward while `run()` builds its graph, each storage once,
+    those of the tensors in `exclude` (the input, the weights) left out."""
+    import torch
+
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    own = {t.untyped_storage().data_ptr() for t in exclude}
+    return sum(n for ptr, n in saved.items() if ptr not in own)
 
 
 def write_kernel_bench(
@@ -999,6 +1049,7 @@ def write_kernel_bench(
         "command": f"python benchmarks/{name}.py " + " ".join(sys.argv[1:]),
         "machine": cpu.cpu_features().describe(),
         "versions": package_versions(),
+        "allocator_env": cpu.preload_env(),  # the children's, as a training worker's
         "runs": rows,
         "tables": {title: table},
         "notes": notes,

@@ -12,6 +12,8 @@ rank ever holds (or reads) the whole model.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import json
 import math
 import os
@@ -341,6 +343,16 @@ def load_sharded(model_dir: str, ds_config: dict[str, Any], dtype):
 def unwrapped(model):
     """The transformers model itself: peft wraps LoRA models."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@functools.cache
+def same_forward(cls: type, reference: type) -> bool:
+    """Whether `cls.forward` is `reference.forward` line for line (transformers' modular copies
+    give each architecture its own class with the same source); read once per class."""
+    try:
+        return inspect.getsource(cls.forward) == inspect.getsource(reference.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def decoder_layers(model) -> list:

@@ -24,8 +24,6 @@ hooks still gather its weight around the call.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import types
 
 import torch
@@ -71,24 +69,16 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-@functools.cache
-def _runs_llama_formula(cls: type) -> bool:
-    """True for a norm class whose forward is Llama's, line for line (transformers' modular
-    copies give each architecture its own class with the same source); read once per class."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    try:
-        return inspect.getsource(cls.forward) == inspect.getsource(LlamaRMSNorm.forward)
-    except (OSError, TypeError):
-        return False
-
-
 def install(model) -> int:
     """Swaps in the fused norm on every module of `model` that runs Llama's RMSNorm; how many."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from raytrain_cpu.model import same_forward
+
     n = 0
     for module in model.modules():
         cls = type(module)
-        if cls.__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and _runs_llama_formula(cls):
+        if cls.__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and same_forward(cls, LlamaRMSNorm):
             module.forward = types.MethodType(_norm_forward, module)
             n += 1
     return n

@@ -215,7 +215,7 @@ STEP_OVERHEAD_BYTES = int(0.04 * GIB)
 # the workers' 32 MiB default keeps more on the heap: 2.87 GB against 2.30 at the 50M bench
 # model's peak, glibc's dynamic one 2.84), which measured the same peak as jemalloc: the
 # cases of CALIBRATION_FILE (tiny to 0.5B, fixed threshold) fit 1.0 with STEP_OVERHEAD_BYTES,
-# within 5.5% for all but llama-37m at micro batch 2, whose activations are tensors under the
+# within 5.7% for all but llama-37m at micro batch 2, whose activations are tensors under the
 # threshold, left on the heap (measured 13% above).
 FRAGMENTATION = 1.0
 # LoRA's mid-size fp32 temporaries (each adapter's input cast to fp32, B's output, its scaled
@@ -334,6 +334,7 @@ def memory_breakdown(
     reuse_reduce_buffer: bool = True,
     fused_loss: bool = True,
     fused_norm: bool = True,
+    fused_mlp: bool = True,
 ) -> dict[str, float]:
     """Per-rank bytes of each component (not cumulative), named after where it comes from.
 
@@ -356,6 +357,10 @@ def memory_breakdown(
 
     `fused_norm` (model.fused_norm): each RMSNorm keeps its bf16 input (2h bytes a token) for
     the backward instead of an fp32 copy and its bf16 output (6h): 8h less per token per layer.
+
+    `fused_mlp` (model.fused_mlp): the SwiGLU activation recomputes silu(gate) in the backward
+    instead of keeping it: one intermediate-size tensor in the training dtype less per token
+    per layer.
 
     With `lora_rank` the base model is frozen: its weights are held (and gathered) as in full
     fine-tuning, but it has no fp32 master copy, gradients or optimizer state; those exist
@@ -399,8 +404,10 @@ def memory_breakdown(
     # model.attention=auto times both attentions once, right after the load, on tensors of the
     # run's shape (counted whichever model.attention says: the planner assumes the default).
     attention_pick = ATTENTION_PICK_FACTOR * b * tokens * shape.hidden_size  # heads x head_dim
-    per_token_layer = _act_bytes_per_token_layer(shape) * b // 2 - (
-        FUSED_NORM_SAVED_PER_HIDDEN * shape.hidden_size if fused_norm else 0
+    per_token_layer = (
+        _act_bytes_per_token_layer(shape) * b // 2
+        - (FUSED_NORM_SAVED_PER_HIDDEN * shape.hidden_size if fused_norm else 0)
+        - (b * shape.intermediate_size if fused_mlp else 0)
     )
     if lora_rank:
         per_token_layer += _lora_act_delta(shape, lora_rank, tuple(lora_targets), dtype, lora_dropout)
@@ -758,6 +765,7 @@ def plan(
     reuse_reduce_buffer: bool = True,
     fused_loss: bool = True,
     fused_norm: bool = True,
+    fused_mlp: bool = True,
 ) -> dict[str, Any]:
     """The whole estimate as a JSON-able dict (what `--json` prints).
 
@@ -800,6 +808,7 @@ def plan(
         reuse_reduce_buffer=reuse_reduce_buffer,
         fused_loss=fused_loss,
         fused_norm=fused_norm,
+        fused_mlp=fused_mlp,
         shm_ranks=world_size if world_size <= ranks_per_node else 0,  # all ranks on one node
     )
     lora_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets)
@@ -893,6 +902,7 @@ def inputs_from_run_config(path: str) -> dict[str, Any]:
         reuse_reduce_buffer=cfg.deepspeed.reuse_reduce_buffer,
         fused_loss=m.fused_loss,
         fused_norm=m.fused_norm,
+        fused_mlp=m.fused_mlp,
     )
 
 
@@ -914,7 +924,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"setup       {i['world_size']} ranks, ZeRO-{i['zero_stage']}{offload}, {i['dtype']}, micro batch "
         f"{i['micro_batch']} x seq {i['seq_len']}, grad accum {i['grad_accum_steps']}, activation checkpointing "
         f"{'on' if i['activation_checkpointing'] else 'off'}, AdamW {'fused' if i['fused_adamw'] else 'per-tensor'}, "
-        f"loss {'fused' if i['fused_loss'] else 'unfused'}, norms {'fused' if i['fused_norm'] else 'unfused'}",
+        f"loss {'fused' if i['fused_loss'] else 'unfused'}, norms {'fused' if i['fused_norm'] else 'unfused'}, "
+        f"MLP activations {'fused' if i['fused_mlp'] else 'unfused'}",
         f"trainable   {_count(m['trainable_params'])} params"
         + (
             f" (LoRA rank {i['lora_rank']} on {', '.join(i['lora_targets'])}"
@@ -1012,6 +1023,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-fused-norm counts Hugging Face's fp32 copies",
     )
     p.add_argument(
+        "--fused-mlp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the SwiGLU activation as one autograd operation (the default, model.fused_mlp); "
+        "--no-fused-mlp counts Hugging Face's kept silu(gate)",
+    )
+    p.add_argument(
         "--max-live-parameters",
         type=float,
         help="ZeRO-3 parameters kept gathered (deepspeed.max_live_parameters; default 1e9)",
@@ -1040,6 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
         fused_adamw=True,
         fused_loss=True,
         fused_norm=True,
+        fused_mlp=True,
         max_live_parameters=DS_MAX_LIVE_PARAMETERS,
     )
     try:
@@ -1060,6 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
             fused_adamw=args.fused_adamw,
             fused_loss=args.fused_loss,
             fused_norm=args.fused_norm,
+            fused_mlp=args.fused_mlp,
             max_live_parameters=int(args.max_live_parameters) if args.max_live_parameters else None,
         )
         inputs |= {k: v for k, v in flags.items() if v is not None}

@@ -349,7 +349,7 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
     peaks = _allreduce_sum([float(cpu.peak_rss_bytes()) if r == w.rank else 0.0 for r in range(w.world)])
     attn = choose_attention(w, model)  # after the peak: its timing's tensors are not the loading's
     install_fused_loss(w, model)  # after LoRA: an adapted output layer keeps Hugging Face's loss
-    install_fused_norm(w, model)
+    install_fused_layer_ops(w, model)
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     load_s = time.perf_counter() - t0
@@ -401,17 +401,23 @@ def install_fused_loss(w: Worker, model) -> None:
         w.log(f"[model] loss: fused with the output layer, up to {rows:,} tokens per chunk")
 
 
-def install_fused_norm(w: Worker, model) -> None:
-    """model.fused_norm: Llama-style RMSNorms as one autograd operation (raytrain_cpu.norm)."""
-    from raytrain_cpu import norm
+def install_fused_layer_ops(w: Worker, model) -> None:
+    """model.fused_norm, model.fused_mlp: Llama-style RMSNorms (raytrain_cpu.norm) and SwiGLU
+    activations (raytrain_cpu.mlp) as one autograd operation each; compiled models keep
+    Hugging Face's, which inductor fuses itself."""
+    from raytrain_cpu import mlp, norm
 
     m = w.cfg.model
-    if not m.fused_norm or m.compile:
-        why = "model.fused_norm=false" if not m.fused_norm else "inductor fuses them in compiled code"
-        w.log(f"[model] norms: Hugging Face's ({why})")
-        return
-    n = norm.install(model)
-    w.log(f"[model] norms: {n} fused RMSNorms" if n else "[model] norms: Hugging Face's (no Llama-style RMSNorm)")
+    for what, on, setting, install, kind in (
+        ("norms", m.fused_norm, "model.fused_norm", norm.install, "RMSNorms"),
+        ("MLP activations", m.fused_mlp, "model.fused_mlp", mlp.install, "SwiGLU activations"),
+    ):
+        if not on or m.compile:
+            why = f"{setting}=false" if not on else "inductor fuses them in compiled code"
+            w.log(f"[model] {what}: Hugging Face's ({why})")
+            continue
+        n = install(model)
+        w.log(f"[model] {what}: {n} fused {kind}" if n else f"[model] {what}: Hugging Face's (no Llama-style {kind})")
 
 
 def build_engine(w: Worker, model, ds_config: dict[str, Any]):
@@ -790,7 +796,7 @@ def optimizer_state_bytes(engine) -> int:
 
 
 def step_breakdown(w: Worker, clock) -> dict[str, Any]:
-    """Seconds per optimizer step after the first, averaged over ranks (every rank joins)."""
+    """Seconds per optimizer step after the warm-up steps, averaged over ranks (every rank joins)."""
     breakdown = clock.summary()
     if clock.comm is not None:
         clock.comm.uninstall()
@@ -880,7 +886,9 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     )
     progress = obs.Progress(t.max_steps, start_step=st.step)
     # Step-time breakdown (summary.json: step_breakdown); collectives only with train.profile_breakdown.
-    clock = cpu.StepClock(cpu.CommTimer().install() if t.profile_breakdown else None)
+    # A short run (or a resumed one near its end) still times its last step.
+    warmup = min(cpu.WARMUP_STEPS, max(t.max_steps - st.step - 1, 0))
+    clock = cpu.StepClock(cpu.CommTimer().install() if t.profile_breakdown else None, warmup)
 
     # ---- loop
     while st.step < t.max_steps:

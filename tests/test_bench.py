@@ -77,6 +77,33 @@ def test_kernel_benches_compare_medians_per_shape_against_the_baseline():
     assert out[("l", "fused")][1] == pytest.approx(0.5)
 
 
+def test_interleaved_suites_reverse_their_order_every_other_repetition():
+    variants = ["defaults", "a", "b"]
+    orders = [bench.in_rep_order(variants, rep) for rep in range(4)]
+    assert orders == [variants, variants[::-1], variants, variants[::-1]]
+    # Over an even number of repetitions each variant holds each place equally often.
+    for v in variants:
+        assert sorted(order.index(v) for order in orders[:2]) in ([0, 2], [1, 1])
+
+
+def test_one_kernel_timing_clears_gradients_and_keeps_the_saved_tensors_apart():
+    import torch
+
+    x = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(32, 32, requires_grad=True)
+    grads_seen = []
+
+    def run():
+        grads_seen.append(x.grad)
+        (x @ w).sum().backward()
+
+    timing = bench.time_kernel_steps(run, [x, w], steps=3)
+    assert grads_seen == [None] * 4 and timing["step_ms"] > 0 and timing["faults_per_step"] >= 0
+    # x @ w keeps x and w for its backward: nothing else.
+    assert bench.saved_tensor_bytes(lambda: x @ w, [x, w]) == 0
+    assert bench.saved_tensor_bytes(lambda: x @ w) == (64 * 32 + 32 * 32) * 4
+
+
 @pytest.mark.slow
 def test_gemm_and_load_suites_at_tiny_size(tmp_path):
     assert bench.main(["gemm", "--size", "tiny", "--json", str(tmp_path / "gemm.json")]) == 0

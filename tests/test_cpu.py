@@ -235,19 +235,23 @@ def test_glibc_workers_get_a_fixed_mmap_threshold_and_twice_it_to_trim(monkeypat
     assert "MALLOC_MMAP_THRESHOLD_" not in worker_env(load_config(None, []), 1)  # jemalloc has its own
 
 
-def test_step_clock_skips_the_first_step_and_sums_phases():
+def test_step_clock_skips_the_warmup_steps_and_sums_phases():
     comm = cpu.CommTimer()
     clock = cpu.StepClock(comm)
-    for step in range(3):
+    assert clock.warmup == cpu.WARMUP_STEPS == 2
+    for step in range(4):
         clock.start_step()
         clock.add("forward", 1.0 + step)
         clock.add("backward", 2.0)
         comm.seconds += 0.5
         clock.end_step()
     s = clock.summary()
-    assert s["steps"] == 2 and s["forward_s"] == pytest.approx(2.5) and s["backward_s"] == 2.0
+    assert s["steps"] == 2 and s["forward_s"] == pytest.approx(3.5) and s["backward_s"] == 2.0
     assert s["comm_s"] == pytest.approx(0.5)
     assert cpu.StepClock().summary()["comm_s"] is None  # not measured, not zero
+    one = cpu.StepClock(warmup=0)
+    one.start_step(), one.add("forward", 1.0), one.end_step()
+    assert one.summary()["steps"] == 1 and one.summary()["forward_s"] == 1.0
 
 
 def test_comm_timer_counts_nested_calls_once():

@@ -1,0 +1,96 @@
+"""Causal self-attention alone: SDPA's CPU flash kernel against the causal blocks at each block size.
+
+    python benchmarks/attention.py [--shapes 50m,llama3-8b] [--tokens 2048] [--threads 1] [--repeats 3]
+
+Forward and backward of one layer's attention on bf16 q, k, v laid out as Hugging Face's Llama
+hands them over (a transposed view of the projections' output), as one worker runs it once per
+decoder layer: the ~50M bench model's heads (8 x 64, seq 512) and Llama-3-8B's (32 query and 8
+key/value heads of 128, seq 1024). `model.attention=auto` times SDPA against the causal blocks at
+start-up (raytrain_cpu.attention.BLOCK queries a block); this bench says what the block size and
+the host change. Each variant runs in a fresh spawned process, interleaved `--repeats` times;
+the median step time after a warm-up, and the useful rate: the causal half's GEMM FLOPs
+(6·b·h·s²·d for forward and backward) per second, to set against the bench's GEMM peak. Writes
+benchmarks/results/<machine>/attention.json (and .md), or to --json.
+"""
+
+from __future__ import annotations
+
+from statistics import median
+from typing import Any
+
+from raytrain_cpu.bench import (
+    against_baseline,
+    interleaved_runs,
+    kernel_bench_parser,
+    time_kernel_steps,
+    write_kernel_bench,
+)
+
+SHAPES = {"50m": (8, 8, 512, 64), "llama3-8b": (32, 8, 1024, 128)}  # heads, kv heads, seq, head dim
+BLOCKS = (32, 64, 128, 256)
+VARIANTS = ("sdpa", *(f"causal blocks {b}" for b in BLOCKS))
+
+
+def child(_: int, spec: dict[str, Any], out) -> None:
+    import torch
+
+    from raytrain_cpu import attention
+
+    torch.set_num_threads(spec["threads"])
+    h, hk, s, d = SHAPES[spec["shape"]]
+    b = max(1, spec["tokens"] // s)
+    gen = torch.Generator().manual_seed(0)
+
+    def projected(heads: int) -> torch.Tensor:  # (b, s, heads, d) memory, a (b, heads, s, d) view
+        return torch.randn(b, s, heads, d, generator=gen).to(torch.bfloat16).transpose(1, 2).requires_grad_()
+
+    q, k, v = projected(h), projected(hk), projected(hk)
+    grad = torch.randn(b, h, s, d, generator=gen).to(torch.bfloat16)
+    if spec["variant"] == "sdpa":
+
+        def attend() -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != hk)
+    else:
+        block = int(spec["variant"].rsplit(" ", 1)[1])
+
+        def attend() -> torch.Tensor:
+            return attention.causal_blocks(q, k, v, block=block)
+
+    timing = time_kernel_steps(lambda: attend().backward(grad), [q, k, v], spec["steps"])
+    timing["gflops_per_s"] = 6 * b * h * s * s * d / timing["step_ms"] / 1e6
+    out.put((0, timing))
+
+
+def main() -> None:
+    args = kernel_bench_parser(__doc__, list(SHAPES), steps=10, repeats=3).parse_args()
+    rows = interleaved_runs(child, args, VARIANTS)
+    table = [
+        {
+            "shape": f"{shape} (heads {h}/{hk} x {d}, seq {s}, batch {max(1, args.tokens // s)})",
+            "variant": variant,
+            "ms per forward + backward, each run": ", ".join(f"{r['step_ms']:.1f}" for r in mine),
+            "speed vs sdpa (medians)": speed,
+            "useful GFLOP/s (median)": median(r["gflops_per_s"] for r in mine),
+        }
+        for shape, variant, mine, speed in against_baseline(rows, "step_ms", "sdpa")
+        for h, hk, s, d in [SHAPES[shape]]
+    ]
+    notes = [
+        "bf16 q, k, v as transposed views of (batch, seq, heads, head dim), as Hugging Face's Llama passes them; "
+        "'sdpa' = torch's scaled_dot_product_attention (is_causal, its CPU flash kernel); 'causal blocks N' = "
+        "raytrain_cpu.attention.causal_blocks with N queries a block (model.attention=causal_blocks).",
+        "useful GFLOP/s: 6·b·h·s²·d (the causal half of QKᵀ and PV, forward, and their four backward GEMMs) "
+        "over the time: what the same work would take at the GEMM peak.",
+    ]
+    write_kernel_bench(
+        "attention",
+        rows,
+        f"one layer's causal attention, forward and backward, {args.tokens} tokens, {args.threads} thread(s)",
+        table,
+        notes,
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()

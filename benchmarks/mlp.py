@@ -1,0 +1,84 @@
+"""One SwiGLU activation alone: Hugging Face's Llama MLP against the fused one (raytrain_cpu.mlp).
+
+    python benchmarks/mlp.py [--shapes 50m,llama3-8b] [--tokens 2048] [--threads 1] [--repeats 3]
+
+Forward and backward of silu(gate) * up on bf16 projections, as one worker runs it once per
+decoder layer: at the ~50M bench model's intermediate size (1,408) and at Llama-3-8B's
+(14,336); the projections themselves (GEMMs, the same in both) are left out. Each variant runs
+in a fresh spawned process, interleaved `--repeats` times, and records the median step time
+(after a warm-up step), the minor page faults per step and the bytes autograd keeps for the
+backward (saved tensors, gate and up excluded: their projections' outputs). Writes
+benchmarks/results/<machine>/mlp.json (and .md), or to --json.
+"""
+
+from __future__ import annotations
+
+from statistics import median
+from typing import Any
+
+from raytrain_cpu.bench import (
+    against_baseline,
+    interleaved_runs,
+    kernel_bench_parser,
+    saved_tensor_bytes,
+    time_kernel_steps,
+    write_kernel_bench,
+)
+
+SHAPES = {"50m": 1408, "llama3-8b": 14336}  # intermediate size
+VARIANTS = ("hugging face", "fused")
+
+
+def child(_: int, spec: dict[str, Any], out) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from raytrain_cpu import mlp
+
+    torch.set_num_threads(spec["threads"])
+    i = SHAPES[spec["shape"]]
+    gen = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(spec["tokens"], i, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    grad = torch.randn(spec["tokens"], i, generator=gen).to(torch.bfloat16)
+
+    def activation() -> torch.Tensor:
+        return mlp.swiglu(gate, up) if spec["variant"] == "fused" else F.silu(gate) * up
+
+    saved_bytes = saved_tensor_bytes(lambda: activation().backward(grad), [gate, up])
+
+    timing = time_kernel_steps(lambda: activation().backward(grad), [gate, up], spec["steps"])
+    out.put((0, timing | {"saved_bytes_per_token": saved_bytes / spec["tokens"]}))
+
+
+def main() -> None:
+    args = kernel_bench_parser(__doc__, list(SHAPES), steps=20, repeats=3).parse_args()
+    rows = interleaved_runs(child, args, VARIANTS)
+    table = [
+        {
+            "shape": f"{shape} (intermediate {SHAPES[shape]})",
+            "variant": variant,
+            "ms per forward + backward, each run": ", ".join(f"{r['step_ms']:.2f}" for r in mine),
+            "speed vs hugging face (medians)": speed,
+            "page faults per step (median)": median(r["faults_per_step"] for r in mine),
+            "saved for backward, bytes per token": mine[0]["saved_bytes_per_token"],
+        }
+        for shape, variant, mine, speed in against_baseline(rows, "step_ms", "hugging face")
+    ]
+    notes = [
+        "bf16 gate and up; 'hugging face' = silu(gate) * up under autograd, as LlamaMLP.forward computes it; "
+        "'fused' = raytrain_cpu.mlp.SwiGLUFunction (model.fused_mlp): the same output and gradient bits, "
+        "silu(gate) recomputed in the backward.",
+        "saved for backward: autograd's saved tensors other than gate and up.",
+    ]
+    write_kernel_bench(
+        "mlp",
+        rows,
+        f"one SwiGLU activation, forward and backward, {args.tokens} tokens, {args.threads} thread(s)",
+        table,
+        notes,
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()
