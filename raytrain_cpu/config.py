@@ -320,7 +320,7 @@ class TrainConfig:
             self.profile_step <= self.max_steps,
             "train.profile_step",
             f"{self.profile_step} is past train.max_steps={self.max_steps}; pick a step in 1..max_steps, "
-            "after the first (which compiles and allocates), or 0 for none.",
+            "past the warm-up (the first two steps compile and allocate), or 0 for none.",
         )
         if self.global_batch_size:
             per_worker = self.micro_batch_size * self.grad_accum_steps

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -35,11 +37,33 @@ def fast_overrides(storage, cache, *extra: str) -> list[str]:
     return [f"run.storage_path={storage}", f"data.cache_dir={cache}", *FAST, *extra]
 
 
+def _run_rank_and_exit(rank: int, rank_fn, *args) -> None:
+    """A spawned rank: rank_fn(rank, *args), then out of the process at once. A library thread
+    still joinable at interpreter exit can abort the process with "terminate called without an
+    active exception" after all of its work is written (seen once in test_export's ranks), and
+    torch.multiprocessing reports that SIGABRT as the test's failure."""
+    try:
+        rank_fn(rank, *args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn_ranks(rank_fn, nprocs: int, *args) -> None:
+    """rank_fn(rank, *args) in `nprocs` spawned processes (never forked: the suite's pytest holds
+    a Ray driver); raises if one fails."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_run_rank_and_exit, args=(rank_fn, *args), nprocs=nprocs, start_method="spawn")
+
+
 def spawn_two_ranks_on_tiny_model(rank_fn, tmp_path, overrides: list[str]) -> None:
     """Writes the tiny model under tmp_path/model and runs rank_fn(rank, port, str(tmp_path),
     overrides) in 2 spawned processes (a real gloo group, no Ray)."""
-    import torch.multiprocessing as mp
-
     from raytrain_cpu.config import load_config
     from raytrain_cpu.model import write_tiny_model
     from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
@@ -47,7 +71,7 @@ def spawn_two_ranks_on_tiny_model(rank_fn, tmp_path, overrides: list[str]) -> No
 
     cfg = load_config(None, overrides)
     write_tiny_model(cfg, load_tokenizer(resolve_tokenizer_path("bundled", "tiny")), tmp_path / "model")
-    mp.start_processes(rank_fn, args=(free_port(), str(tmp_path), overrides), nprocs=2, start_method="spawn")
+    spawn_ranks(rank_fn, 2, free_port(), str(tmp_path), overrides)
 
 
 def zero3_steps(engine, batches) -> list[float]:

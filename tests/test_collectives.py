@@ -73,11 +73,11 @@ def _collectives_rank(rank: int, port: int, root: str) -> None:
 
 @pytest.mark.slow
 def test_shared_memory_collectives_match_gloo(tmp_path):
-    import torch.multiprocessing as mp
+    from conftest import spawn_ranks
 
     from raytrain_cpu.train import free_port
 
-    mp.start_processes(_collectives_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn_ranks(_collectives_rank, 2, free_port(), str(tmp_path))
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert r0["mismatches"] == [] and r1["mismatches"] == []
     assert "rank 0 waited 1 s in a shared-memory collective for rank(s) [1]" in r0["error"], r0["error"]

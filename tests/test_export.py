@@ -78,7 +78,7 @@ def _train_and_save(rank: int, root: str, port: int) -> None:
 def zero3(tmp_path_factory):
     """{checkpoint, probe}: a 2-shard ZeRO-3 checkpoint and the trained model's logits."""
     import torch
-    import torch.multiprocessing as mp
+    from conftest import spawn_ranks
 
     from raytrain_cpu.model import write_tiny_model
     from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
@@ -87,7 +87,7 @@ def zero3(tmp_path_factory):
     root = tmp_path_factory.mktemp("zero3")
     cfg = load_config(None, CONFIG)
     write_tiny_model(cfg, load_tokenizer(resolve_tokenizer_path("bundled", "tiny")), root / "base_model")
-    mp.start_processes(_train_and_save, args=(str(root), free_port()), nprocs=WORLD, start_method="spawn")
+    spawn_ranks(_train_and_save, WORLD, str(root), free_port())
     return {"checkpoint": root / "run" / f"checkpoint_{STEP:06d}", "probe": torch.load(root / "probe.pt")}
 
 

@@ -151,7 +151,7 @@ def test_lora_trains_with_whole_layer_gathers(tmp_path):
     """Whole-layer gathers (and so per-layer compile) under LoRA: DeepSpeed reduces a leaf layer's
     gradients from a hook that fired too early behind frozen embeddings; build_engine makes the
     embeddings' output require grad, and the adapters train as with per-module gathers."""
-    import torch.multiprocessing as mp
+    from conftest import spawn_ranks
 
     from raytrain_cpu.config import load_config
     from raytrain_cpu.model import write_tiny_model
@@ -160,8 +160,7 @@ def test_lora_trains_with_whole_layer_gathers(tmp_path):
 
     tok = load_tokenizer(resolve_tokenizer_path("bundled", "tiny"))
     write_tiny_model(load_config(None, ["model.dtype=bf16"]), tok, tmp_path / "base_model")
-    # Spawned, never forked: the suite's pytest process holds a Ray driver.
-    mp.start_processes(_lora_gathers_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn_ranks(_lora_gathers_rank, 2, free_port(), str(tmp_path))
     for r in range(2):
         losses = json.loads((tmp_path / f"losses{r}.json").read_text())
         per_module, whole = losses["False"], losses["True"]
