@@ -235,7 +235,7 @@ def measure(
     launcher: str = "mp",
     fused_loss: bool = True,
     fused_norm: bool = True,
-    fused_mlp: bool = True,
+    fused_mlp: bool = False,
 ) -> dict[str, Any]:
     """Runs one calibration case and returns measured (max over ranks) next to predicted GiB."""
     shape = plan.CALIBRATION_SHAPES[name]
@@ -326,7 +326,7 @@ def _print_case(case: dict[str, Any]) -> None:
     name = f"{case['model']} mb{case['micro_batch']}{' ac' if case['activation_checkpointing'] else ''}"
     name += "" if case.get("fused_loss", False) else " unfused"
     name += "" if case.get("fused_norm", False) else " hf-norm"
-    name += "" if case.get("fused_mlp", False) else " hf-mlp"
+    name += " fused-mlp" if case.get("fused_mlp", False) else ""
     cols = []
     for phase, (p, m) in PHASES.items():
         measured, predicted = case["measured_rss_gib"][m], case["predicted_gib"][p]
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
         "--unfused-norm", action="store_true", help="Hugging Face's RMSNorms (model.fused_norm=false) in every case"
     )
     p.add_argument(
-        "--unfused-mlp", action="store_true", help="Hugging Face's SwiGLU (model.fused_mlp=false) in every case"
+        "--fused-mlp", action="store_true", help="the fused SwiGLU activation (model.fused_mlp=true) in every case"
     )
     p.add_argument("--no-write", action="store_true", help=f"print only; do not rewrite {RESULTS.name}")
     p.add_argument(
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.launcher,
                 not args.unfused_loss,
                 not args.unfused_norm,
-                not args.unfused_mlp,
+                args.fused_mlp,
             )
         )
         print(json.dumps(r, indent=2), flush=True)

@@ -454,7 +454,7 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
     whole-layer ZeRO-3 gathers, gloo in place of the shared-memory collectives, DeepSpeed's
     fresh fp32 gradient each step and fresh reduce-scatter buffers in place of the kept ones,
     SDPA's and the causal blocks' attention in place of the start-up timing's pick, Hugging
-    Face's loss, norms and MLP activations in place of the fused ones, micro batch 8 in place
+    Face's loss and norms in place of the fused ones, the fused MLP activation, micro batch 8 in place
     of 4 (half the ZeRO-3 gathers and hooks per token), compile per layer and of the whole
     model, ZeRO-2 and ZeRO-1 (no parameter gathers: for a model that fits whole on every rank,
     see `plan`), PyTorch's per-tensor AdamW loop in place of the fused kernel, and glibc malloc
@@ -474,7 +474,7 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
         "causal-blocks attention": ["model.attention=causal_blocks"],
         "unfused loss": ["model.fused_loss=false"],
         "unfused norm": ["model.fused_norm=false"],
-        "unfused MLP": ["model.fused_mlp=false"],
+        "fused MLP": ["model.fused_mlp=true"],
         "micro batch 8": ["train.micro_batch_size=8"],
         "compile": ["model.compile=true"],
         "compile + sdpa attention": ["model.compile=true", "model.attention=sdpa"],
@@ -695,11 +695,10 @@ def _reference_worker(
         from raytrain_cpu import loss as fused_loss
 
         fused_loss.install(model)
-    if not compile:  # the trainers' norms and MLPs (model.fused_norm, fused_mlp); inductor fuses its own
-        from raytrain_cpu import mlp, norm
+    if not compile:  # the trainers' norms (model.fused_norm), under autocast too; inductor fuses its own
+        from raytrain_cpu import norm
 
         norm.install(model)
-        mlp.install(model)
     # The project's optimizer: AdamW without weight decay on norms, its lr, betas and eps.
     groups = [
         {"params": [p for p in opt_params if p.ndim >= 2], "weight_decay": t.weight_decay},

@@ -112,12 +112,14 @@ class ModelConfig:
     Hugging Face's keeps 6 (two norms per layer) and runs 1.8x faster alone (benchmarks/norm.py),
     1.03x the whole bench model on AMX. OLMo-2 and
     Gemma norms, and compiled models (inductor fuses them itself), keep Hugging Face's."""
-    fused_mlp: bool = True
+    fused_mlp: bool = False
     """Run the SwiGLU MLP's silu(gate) * up as one autograd operation (raytrain_cpu.mlp) that
     recomputes silu(gate) in the backward instead of keeping it: the same bits, 2 bytes per
     intermediate unit per token per layer less (7 GiB per rank for Llama-3-8B at 8,192 tokens
-    a rank without activation checkpointing). Llama-style MLPs with SiLU; compiled models keep
-    Hugging Face's."""
+    a rank without activation checkpointing; `plan --fused-mlp` counts it). Off by default:
+    it cost 0.97-0.98x on the 50M bench model and 0.89x on the embedded default (the recompute
+    and a Python autograd call per layer); turn it on where activations limit an uncompiled
+    run. Llama-style MLPs with SiLU; compiled models keep Hugging Face's."""
     compile: bool = False
     """torch.compile with inductor; the first steps compile (minutes on a few cores, seconds from
     the cache after that)."""

@@ -334,7 +334,7 @@ def memory_breakdown(
     reuse_reduce_buffer: bool = True,
     fused_loss: bool = True,
     fused_norm: bool = True,
-    fused_mlp: bool = True,
+    fused_mlp: bool = False,
 ) -> dict[str, float]:
     """Per-rank bytes of each component (not cumulative), named after where it comes from.
 
@@ -765,7 +765,7 @@ def plan(
     reuse_reduce_buffer: bool = True,
     fused_loss: bool = True,
     fused_norm: bool = True,
-    fused_mlp: bool = True,
+    fused_mlp: bool = False,
 ) -> dict[str, Any]:
     """The whole estimate as a JSON-able dict (what `--json` prints).
 
@@ -1026,8 +1026,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--fused-mlp",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="the SwiGLU activation as one autograd operation (the default, model.fused_mlp); "
-        "--no-fused-mlp counts Hugging Face's kept silu(gate)",
+        help="count model.fused_mlp=true (the SwiGLU activation as one autograd operation, which "
+        "keeps no silu(gate)); the default counts Hugging Face's, as model.fused_mlp defaults to false",
     )
     p.add_argument(
         "--max-live-parameters",
@@ -1058,7 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
         fused_adamw=True,
         fused_loss=True,
         fused_norm=True,
-        fused_mlp=True,
+        fused_mlp=False,
         max_live_parameters=DS_MAX_LIVE_PARAMETERS,
     )
     try:
