@@ -15,12 +15,17 @@ shape. Writes benchmarks/results/<machine>/loss_head.json (and .md), or to --jso
 
 from __future__ import annotations
 
-import time
-from statistics import median
 from typing import Any
 
 from raytrain_cpu import loss as fused
-from raytrain_cpu.bench import _rss, against_baseline, interleaved_runs, kernel_bench_parser, write_kernel_bench
+from raytrain_cpu.bench import (
+    _rss,
+    against_baseline,
+    interleaved_runs,
+    kernel_bench_parser,
+    time_kernel_steps,
+    write_kernel_bench,
+)
 from raytrain_cpu.cpu import peak_rss_bytes, reset_peak_rss
 
 SHAPES = {"50m": (512, 2048), "llama3-8b": (4096, 128256)}  # hidden, vocabulary
@@ -38,7 +43,6 @@ def child(_: int, spec: dict[str, Any], out) -> None:
     targets = torch.randint(0, v, (n,), generator=gen)
 
     def step() -> float:
-        hidden.grad = weight.grad = None
         if spec["variant"] == "fused":
             loss = fused.LinearCrossEntropy.apply(hidden, weight, targets, fused.chunk_rows(v))
         else:
@@ -49,14 +53,10 @@ def child(_: int, spec: dict[str, Any], out) -> None:
     # The inputs resident, plus what their gradients will hold: the rest of the peak is the loss's.
     reset_peak_rss()  # VmHWM := VmRSS now
     base = _rss() + hidden.nbytes + weight.nbytes
-    loss = step()  # warm-up, not timed (its memory counts: the first step is a step)
-    times = []
-    for _ in range(spec["steps"]):
-        t0 = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - t0)
+    losses = []  # the warm-up step's memory counts too: the first step is a step
+    timing = time_kernel_steps(lambda: losses.append(step()), [hidden, weight], spec["steps"])
     peak = peak_rss_bytes()
-    out.put((0, {"step_s": median(times), "peak_over_inputs_gib": (peak - base) / 2**30, "loss": loss}))
+    out.put((0, {"step_s": timing["step_ms"] / 1e3, "peak_over_inputs_gib": (peak - base) / 2**30, "loss": losses[-1]}))
 
 
 def main() -> None:

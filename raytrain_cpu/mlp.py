@@ -22,8 +22,6 @@ hooks gather and release them as before.
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 
@@ -63,12 +61,9 @@ def install(model) -> int:
     from transformers.activations import SiLUActivation
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from raytrain_cpu.model import same_forward
+    from raytrain_cpu.model import install_forward, same_forward
 
     silu = (SiLUActivation, torch.nn.SiLU)  # hidden_act "silu" and "swish"
-    n = 0
-    for module in model.modules():
-        if type(getattr(module, "act_fn", None)) in silu and same_forward(type(module), LlamaMLP):
-            module.forward = types.MethodType(_mlp_forward, module)
-            n += 1
-    return n
+    return install_forward(
+        model, lambda m: type(getattr(m, "act_fn", None)) in silu and same_forward(type(m), LlamaMLP), _mlp_forward
+    )

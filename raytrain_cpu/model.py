@@ -355,6 +355,19 @@ def same_forward(cls: type, reference: type) -> bool:
         return False
 
 
+def install_forward(model, runs_reference, forward) -> int:
+    """Binds `forward` to every module of `model` for which runs_reference(module) holds (its
+    class runs a reference forward: the fused norm and MLP); how many."""
+    import types
+
+    n = 0
+    for module in model.modules():
+        if runs_reference(module):
+            module.forward = types.MethodType(forward, module)
+            n += 1
+    return n
+
+
 def decoder_layers(model) -> list:
     """The model's decoder layers, for any architecture: the modules of the classes transformers
     never splits across devices (`_no_split_modules`)."""

@@ -24,8 +24,6 @@ hooks still gather its weight around the call.
 
 from __future__ import annotations
 
-import types
-
 import torch
 
 
@@ -73,12 +71,12 @@ def install(model) -> int:
     """Swaps in the fused norm on every module of `model` that runs Llama's RMSNorm; how many."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from raytrain_cpu.model import same_forward
+    from raytrain_cpu.model import install_forward, same_forward
 
-    n = 0
-    for module in model.modules():
+    def runs_llama_norm(module) -> bool:
         cls = type(module)
-        if cls.__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and same_forward(cls, LlamaRMSNorm):
-            module.forward = types.MethodType(_norm_forward, module)
-            n += 1
-    return n
+        return (
+            cls.__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and same_forward(cls, LlamaRMSNorm)
+        )
+
+    return install_forward(model, runs_llama_norm, _norm_forward)

@@ -205,7 +205,8 @@ def test_activation_formula_matches_autograd(fused):
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16).train()
     if fused:
-        norm.install(model), mlp.install(model)
+        norm.install(model)
+        mlp.install(model)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
