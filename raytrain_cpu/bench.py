@@ -76,6 +76,9 @@ SIZES: dict[str, dict[str, Any]] = {
     },
 }
 VOCAB = 2048  # the bundled tokenizer
+# jemalloc returning freed pages after 30 s unused, from its background thread (raytrain's
+# MALLOC_CONF until cpu.JEMALLOC_CONF kept them; the cluster images' still).
+JEMALLOC_DECAY_30S = "background_thread:true,metadata_thp:auto,dirty_decay_ms:30000,muzzy_decay_ms:30000"
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -487,6 +490,10 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
         "glibc 32 MiB mmap threshold": ["scaling.allocator=system"],  # the workers' glibc default
         "glibc dynamic mmap threshold": ["scaling.allocator=system", "scaling.glibc_mmap_threshold=0"],
         "jemalloc": ["scaling.allocator=jemalloc"],  # against a base run with scaling.allocator=system
+        "jemalloc 30 s decay": [f"scaling.jemalloc_conf={JEMALLOC_DECAY_30S}"],  # the default until 2026-11-27
+        "jemalloc 30 s decay without oversize arena": [
+            f"scaling.jemalloc_conf={JEMALLOC_DECAY_30S},oversize_threshold:0"
+        ],
         "glibc fixed mmap threshold": ["scaling.allocator=system", f"scaling.glibc_mmap_threshold={1 << 20}"],
     }
     only = set(args.variants.split(",")) if args.variants else None

@@ -408,8 +408,13 @@ class ScalingConfig:
     """Pin each worker's threads to its own physical cores (split by local rank; one socket
     per rank on multi-socket nodes). Pays on a dedicated node; hurts on a shared one."""
     allocator: str = "auto"
-    """malloc of the training workers: 'auto' preloads jemalloc, else tcmalloc, when the
-    library is installed (apt-get install libjemalloc2); 'jemalloc', 'tcmalloc' or 'system'."""
+    """malloc of the training workers: 'auto' preloads jemalloc (the system's, apt-get install
+    libjemalloc2, else the one Ray's wheel ships), else tcmalloc; 'jemalloc', 'tcmalloc' or
+    'system' (glibc)."""
+    jemalloc_conf: str = ""
+    """The workers' MALLOC_CONF when jemalloc is preloaded; '' is raytrain's (cpu.JEMALLOC_CONF:
+    freed pages stay for the next step and go back to the OS at phase ends). A MALLOC_CONF in
+    the driver's environment (the cluster images') wins over both."""
     glibc_mmap_threshold: int = GLIBC_HEAP_THRESHOLD
     """With glibc malloc (no jemalloc/tcmalloc): allocations at least this many bytes get their
     own mapping, returned to the OS when freed and faulted in afresh when made again; smaller

@@ -543,13 +543,33 @@ _LIB_DIRS = (
     "/usr/local/lib",
     "/lib64",
 )
-# Purge freed pages from a background thread instead of inside malloc on the training thread,
-# and only after 30 s unused: with jemalloc's default 10 s a step's freed activations were
-# partly returned before the next step made them again, so their pages faulted in afresh. On
-# the AMX host (bench model, 2 cores per suite, `benchmarks/results/intel-xeon-amx_bf16/
-# options-lease4b-alloc-*`) the 10 s default ran at 0.86x and 0.91x glibc's speed, 30 s at 1.04x,
-# never purging at 1.01x both ways but with a 9% higher peak than 30 s.
-JEMALLOC_CONF = "background_thread:true,metadata_thp:auto,dirty_decay_ms:30000,muzzy_decay_ms:30000"
+# Never purge freed pages on a timer: a training step frees and makes again the same tensors,
+# and every page handed back faults in afresh (in a VM a host fault too: the 16 MB tensors of
+# the bench model's loss took 25-45 ms an operation under the profiler, 0.2-0.4 ms with their
+# pages kept). With a decay jemalloc returns a share of the dirty pages on every step. The
+# bench model on the Zen 5 host (`benchmarks/results/amd-epyc-zen5-avx512_bf16/
+# options-alloc.md`, order-balanced): 1,509 and 1,622 tokens/s at 2.57 GB peak per rank,
+# against glibc's 32 MiB heap 1,480 and 1,505 at 2.85 GB and jemalloc with a 30 s decay (the
+# setting until then) 1,343 and 1,323 at 2.39 GB; a worker took 0.6k page faults a second
+# against 13.7k with glibc. What a phase end leaves free (the sharded load's buffers, the
+# engine's set-up, an evaluation, a checkpoint's) goes back at once (`release_free_memory`),
+# so RSS follows the training step's own peak. On the AMX host, without those purges and with
+# eight suites sharing the socket, never purging ran at 0.99x and 1.01x glibc's dynamic
+# thresholds (`benchmarks/results/intel-xeon-amx_bf16/options-lease4b-alloc-*`).
+JEMALLOC_CONF = "background_thread:false,metadata_thp:auto,dirty_decay_ms:-1,muzzy_decay_ms:-1"
+
+
+def bundled_jemalloc() -> str:
+    """Ray's wheel ships jemalloc 5.3 (ray/core/libjemalloc.so, malloc unprefixed, so it can be
+    preloaded): every install has one, without apt-get. '' when Ray is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("ray")
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(d, "core", "libjemalloc.so")
+        if os.path.isfile(path):
+            return path
+    return ""
 
 
 def find_allocator(choice: str = "auto", search_dirs: Sequence[str] = ()) -> tuple[str, str]:
@@ -571,6 +591,8 @@ def find_allocator(choice: str = "auto", search_dirs: Sequence[str] = ()) -> tup
                 path = os.path.join(d, lib)
                 if os.path.isfile(path):
                     return name, path
+        if name == "jemalloc" and bundled_jemalloc():  # after a system one, which the cluster images install
+            return name, bundled_jemalloc()
     return "system", ""
 
 
@@ -594,7 +616,9 @@ GLIBC_MMAP_THRESHOLD = 1 << 20
 GLIBC_HEAP_THRESHOLD = 32 << 20
 
 
-def preload_env(choice: str = "auto", glibc_mmap_threshold: int = GLIBC_HEAP_THRESHOLD) -> dict[str, str]:
+def preload_env(
+    choice: str = "auto", glibc_mmap_threshold: int = GLIBC_HEAP_THRESHOLD, jemalloc_conf: str = ""
+) -> dict[str, str]:
     """Env vars a worker process must start with for its allocator.
 
     jemalloc or tcmalloc when installed (LD_PRELOAD); otherwise glibc's fixed mmap threshold
@@ -611,8 +635,23 @@ def preload_env(choice: str = "auto", glibc_mmap_threshold: int = GLIBC_HEAP_THR
         }
     env = {"LD_PRELOAD": ":".join(p for p in (path, os.environ.get("LD_PRELOAD", "")) if p)}
     if name == "jemalloc":
-        env["MALLOC_CONF"] = os.environ.get("MALLOC_CONF", JEMALLOC_CONF)
+        env["MALLOC_CONF"] = os.environ.get("MALLOC_CONF", jemalloc_conf or JEMALLOC_CONF)
     return env
+
+
+def release_free_memory() -> str:
+    """Hands the pages malloc holds free back to the OS, at a phase end whose peak the training
+    steps will not make again (JEMALLOC_CONF keeps them otherwise). Which call it made."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)  # the process's global symbols: a preloaded jemalloc's come first
+    if allocator_in_use() == "jemalloc" and hasattr(libc, "mallctl"):
+        libc.mallctl(b"arena.4096.purge", None, None, None, ctypes.c_size_t(0))  # 4096: every arena
+        return "jemalloc purge"
+    if allocator_in_use() == "system" and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(ctypes.c_size_t(0))  # every arena's free pages, not only the heap's top
+        return "malloc_trim"
+    return "none"
 
 
 def allocator_in_use(maps_path: str = "/proc/self/maps") -> str:

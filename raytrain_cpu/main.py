@@ -223,7 +223,7 @@ def worker_env(cfg: Config, workers_per_node: int) -> dict[str, str]:
     """
     from raytrain_cpu.cpu import preload_env
 
-    env = preload_env(cfg.scaling.allocator, cfg.scaling.glibc_mmap_threshold)
+    env = preload_env(cfg.scaling.allocator, cfg.scaling.glibc_mmap_threshold, cfg.scaling.jemalloc_conf)
     if workers_per_node > 1:
         env["OMP_PROC_BIND"] = "false"
     return env

@@ -218,6 +218,17 @@ STEP_OVERHEAD_BYTES = int(0.04 * GIB)
 # within 5.7% for all but llama-37m at micro batch 2, whose activations are tensors under the
 # threshold, left on the heap (measured 13% above).
 FRAGMENTATION = 1.0
+# The workers' jemalloc keeps the pages a step frees for the next step (cpu.JEMALLOC_CONF:
+# no faults on the tensors made again, 1.02-1.23x faster) instead of handing each large block
+# back as the calibration's glibc does; a tensor made again in pages kept from a larger one
+# leaves their tail resident. Its training peak settled this much above the calibration's
+# (`python benchmarks/calibrate_planner.py --no-write --case ...` with the workers' default
+# allocator, Zen 5 host, `benchmarks/results/amd-epyc-avx512_bf16/planner_jemalloc_kept.json`):
+# x1.092 (llama-37m, micro batch 8), x1.096 (0.5B, micro batch 8: 9.49 GiB, flat from the 8th
+# of 14 steps), x1.078 (0.5B, micro batch 2), x1.117 (llama-37m, micro batch 2, which glibc
+# too left 13% over). Only the training peak, which decides the fit, counts it; after the
+# engine's set-up the 0.5B model held 2.93 GiB against glibc's 2.47.
+KEPT_PAGES = 1.09
 # LoRA's mid-size fp32 temporaries (each adapter's input cast to fp32, B's output, its scaled
 # copy, their sum with the base output) still leave some holes: on llama-37m, micro batch 8, a
 # raytrain_cpu.main run peaked at 1.60 GiB per rank (full fine-tuning: 1.54, predicted 1.54),
@@ -537,7 +548,7 @@ def _lora_act_delta(shape: ModelShape, rank: int, targets: tuple[str, ...], dtyp
     return frozen + inputs + 4 * rank * len(targets)
 
 
-def memory_stages(parts: dict[str, float], lora: bool = False) -> dict[str, float]:
+def memory_stages(parts: dict[str, float], lora: bool = False, kept_pages: bool = True) -> dict[str, float]:
     """Cumulative per-rank bytes at each stage of start-up, and the training peak.
 
     after_load: the high-water mark of loading (weights partitioned under zero.Init, plus the
@@ -553,7 +564,8 @@ def memory_stages(parts: dict[str, float], lora: bool = False) -> dict[str, floa
     transients (activations, logits, ZeRO-3's gathered parameters and gradient bucket, times
     the allocator's FRAGMENTATION) and the optimizer step's (master_grad, and with the
     per-tensor AdamW its two temporaries). `lora`: the parts are a LoRA run's
-    (LORA_FRAGMENTATION).
+    (LORA_FRAGMENTATION). `kept_pages`: the workers' jemalloc, which keeps freed pages
+    (KEPT_PAGES); False plans for glibc with scaling.glibc_mmap_threshold=1048576.
     """
     base = parts["baseline"] + LOAD_OVERHEAD_BYTES + parts["weights"]
     after_load = base + max(parts["load_transient"], parts["attention_pick"])
@@ -565,7 +577,7 @@ def memory_stages(parts: dict[str, float], lora: bool = False) -> dict[str, floa
     fragmentation = LORA_FRAGMENTATION if lora else FRAGMENTATION
     optimizer_step = parts["master_grad"] + parts["adam_temp"]
     peak = after_optimizer + STEP_OVERHEAD_BYTES + max(fragmentation * backward, optimizer_step)
-    peak = max(peak, after_load)
+    peak = max(peak * (KEPT_PAGES if kept_pages else 1.0), after_load)
     return {"after_load": after_load, "after_master": after_master, "after_optimizer": after_optimizer, "peak": peak}
 
 
@@ -619,9 +631,16 @@ def train_flops_per_step(shape: ModelShape, tokens: int, activation_checkpointin
 # ----------------------------------------------------------------------------- recommendation
 
 
+def _stages(shape: ModelShape, world_size: int, mem_kwargs: dict[str, Any]) -> tuple[dict, dict]:
+    """(memory_breakdown's parts, memory_stages) for plan()'s memory arguments."""
+    kwargs = dict(mem_kwargs)
+    kept_pages = kwargs.pop("kept_pages", True)
+    parts = memory_breakdown(shape, world_size, **kwargs)
+    return parts, memory_stages(parts, lora=bool(kwargs.get("lora_rank")), kept_pages=kept_pages)
+
+
 def _peak(shape: ModelShape, world_size: int, mem_kwargs: dict[str, Any]) -> float:
-    lora = bool(mem_kwargs.get("lora_rank"))
-    return memory_stages(memory_breakdown(shape, world_size, **mem_kwargs), lora=lora)["peak"]
+    return _stages(shape, world_size, mem_kwargs)[1]["peak"]
 
 
 def _fits(peak_bytes: float, ranks_per_node: int, instance_gib: float) -> bool:
@@ -768,6 +787,7 @@ def plan(
     fused_loss: bool = True,
     fused_norm: bool = True,
     fused_mlp: bool = False,
+    kept_pages: bool = True,
 ) -> dict[str, Any]:
     """The whole estimate as a JSON-able dict (what `--json` prints).
 
@@ -812,10 +832,10 @@ def plan(
         fused_norm=fused_norm,
         fused_mlp=fused_mlp,
         shm_ranks=world_size if world_size <= ranks_per_node else 0,  # all ranks on one node
+        kept_pages=kept_pages,
     )
     lora_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets)
-    parts = memory_breakdown(shape, world_size, **mem_kwargs)
-    stages = memory_stages(parts, lora=lora_rank > 0)
+    parts, stages = _stages(shape, world_size, mem_kwargs)
     comm = comm_bytes_per_step(shape, world_size, zero_stage, grad_accum_steps, dtype, **lora_kw)
     rec = recommend(shape, world_size, ranks_per_node=ranks_per_node, **mem_kwargs)
     node = instance or rec["instance"] or "c7i.48xlarge"
@@ -905,6 +925,7 @@ def inputs_from_run_config(path: str) -> dict[str, Any]:
         fused_loss=m.fused_loss,
         fused_norm=m.fused_norm,
         fused_mlp=m.fused_mlp,
+        kept_pages=cfg.scaling.allocator != "system",
     )
 
 
@@ -944,8 +965,12 @@ def format_table(result: dict[str, Any]) -> str:
         f"  after optimizer states    {mem['after_optimizer']:10.2f}",
         f"  peak during training      {mem['peak']:10.2f}",
         "  of which: " + ", ".join(f"{k} {v:.2f}" for k, v in result["components_gib"].items() if v >= 0.005),
-        "  (for jemalloc or tcmalloc, which the cluster images preload, or glibc with"
-        " scaling.glibc_mmap_threshold=1048576; the workers' glibc default, 32 MiB, measured ~25% higher at the peak)",
+        (
+            f"  (for the workers' jemalloc, which keeps freed pages: x{KEPT_PAGES} at the peak; glibc with"
+            " scaling.glibc_mmap_threshold=1048576 is --no-kept-pages, its 32 MiB default ~25% higher)"
+            if i.get("kept_pages", True)
+            else "  (for glibc with scaling.glibc_mmap_threshold=1048576; its 32 MiB default measured ~25% higher)"
+        ),
         "",
         f"communication per rank per step   {result['comm_gib_per_step']:.3g} GiB "
         f"(>= {result['comm_seconds_per_step_min']:.2f} s at {result['network_node']}'s line rate)",
@@ -1032,6 +1057,13 @@ def build_parser() -> argparse.ArgumentParser:
         "keeps no silu(gate)); the default counts Hugging Face's, as model.fused_mlp defaults to false",
     )
     p.add_argument(
+        "--kept-pages",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"count the workers' jemalloc keeping freed pages for the next step (x{KEPT_PAGES} at the "
+        "peak; the default); --no-kept-pages plans for glibc with scaling.glibc_mmap_threshold=1048576",
+    )
+    p.add_argument(
         "--max-live-parameters",
         type=float,
         help="ZeRO-3 parameters kept gathered (deepspeed.max_live_parameters; default 1e9)",
@@ -1061,6 +1093,7 @@ def main(argv: list[str] | None = None) -> int:
         fused_loss=True,
         fused_norm=True,
         fused_mlp=False,
+        kept_pages=True,
         max_live_parameters=DS_MAX_LIVE_PARAMETERS,
     )
     try:
@@ -1082,6 +1115,7 @@ def main(argv: list[str] | None = None) -> int:
             fused_loss=args.fused_loss,
             fused_norm=args.fused_norm,
             fused_mlp=args.fused_mlp,
+            kept_pages=args.kept_pages,
             max_live_parameters=int(args.max_live_parameters) if args.max_live_parameters else None,
         )
         inputs |= {k: v for k, v in flags.items() if v is not None}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -197,6 +200,46 @@ def test_find_allocator(tmp_path):
     assert name == "tcmalloc" and path == str(tmp_path / "libtcmalloc.so.4")
     (tmp_path / "libjemalloc.so.2").write_text("")
     assert cpu.find_allocator("auto", search_dirs=[str(tmp_path)])[0] == "jemalloc"
+
+
+def test_rays_jemalloc_serves_when_the_system_has_none(tmp_path, monkeypatch):
+    """Ray's wheel ships a preloadable jemalloc: every install gets one without apt-get."""
+    bundled = cpu.bundled_jemalloc()
+    assert bundled.endswith(os.path.join("ray", "core", "libjemalloc.so")) and os.path.isfile(bundled)
+    monkeypatch.setattr(cpu, "_LIB_DIRS", ())
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    monkeypatch.delenv("CONDA_PREFIX", raising=False)
+    assert cpu.find_allocator("auto") == ("jemalloc", bundled)
+    (tmp_path / "libjemalloc.so.2").write_text("")  # a system one comes first
+    assert cpu.find_allocator("auto", search_dirs=[str(tmp_path)]) == ("jemalloc", str(tmp_path / "libjemalloc.so.2"))
+
+
+# 256 MiB in 4 MiB tensors, each with a 256 KiB one made after it and kept (so glibc cannot
+# trim the freed ones off its heap's top by itself); the RSS before and after release_free_memory.
+_FREED_PAGES = """
+import torch
+from raytrain_cpu import cpu
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+xs, kept = [], []
+for _ in range(64):
+    xs.append(torch.ones(1 << 20))
+    kept.append(torch.ones(1 << 16))
+del xs
+before = rss()
+print(cpu.allocator_in_use(), cpu.release_free_memory(), before, rss(), sep="|")
+"""
+
+
+@pytest.mark.parametrize("allocator", ["jemalloc", "system"])
+def test_release_free_memory_hands_the_freed_pages_back(allocator):
+    """The workers' malloc settings keep freed pages for the next step; a phase end returns them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update(cpu.preload_env(allocator))
+    out = subprocess.run([sys.executable, "-c", _FREED_PAGES], env=env, capture_output=True, text=True, check=True)
+    in_use, how, before, after = out.stdout.strip().split("|")
+    assert (in_use, how) == (allocator, {"jemalloc": "jemalloc purge", "system": "malloc_trim"}[allocator])
+    assert int(before) - int(after) > 200 << 20, out.stdout
 
 
 def test_allocator_in_use(tmp_path):
