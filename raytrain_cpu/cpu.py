@@ -552,7 +552,7 @@ _LIB_DIRS = (
 # against glibc's 32 MiB heap 1,480 and 1,505 at 2.85 GB and jemalloc with a 30 s decay (the
 # setting until then) 1,343 and 1,323 at 2.39 GB; a worker took 0.6k page faults a second
 # against 13.7k with glibc. What a phase end leaves free (the sharded load's buffers, the
-# engine's set-up, an evaluation, a checkpoint's) goes back at once (`release_free_memory`),
+# engine's set-up, a checkpoint's save) goes back at once (`release_free_memory`),
 # so RSS follows the training step's own peak. On the AMX host, without those purges and with
 # eight suites sharing the socket, never purging ran at 0.99x and 1.01x glibc's dynamic
 # thresholds (`benchmarks/results/intel-xeon-amx_bf16/options-lease4b-alloc-*`).
@@ -645,10 +645,11 @@ def release_free_memory() -> str:
     import ctypes
 
     libc = ctypes.CDLL(None)  # the process's global symbols: a preloaded jemalloc's come first
-    if allocator_in_use() == "jemalloc" and hasattr(libc, "mallctl"):
+    malloc = allocator_in_use()
+    if malloc == "jemalloc" and hasattr(libc, "mallctl"):
         libc.mallctl(b"arena.4096.purge", None, None, None, ctypes.c_size_t(0))  # 4096: every arena
         return "jemalloc purge"
-    if allocator_in_use() == "system" and hasattr(libc, "malloc_trim"):
+    if malloc == "system" and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(ctypes.c_size_t(0))  # every arena's free pages, not only the heap's top
         return "malloc_trim"
     return "none"

@@ -865,8 +865,9 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     ds_config = deepspeed_config(cfg, w.world)
     loaded = load_model(w, ds_config)
     engine, scheduler = build_engine(w, loaded.model, ds_config)
-    # The load's and the set-up's free pages go back now; from here on freed pages stay for the
-    # next step (cpu.JEMALLOC_CONF), as after each evaluation and checkpoint below.
+    # The load's and the set-up's free pages go back now, and a checkpoint's after each save;
+    # otherwise freed pages stay for the next step (cpu.JEMALLOC_CONF). An evaluation's stay:
+    # it makes less than a training step, which reuses them.
     cpu.release_free_memory()
 
     # ---- resume
@@ -911,7 +912,6 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 w.log(
                     f"step {st.step} eval loss {st.eval_metrics['eval_loss']:.4f} ppl {st.eval_metrics['eval_perplexity']:.2f}"
                 )
-            cpu.release_free_memory()
         reason = checkpoint_reason(w, st)
         if reason:
             save_checkpoint(w, st, engine, reason, loaded, block_log)
