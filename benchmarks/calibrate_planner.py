@@ -123,7 +123,7 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
     torch.set_num_threads(1)  # 2 cores shared by 2 ranks (and by other people's tests)
     importlib.import_module("torch._dynamo")  # before zero.Init patches Tensor.__new__
 
-    from raytrain_cpu.cpu import malloc_setting, release_free_memory
+    from raytrain_cpu.cpu import malloc_setting
     from raytrain_cpu.train import build_engine, deepspeed_config, kept_fp32_grad_buffer_bytes, load_model
 
     points: dict[str, float] = {"imports": _rss_gib()}
@@ -138,8 +138,7 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
 
     # The workers' engine: weight-decay groups (ZeRO-3 makes sub groups within each), the fp32
     # gradient buffer the optimizer step reuses and the kept reduce-scatter buffer.
-    engine, _ = build_engine(w, loaded.model, ds_config)
-    release_free_memory()  # as train_loop does after its set-up
+    engine, _ = build_engine(w, loaded.model, ds_config)  # ends with the phase-end purge
     points["after_initialize"] = _rss_gib()
 
     gen = torch.Generator().manual_seed(1234 + rank)

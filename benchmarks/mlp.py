@@ -13,15 +13,14 @@ benchmarks/results/<machine>/mlp.json (and .md), or to --json.
 
 from __future__ import annotations
 
-from statistics import median
 from typing import Any
 
 from raytrain_cpu.bench import (
     against_baseline,
     interleaved_runs,
     kernel_bench_parser,
-    saved_tensor_bytes,
-    time_kernel_steps,
+    saved_bytes_columns,
+    time_with_saved_bytes,
     write_kernel_bench,
 )
 
@@ -44,10 +43,7 @@ def child(_: int, spec: dict[str, Any], out) -> None:
     def activation() -> torch.Tensor:
         return mlp.swiglu(gate, up) if spec["variant"] == "fused" else F.silu(gate) * up
 
-    saved_bytes = saved_tensor_bytes(lambda: activation().backward(grad), [gate, up])
-
-    timing = time_kernel_steps(lambda: activation().backward(grad), [gate, up], spec["steps"])
-    out.put((0, timing | {"saved_bytes_per_token": saved_bytes / spec["tokens"]}))
+    out.put((0, time_with_saved_bytes(lambda: activation().backward(grad), [gate, up], spec)))
 
 
 def main() -> None:
@@ -57,10 +53,7 @@ def main() -> None:
         {
             "shape": f"{shape} (intermediate {SHAPES[shape]})",
             "variant": variant,
-            "ms per forward + backward, each run": ", ".join(f"{r['step_ms']:.2f}" for r in mine),
-            "speed vs hugging face (medians)": speed,
-            "page faults per step (median)": median(r["faults_per_step"] for r in mine),
-            "saved for backward, bytes per token": mine[0]["saved_bytes_per_token"],
+            **saved_bytes_columns(mine, speed),
         }
         for shape, variant, mine, speed in against_baseline(rows, "step_ms", "hugging face")
     ]

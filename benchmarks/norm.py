@@ -12,15 +12,14 @@ benchmarks/results/<machine>/norm.json (and .md), or to --json.
 
 from __future__ import annotations
 
-from statistics import median
 from typing import Any
 
 from raytrain_cpu.bench import (
     against_baseline,
     interleaved_runs,
     kernel_bench_parser,
-    saved_tensor_bytes,
-    time_kernel_steps,
+    saved_bytes_columns,
+    time_with_saved_bytes,
     write_kernel_bench,
 )
 
@@ -43,10 +42,7 @@ def child(_: int, spec: dict[str, Any], out) -> None:
     x = torch.randn(spec["tokens"], d, generator=gen).to(torch.bfloat16).requires_grad_()
     grad = torch.randn(spec["tokens"], d, generator=gen).to(torch.bfloat16)
 
-    saved_bytes = saved_tensor_bytes(lambda: module(x).backward(grad), [x, module.weight])
-
-    timing = time_kernel_steps(lambda: module(x).backward(grad), [x, module.weight], spec["steps"])
-    out.put((0, timing | {"saved_bytes_per_token": saved_bytes / spec["tokens"]}))
+    out.put((0, time_with_saved_bytes(lambda: module(x).backward(grad), [x, module.weight], spec)))
 
 
 def main() -> None:
@@ -56,10 +52,7 @@ def main() -> None:
         {
             "shape": f"{shape} (hidden {SHAPES[shape]})",
             "variant": variant,
-            "ms per forward + backward, each run": ", ".join(f"{r['step_ms']:.2f}" for r in mine),
-            "speed vs hugging face (medians)": speed,
-            "page faults per step (median)": median(r["faults_per_step"] for r in mine),
-            "saved for backward, bytes per token": mine[0]["saved_bytes_per_token"],
+            **saved_bytes_columns(mine, speed),
         }
         for shape, variant, mine, speed in against_baseline(rows, "step_ms", "hugging face")
     ]

@@ -1047,6 +1047,23 @@ def saved_tensor_bytes(run: Callable[[], Any], exclude: Sequence = ()) -> int:
     return sum(n for ptr, n in saved.items() if ptr not in own)
 
 
+def time_with_saved_bytes(run: Callable[[], Any], leaves: Sequence, spec: dict[str, Any]) -> dict[str, float]:
+    """The norm and MLP benches' result: time_kernel_steps, and the bytes per token autograd
+    keeps for the backward besides `leaves` (saved_tensor_bytes)."""
+    saved = saved_tensor_bytes(run, leaves)
+    return time_kernel_steps(run, leaves, spec["steps"]) | {"saved_bytes_per_token": saved / spec["tokens"]}
+
+
+def saved_bytes_columns(mine: list[dict], speed: float) -> dict[str, Any]:
+    """The norm and MLP benches' table columns for one shape and variant (time_with_saved_bytes rows)."""
+    return {
+        "ms per forward + backward, each run": ", ".join(f"{r['step_ms']:.2f}" for r in mine),
+        "speed vs hugging face (medians)": speed,
+        "page faults per step (median)": median(r["faults_per_step"] for r in mine),
+        "saved for backward, bytes per token": mine[0]["saved_bytes_per_token"],
+    }
+
+
 def write_kernel_bench(
     name: str, rows: list[dict], title: str, table: list[dict], notes: list[str], json_path: str | None
 ) -> None:

@@ -591,8 +591,8 @@ def find_allocator(choice: str = "auto", search_dirs: Sequence[str] = ()) -> tup
                 path = os.path.join(d, lib)
                 if os.path.isfile(path):
                     return name, path
-        if name == "jemalloc" and bundled_jemalloc():  # after a system one, which the cluster images install
-            return name, bundled_jemalloc()
+        if name == "jemalloc" and (bundled := bundled_jemalloc()):  # after a system one (the cluster images')
+            return name, bundled
     return "system", ""
 
 

@@ -459,6 +459,10 @@ def build_engine(w: Worker, model, ds_config: dict[str, Any]):
     elif m.compile:
         cpu.compile_engine(engine, cache_dir)
         w.log("[engine] torch.compile: the whole model")
+    # The load's and the set-up's free pages go back now, a checkpoint's after each save; other
+    # freed pages stay for the next step (cpu.JEMALLOC_CONF). An evaluation's stay too: it makes
+    # less than a training step, which reuses them.
+    cpu.release_free_memory()
     return engine, scheduler
 
 
@@ -735,6 +739,8 @@ def checkpoint_reason(w: Worker, st: Loop) -> str | None:
 
 def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, block_log) -> None:
     """Every rank saves its shard; rank 0 writes the manifest; all report to Ray Train."""
+    from raytrain_cpu import cpu
+
     cfg = w.cfg
     manifest = {
         "step": st.step,
@@ -767,6 +773,7 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
         block_log.flush()
     run_root = Path(ray_storage_path())
     st.last_ckpt = ckpt_io.save_and_report(engine, run_root, st.step, manifest, report, w.rank, w.world, st.last_ckpt)
+    cpu.release_free_memory()  # the save's buffers: see build_engine
 
 
 def ray_storage_path() -> str:
@@ -865,10 +872,6 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     ds_config = deepspeed_config(cfg, w.world)
     loaded = load_model(w, ds_config)
     engine, scheduler = build_engine(w, loaded.model, ds_config)
-    # The load's and the set-up's free pages go back now, and a checkpoint's after each save;
-    # otherwise freed pages stay for the next step (cpu.JEMALLOC_CONF). An evaluation's stay:
-    # it makes less than a training step, which reuses them.
-    cpu.release_free_memory()
 
     # ---- resume
     st = resume(w, engine)
@@ -915,7 +918,6 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         reason = checkpoint_reason(w, st)
         if reason:
             save_checkpoint(w, st, engine, reason, loaded, block_log)
-            cpu.release_free_memory()
 
     # ---- finish: the export check's probe, the step-time breakdown, the summary, the export
     export_probe = (
