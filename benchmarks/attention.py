@@ -6,8 +6,8 @@ Forward and backward of one layer's attention on bf16 q, k, v laid out as Huggin
 hands them over (a transposed view of the projections' output), as one worker runs it once per
 decoder layer: the ~50M bench model's heads (8 x 64, seq 512) and Llama-3-8B's (32 query and 8
 key/value heads of 128, seq 1024). `model.attention=auto` times SDPA against the causal blocks at
-start-up (raytrain_cpu.attention.BLOCK queries a block); this bench says what the block size and
-the host change. Each variant runs in a fresh spawned process, interleaved `--repeats` times;
+start-up, at each of raytrain_cpu.attention.BLOCKS queries a block; this bench says what the
+block size and the host change. Each variant runs in a fresh spawned process, interleaved `--repeats` times;
 the median step time after a warm-up, and the useful rate: the causal half's GEMM FLOPs
 (6·b·h·s²·d for forward and backward) per second, to set against the bench's GEMM peak. Writes
 benchmarks/results/<machine>/attention.json (and .md), or to --json.

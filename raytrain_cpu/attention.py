@@ -14,9 +14,11 @@ softmax and its backward run in fp32 inside, and dK, dV accumulate in fp32 over 
 The relative error against an fp64 reference is within 1.5x of the flash kernel's
 (tests/test_attention.py).
 
-Which one runs is `model.attention`: "auto" times both at the run's shape on every rank at
-start-up and all ranks take the faster by their summed times, so each host (AVX2, AVX-512,
-AMX) keeps what is fastest on it. Anything outside plain causal self-attention without a mask
+Which one runs is `model.attention`: "auto" times SDPA and the blocks at each of BLOCKS
+queries at the run's shape on every rank at start-up, and all ranks take the fastest by their
+summed times, so each host (AVX2, AVX-512, AMX) keeps what is fastest on it: on the AMD Zen 5
+host 64 queries a block, on AMX 128 (its small batched GEMMs cost more a call, and a taller
+block makes half as many). Anything outside plain causal self-attention without a mask
 (padding masks, packed-document masks, KV caches, attention dropout) goes to SDPA unchanged.
 The blocks are custom operators: under model.compile inductor keeps each as one call and
 compiles the layer's other work around it.
@@ -24,14 +26,33 @@ compiles the layer's other work around it.
 
 from __future__ import annotations
 
+import functools
+import re
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-NAME = "raytrain_causal_blocks"  # the name registered with transformers' attention interfaces
-BLOCK = 64  # queries per block: 64 and 128 measured alike at seq 512 and 2048; 256 was 1.4x slower
+BLOCK = 64  # queries per block of model.attention=causal_blocks
+NAME = "raytrain_causal_blocks"  # its name in transformers' attention interfaces (register)
+# The block sizes 'auto' times (benchmarks/attention.py, one layer at the bench model's shape,
+# forward + backward): 64 fastest on the AMD Zen 5 host (26.7 ms against 28.8 at 128), 128 on
+# AMX (43-46 ms against 52-60 at 64; 256: 49); 32 and 256 were slower on both.
+BLOCKS = (64, 128)
+
+
+def impl_name(block: int) -> str:
+    """The implementation's name in model.attention and manifests: 'causal_blocks' at BLOCK
+    queries a block (what runs before 2026-11-27 recorded), else 'causal_blocks_<block>'."""
+    return "causal_blocks" if block == BLOCK else f"causal_blocks_{block}"
+
+
+def block_of(name: str | None) -> int | None:
+    """Queries a block of a causal-blocks implementation (by impl_name or its transformers name);
+    None for anything else, SDPA's names included."""
+    m = re.fullmatch(r"(?:raytrain_)?causal_blocks(?:_([1-9][0-9]*))?", name or "")
+    return None if m is None else int(m.group(1) or BLOCK)
 
 
 def _query_blocks(x: torch.Tensor, groups: int, block: int) -> torch.Tensor:
@@ -42,7 +63,9 @@ def _query_blocks(x: torch.Tensor, groups: int, block: int) -> torch.Tensor:
     if nb * block != s:
         x = torch.nn.functional.pad(x, (0, 0, 0, nb * block - s))
     x = x.reshape(b, h // groups, groups, nb, block, d).permute(3, 0, 1, 2, 4, 5)
-    return x.reshape(nb, b, h // groups, groups * block, d)
+    # Without grouped queries the reshape is a view of the projections' (B, S, H, D) memory; the
+    # GEMMs would then copy each block they read, and write each out= block through a copy.
+    return x.reshape(nb, b, h // groups, groups * block, d).contiguous()
 
 
 def _from_query_blocks(xb: torch.Tensor, groups: int, seq: int) -> torch.Tensor:
@@ -151,7 +174,9 @@ def _plain_causal(module, query, key, value, attention_mask, dropout: float, kwa
     )
 
 
-def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+def attention_forward(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, block: int = BLOCK, **kwargs
+):
     """transformers' attention-function signature: (B, H, S, D) in, (B, S, H, D) out."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -159,16 +184,19 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    return causal_blocks(query, key, value, scaling).transpose(1, 2).contiguous(), None
+    return causal_blocks(query, key, value, scaling, block).transpose(1, 2).contiguous(), None
 
 
-def register() -> None:
-    """Makes NAME a transformers attention implementation; it takes SDPA's masks (None when plainly causal)."""
+def register(block: int = BLOCK) -> str:
+    """Registers the blocks at `block` queries a block as a transformers attention implementation
+    (it takes SDPA's masks: None when plainly causal); returns its name there."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    name = "raytrain_" + impl_name(block)
+    AttentionInterface.register(name, functools.partial(attention_forward, block=block))
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
 
 
 def attention_shape(model_config, micro_batch: int, seq_len: int) -> tuple[int, int, int, int, int] | None:
@@ -192,7 +220,7 @@ def time_attention(shape: tuple[int, int, int, int, int], dtype: torch.dtype, re
     grad = torch.randn(b, h, s, d, generator=gen).to(dtype)
     impls: dict[str, Callable[[], torch.Tensor]] = {
         "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != hk),
-        "causal_blocks": lambda: causal_blocks(q, k, v),
+        **{impl_name(n): functools.partial(causal_blocks, q, k, v, block=n) for n in BLOCKS if n < s or n == BLOCK},
     }
     out = {}
     for name, fn in impls.items():
@@ -213,8 +241,9 @@ def choose(
     seq_len: int,
     agree: Callable[[list[float]], list[float]] = lambda v: v,
 ) -> tuple[str, dict[str, float]]:
-    """Sets the model's attention for `setting` ("auto", "causal_blocks" or "sdpa"); returns
-    (the implementation, the timings "auto" measured, averaged over ranks by `agree`)."""
+    """Sets the model's attention for `setting` ("auto", "sdpa" or a causal-blocks impl_name);
+    returns (the implementation's impl_name or "sdpa", the timings "auto" measured, averaged
+    over ranks by `agree`)."""
     shape = attention_shape(model.config, micro_batch, seq_len)
     # Attention dropout (GPT-2's attn_pdrop) would send every training call to SDPA anyway.
     dropout = max(float(getattr(model.config, k, 0.0) or 0.0) for k in ("attention_dropout", "attn_pdrop"))
@@ -226,8 +255,9 @@ def choose(
         local = time_attention(shape, dtype)
         # Every rank must run the same code: one rank's choice from its own noisy timings could differ.
         timings = dict(zip(local, agree(list(local.values())), strict=True))
-        if timings["sdpa"] <= timings["causal_blocks"]:
+        setting = min(timings, key=timings.get)  # SDPA first: it wins a tie
+        if setting == "sdpa":
             return "sdpa", timings
-    register()
-    model.set_attn_implementation(NAME)
-    return "causal_blocks", timings
+    block = block_of(setting)
+    model.set_attn_implementation(register(block))
+    return impl_name(block), timings

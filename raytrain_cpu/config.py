@@ -97,9 +97,10 @@ class ModelConfig:
     attention: str = "auto"
     """Causal self-attention: 'causal_blocks' (raytrain_cpu.attention: 64 queries at a time
     against their key prefix, as GEMMs; 2x the speed of SDPA's CPU flash kernel on an AVX-512
-    host at seq 512), 'sdpa', or 'auto': every rank times both at the run's shape at start-up
-    and all take the faster; a resumed run keeps its checkpoint's pick, so its losses continue
-    bit for bit. Masked or cached attention always runs SDPA."""
+    host at seq 512), 'causal_blocks_<N>' (N queries at a time: 128 is faster on AMX), 'sdpa',
+    or 'auto': every rank times SDPA and the blocks at 64 and 128 queries at the run's shape at
+    start-up and all take the fastest; a resumed run keeps its checkpoint's pick, so its losses
+    continue bit for bit. Masked or cached attention always runs SDPA."""
     fused_loss: bool = True
     """Compute the output layer and the cross-entropy loss together, a chunk of tokens at a time,
     with their gradients in the forward (raytrain_cpu.loss): no full-size logits, their fp32
@@ -135,7 +136,12 @@ class ModelConfig:
         _require(bool(self.name_or_path), "model.name_or_path", "must not be empty; use 'tiny'.")
         _choice(self.dtype, "model.dtype", ("auto", "bf16", "fp32"))
         _choice(self.compile_scope, "model.compile_scope", ("layers", "model"))
-        _choice(self.attention, "model.attention", ("auto", "causal_blocks", "sdpa"))
+        # attention.block_of's names, matched here without importing torch
+        _require(
+            self.attention in ("auto", "sdpa") or re.fullmatch(r"causal_blocks(_[1-9][0-9]*)?", self.attention),
+            "model.attention",
+            f"got {self.attention!r}; choose one of auto, sdpa, causal_blocks, causal_blocks_<queries a block>.",
+        )
 
     @property
     def is_tiny(self) -> bool:

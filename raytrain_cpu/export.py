@@ -250,9 +250,9 @@ def max_abs_logit_diff(out_dir: str | Path, probe: dict[str, Any]) -> float:
     from raytrain_cpu import attention
 
     model = load_exported(out_dir)
-    if probe.get("attention") == attention.NAME:
-        attention.register()
-        model.set_attn_implementation(attention.NAME)
+    block = attention.block_of(probe.get("attention"))
+    if block:
+        model.set_attn_implementation(attention.register(block))
     with torch.no_grad():
         logits = model(input_ids=probe["input_ids"]).logits.float()
     return float((logits - probe["logits"]).abs().max())

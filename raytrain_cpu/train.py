@@ -323,7 +323,7 @@ class Loaded:
     load_peaks: list[float]  # every rank's peak RSS while loading
     params: dict[str, int]  # {"trainable", "total"}
     lora: dict[str, Any] | None  # the resolved LoRA settings, None for full fine-tuning
-    attention: str  # the attention the model runs: 'causal_blocks' or 'sdpa'
+    attention: str  # the attention the model runs: 'sdpa' or attention.impl_name(block)
 
 
 def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
@@ -363,12 +363,13 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
 
 
 def choose_attention(w: Worker, model) -> str:
-    """model.attention on this model: 'auto' times both implementations here and every rank takes
-    the faster by the summed timings (raytrain_cpu.attention); a resumed 'auto' run keeps the
-    attention its checkpoint trained with, so its losses continue bit for bit."""
+    """model.attention on this model: 'auto' times SDPA and the causal blocks here and every rank
+    takes the fastest by the summed timings (raytrain_cpu.attention); a resumed 'auto' run keeps
+    the attention (and block size) its checkpoint trained with, so its losses continue bit for bit."""
     from raytrain_cpu import attention
 
-    kept = w.cfg.model.attention == "auto" and w.resumed.get("attention") in ("sdpa", "causal_blocks")
+    resumed = w.resumed.get("attention")
+    kept = w.cfg.model.attention == "auto" and (resumed == "sdpa" or attention.block_of(resumed) is not None)
     chosen, timings = attention.choose(
         model,
         w.resumed["attention"] if kept else w.cfg.model.attention,

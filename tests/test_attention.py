@@ -37,21 +37,26 @@ def _rel_errors(got, ref):
     return [((g.double() - r).norm() / r.norm()).item() for g, r in zip(got, ref, strict=True)]
 
 
+@pytest.mark.parametrize("block", attention.BLOCKS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_causal_blocks_matches_an_fp64_reference_as_closely_as_sdpa(shape):
+def test_causal_blocks_matches_an_fp64_reference_as_closely_as_sdpa(shape, block):
     q, k, v, grad = _inputs(shape)
     ref = _output_and_grads(_sdpa, q, k, v, grad, torch.float64)
+
+    def blocks_fn(q, k, v):
+        return attention.causal_blocks(q, k, v, block=block)
+
     # fp32: the same to rounding.
-    assert max(_rel_errors(_output_and_grads(attention.causal_blocks, q, k, v, grad, torch.float32), ref)) < 1e-6
+    assert max(_rel_errors(_output_and_grads(blocks_fn, q, k, v, grad, torch.float32), ref)) < 1e-6
     # bf16: scores rounded to bf16 by the GEMM (as eager attention does); within 1.5x of the
     # flash kernel's error in the output and each gradient.
-    blocks = _rel_errors(_output_and_grads(attention.causal_blocks, q, k, v, grad, torch.bfloat16), ref)
+    blocks = _rel_errors(_output_and_grads(blocks_fn, q, k, v, grad, torch.bfloat16), ref)
     flash = _rel_errors(_output_and_grads(_sdpa, q, k, v, grad, torch.bfloat16), ref)
     for name, b, f in zip(("out", "dq", "dk", "dv"), blocks, flash, strict=True):
         assert b < 1.5 * f, f"{name}: {b:.2e} against SDPA's {f:.2e}"
 
 
-def _tiny_llama(attn: str, **overrides):
+def _tiny_llama(attn: str, seq_len: int = 96, **overrides):
     from transformers import LlamaForCausalLM
 
     cfg = load_config(
@@ -61,7 +66,7 @@ def _tiny_llama(attn: str, **overrides):
     config = tiny_llama_config(cfg, 256, eos_token_id=0)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
-    chosen, timings = attention.choose(model, attn, micro_batch=2, seq_len=96, **overrides)
+    chosen, timings = attention.choose(model, attn, micro_batch=2, seq_len=seq_len, **overrides)
     return model, chosen, timings
 
 
@@ -104,12 +109,34 @@ def test_auto_times_both_and_every_rank_takes_the_same_choice():
         seen.append(list(values))
         return [0.001, 1.0]
 
+    # At seq 96 a block of 128 would be one padded block: only the default block is timed.
     model, chosen, timings = _tiny_llama("auto", agree=agree)
     assert set(timings) == {"sdpa", "causal_blocks"} and len(seen[0]) == 2
     assert chosen == "sdpa" and model.config._attn_implementation == "sdpa"
 
 
-@pytest.mark.parametrize("kept", ["sdpa", "causal_blocks"])
+def test_auto_times_each_block_size_and_the_taller_blocks_train_like_the_default():
+    # The ranks' all-reduce says: blocks of 128 queries were the fastest (as on AMX).
+    tall, chosen, timings = _tiny_llama("auto", seq_len=256, agree=lambda v: [3.0, 2.0, 1.0])
+    assert list(timings) == ["sdpa", "causal_blocks", "causal_blocks_128"]
+    assert chosen == "causal_blocks_128" and tall.config._attn_implementation == "raytrain_causal_blocks_128"
+    default, chosen, _ = _tiny_llama("causal_blocks", seq_len=256)
+    assert chosen == "causal_blocks" and default.config._attn_implementation == attention.NAME
+    ids = torch.randint(0, 256, (2, 256), generator=torch.Generator().manual_seed(1))
+    losses = [m(input_ids=ids, labels=ids).loss.item() for m in (default, tall)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_implementation_names_carry_the_block_size():
+    assert [attention.impl_name(n) for n in (64, 128)] == ["causal_blocks", "causal_blocks_128"]
+    for name, block in [("causal_blocks", 64), ("causal_blocks_128", 128), ("raytrain_causal_blocks_32", 32)]:
+        assert attention.block_of(name) == block
+    for name in ("sdpa", None, "causal_blocks_0", "causal_blocks_x", "eager"):
+        assert attention.block_of(name) is None
+    assert load_config(None, ["model.attention=causal_blocks_128"]).model.attention == "causal_blocks_128"
+
+
+@pytest.mark.parametrize("kept", ["sdpa", "causal_blocks", "causal_blocks_128"])
 def test_a_resumed_auto_run_keeps_the_checkpoints_attention_without_timing(kept):
     """A resumed 'auto' run continues bit for bit: it takes the attention its manifest recorded and
     times nothing (timing all-reduces over the ranks; there is no process group here to do it)."""
@@ -120,13 +147,14 @@ def test_a_resumed_auto_run_keeps_the_checkpoints_attention_without_timing(kept)
     cfg = load_config(None, ["model.attention=auto"])
     w = Worker(cfg, {}, 0, 1, Path("."), 4, logged.append, resumed={"attention": kept, "step": 3})
     assert choose_attention(w, model) == kept
-    assert model.config._attn_implementation == (attention.NAME if kept == "causal_blocks" else "sdpa")
+    assert model.config._attn_implementation == ("sdpa" if kept == "sdpa" else f"raytrain_{kept}")
     assert logged == [f"[model] attention: {kept} (auto: kept from the checkpoint at step 3)"]
 
 
 def test_config_rejects_an_unknown_attention():
-    with pytest.raises(ConfigError, match="model.attention"):
-        load_config(None, ["model.attention=flash"])
+    for bad in ("flash", "causal_blocks_0", "causal_blocks_"):
+        with pytest.raises(ConfigError, match="model.attention"):
+            load_config(None, [f"model.attention={bad}"])
 
 
 def test_the_custom_operators_pass_torch_library_opcheck():
