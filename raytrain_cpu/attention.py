@@ -37,7 +37,7 @@ import torch
 BLOCK = 64  # queries per block of model.attention=causal_blocks
 NAME = "raytrain_causal_blocks"  # its name in transformers' attention interfaces (register)
 # The block sizes 'auto' times (benchmarks/attention.py, one layer at the bench model's shape,
-# forward + backward): 64 fastest on the AMD Zen 5 host (26.7 ms against 28.8 at 128), 128 on
+# forward + backward): 64 fastest on the AMD Zen 5 host (27.3-28.7 ms against 28.4-28.8), 128 on
 # AMX (43-46 ms against 52-60 at 64; 256: 49); 32 and 256 were slower on both.
 BLOCKS = (64, 128)
 

@@ -725,9 +725,10 @@ def lower_stage_advice(
     )
 
 
-# Measured side by side (`bench options --variants "micro batch 8"`, "micro batch 4" since the
-# bench trains 8 by default): the ~50M bench model on 2 workers, on AMX with micro batch 8 second in both pairs (intel-xeon-amx_bf16/options-lease4*-mb8*.md;
-# the second place ran 1.02-1.05x faster on its own elsewhere), order-balanced on AMD Zen 5
+# Measured side by side (`bench options --variants "micro batch 8"`; "micro batch 4" since the
+# bench trains 8 by default): the ~50M bench model on 2 workers, on AMX with micro batch 8
+# second in both pairs (intel-xeon-amx_bf16/options-lease4*-mb8*.md; the second place ran
+# 1.02-1.05x faster on its own elsewhere), order-balanced on AMD Zen 5
 # (amd-epyc-zen5-avx512_bf16/options-mb8.md), where the GEMMs are a larger share of the step.
 LARGER_MICRO_BATCH_SPEEDUP = "1.20x and 1.27x at micro batch 8 against 4 on AMX, 1.00x and 1.03x on AMD Zen 5"
 
