@@ -16,9 +16,9 @@ The relative error against an fp64 reference is within 1.5x of the flash kernel'
 
 Which one runs is `model.attention`: "auto" times SDPA and the blocks at each of BLOCKS
 queries at the run's shape on every rank at start-up, and all ranks take the fastest by their
-summed times, so each host (AVX2, AVX-512, AMX) keeps what is fastest on it: on the AMD Zen 5
-host 64 queries a block, on AMX 128 (its small batched GEMMs cost more a call, and a taller
-block makes half as many). Anything outside plain causal self-attention without a mask
+summed times, so each host (AVX2, AVX-512, AMX) keeps what is fastest on it: on AMX 128
+queries a block (its small batched GEMMs cost more a call, and a taller block makes half as
+many); on the AMD Zen 5 host 64 and 128 are within a few percent. Anything outside plain causal self-attention without a mask
 (padding masks, packed-document masks, KV caches, attention dropout) goes to SDPA unchanged.
 The blocks are custom operators: under model.compile inductor keeps each as one call and
 compiles the layer's other work around it.
@@ -37,8 +37,8 @@ import torch
 BLOCK = 64  # queries per block of model.attention=causal_blocks
 NAME = "raytrain_causal_blocks"  # its name in transformers' attention interfaces (register)
 # The block sizes 'auto' times (benchmarks/attention.py, one layer at the bench model's shape,
-# forward + backward): 64 fastest on the AMD Zen 5 host (27.3-28.7 ms against 28.4-28.8), 128 on
-# AMX (43-46 ms against 52-60 at 64; 256: 49); 32 and 256 were slower on both.
+# forward + backward): 128 on AMX (43-46 ms against 52-60 at 64; 256: 49), both alike on the AMD
+# Zen 5 host (64: 27.7-28.0 ms, 128: 26.7-28.6); 32 and 256 were slower on both.
 BLOCKS = (64, 128)
 
 
@@ -74,12 +74,14 @@ def _from_query_blocks(xb: torch.Tensor, groups: int, seq: int) -> torch.Tensor:
     return x.reshape(b, hk * groups, nb * (gb // groups), d)[:, :, :seq]
 
 
-def _probs(qi: torch.Tensor, k_e: torch.Tensor, i0: int, groups: int, mask: torch.Tensor) -> torch.Tensor:
-    """Softmax of one query block's scores against keys [0, e); the block's own square is causal."""
+def _probs(qi: torch.Tensor, k_e: torch.Tensor, i0: int, groups: int, causal: torch.Tensor) -> torch.Tensor:
+    """Softmax of one query block's scores against keys [0, e); the block's own square is causal:
+    `causal` (block x block) is 0 on and below its diagonal and -inf above, added to the scores
+    (2-4x faster than masked_fill_ with a broadcast boolean mask, and the same for finite scores)."""
     b, hk, gn, _ = qi.shape
     n, e = gn // groups, k_e.shape[2]
     s = torch.matmul(qi, k_e.transpose(-1, -2)).view(b, hk, groups, n, e)
-    s[..., i0:].masked_fill_(mask[:, : e - i0], float("-inf"))
+    s[..., i0:].add_(causal[:, : e - i0])
     return torch.softmax(s, -1).view(b, hk, gn, e)
 
 
@@ -87,11 +89,11 @@ def _each_block(qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int,
     """Per query block of `qb` (_query_blocks): (i, e, k[:e], v[:e], its probabilities), with
     e the block's end: the keys it sees."""
     seq = k.shape[2]
-    mask = torch.ones(block, block, dtype=torch.bool).triu_(1)
+    causal = torch.full((block, block), float("-inf"), dtype=qb.dtype).triu_(1)
     for i in range(qb.shape[0]):
         e = min((i + 1) * block, seq)
         k_e, v_e = k[:, :, :e].contiguous(), v[:, :, :e].contiguous()
-        yield i, e, k_e, v_e, _probs(qb[i], k_e, i * block, groups, mask)
+        yield i, e, k_e, v_e, _probs(qb[i], k_e, i * block, groups, causal)
 
 
 # Custom operators, not an autograd.Function: torch.compile (model.compile) keeps each one as
