@@ -1069,11 +1069,16 @@ def write_kernel_bench(
     name: str, rows: list[dict], title: str, table: list[dict], notes: list[str], json_path: str | None
 ) -> None:
     """Writes a one-kernel benchmark's JSON and table (benchmarks/<name>.py) and prints the table."""
+    # The children's allocator settings, as a training worker's: the preloaded libraries by
+    # file name (this machine's paths mean nothing where the results are read).
+    env = cpu.preload_env()
+    if "LD_PRELOAD" in env:
+        env["LD_PRELOAD"] = ":".join(Path(p).name for p in env["LD_PRELOAD"].split(":"))
     result = {
-        "command": f"python benchmarks/{name}.py " + " ".join(sys.argv[1:]),
+        "command": f"python benchmarks/{name}.py " + " ".join(_portable_args(None, json_path)),
         "machine": cpu.cpu_features().describe(),
         "versions": package_versions(),
-        "allocator_env": cpu.preload_env(),  # the children's, as a training worker's
+        "allocator_env": env,
         "runs": rows,
         "tables": {title: table},
         "notes": notes,

@@ -372,7 +372,7 @@ def choose_attention(w: Worker, model) -> str:
     kept = w.cfg.model.attention == "auto" and (resumed == "sdpa" or attention.block_of(resumed) is not None)
     chosen, timings = attention.choose(
         model,
-        w.resumed["attention"] if kept else w.cfg.model.attention,
+        resumed if kept else w.cfg.model.attention,
         w.cfg.train.micro_batch_size,
         w.cfg.data.seq_len,
         lambda v: [x / w.world for x in _allreduce_sum(v)],
