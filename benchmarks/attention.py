@@ -7,8 +7,9 @@ hands them over (a transposed view of the projections' output), as one worker ru
 decoder layer: the ~50M bench model's heads (8 x 64, seq 512) and Llama-3-8B's (32 query and 8
 key/value heads of 128, seq 1024). `model.attention=auto` times SDPA against the causal blocks at
 start-up, at each of raytrain_cpu.attention.BLOCKS queries a block; this bench says what the
-block size and the host change. Each variant runs in a fresh spawned process, interleaved `--repeats` times;
-the median step time after a warm-up, and the useful rate: the causal half's GEMM FLOPs
+block size, keeping the probabilities for the backward (model.attention_probs) and the host
+change. Each variant runs in a fresh spawned process, interleaved `--repeats` times; the
+median step time after a warm-up, and the useful rate: the causal half's GEMM FLOPs
 (6·b·h·s²·d for forward and backward) per second, to set against the bench's GEMM peak. Writes
 benchmarks/results/<machine>/attention.json (and .md), or to --json.
 """
@@ -28,7 +29,8 @@ from raytrain_cpu.bench import (
 
 SHAPES = {"50m": (8, 8, 512, 64), "llama3-8b": (32, 8, 1024, 128)}  # heads, kv heads, seq, head dim
 BLOCKS = (32, 64, 128, 256)
-VARIANTS = ("sdpa", *(f"causal blocks {b}" for b in BLOCKS))
+KEPT = (64, 128)  # model.attention_probs=keep at auto's block sizes
+VARIANTS = ("sdpa", *(f"causal blocks {b}" for b in BLOCKS), *(f"causal blocks {b} kept" for b in KEPT))
 
 
 def child(_: int, spec: dict[str, Any], out) -> None:
@@ -51,10 +53,10 @@ def child(_: int, spec: dict[str, Any], out) -> None:
         def attend() -> torch.Tensor:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != hk)
     else:
-        block = int(spec["variant"].rsplit(" ", 1)[1])
+        block, keep = int(spec["variant"].split()[2]), spec["variant"].endswith(" kept")
 
         def attend() -> torch.Tensor:
-            return attention.causal_blocks(q, k, v, block=block)
+            return attention.causal_blocks(q, k, v, block=block, keep_probs=keep)
 
     timing = time_kernel_steps(lambda: attend().backward(grad), [q, k, v], spec["steps"])
     timing["gflops_per_s"] = 6 * b * h * s * s * d / timing["step_ms"] / 1e6
@@ -78,7 +80,8 @@ def main() -> None:
     notes = [
         "bf16 q, k, v as transposed views of (batch, seq, heads, head dim), as Hugging Face's Llama passes them; "
         "'sdpa' = torch's scaled_dot_product_attention (is_causal, its CPU flash kernel); 'causal blocks N' = "
-        "raytrain_cpu.attention.causal_blocks with N queries a block (model.attention=causal_blocks).",
+        "raytrain_cpu.attention.causal_blocks with N queries a block (model.attention=causal_blocks), recomputing "
+        "the probabilities in the backward; '... kept': keeping them from the forward (model.attention_probs=keep).",
         "useful GFLOP/s: 6·b·h·s²·d (the causal half of QKᵀ and PV, forward, and their four backward GEMMs) "
         "over the time: what the same work would take at the GEMM peak.",
     ]

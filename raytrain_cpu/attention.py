@@ -5,9 +5,12 @@ x 64, bf16, 1 thread) it ran forward + backward in 0.11 s on an AMD AVX-512 BF16
 of that host's GEMM rate, and was 24% of the training step. Here the attention of 64 queries at
 a time against the keys up to the block's end is two batched GEMMs and a softmax, so the work
 runs in the BLAS (oneDNN, AMX where present) and only the causal triangle's blocks are computed
-(5/8 of the square at 4 blocks). Same shape, same host: 0.055 s. Only q, k and v are kept for the
-backward, which recomputes the probabilities block by block (flash attention keeps the output
-and the log-sum-exp as well).
+(5/8 of the square at 4 blocks). Same shape, same host: 0.055 s. The backward either recomputes
+each block's probabilities from q and k (flash attention's way: it keeps the output and the
+log-sum-exp besides) or, with `keep_probs` (model.attention_probs), reads what the forward kept:
+one batched GEMM of seven, the causal mask and the softmax's forward fewer, the same bits, for
+heads x ~seq/2 elements a token (1.18x the attention's forward and backward at the bench
+model's shape and at Llama-3-8B's, AMD Zen 4; raytrain_cpu.plan decides 'auto').
 
 The scores come out of the GEMM in the inputs' dtype (as in transformers' eager attention);
 softmax and its backward run in fp32 inside, and dK, dV accumulate in fp32 over the blocks.
@@ -33,6 +36,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from raytrain_cpu import plan
 
 BLOCK = 64  # queries per block of model.attention=causal_blocks
 NAME = "raytrain_causal_blocks"  # its name in transformers' attention interfaces (register)
@@ -74,43 +79,72 @@ def _from_query_blocks(xb: torch.Tensor, groups: int, seq: int) -> torch.Tensor:
     return x.reshape(b, hk * groups, nb * (gb // groups), d)[:, :, :seq]
 
 
-def _probs(qi: torch.Tensor, k_e: torch.Tensor, i0: int, groups: int, causal: torch.Tensor) -> torch.Tensor:
-    """Softmax of one query block's scores against keys [0, e); the block's own square is causal:
-    `causal` (block x block) is 0 on and below its diagonal and -inf above, added to the scores
-    (2-4x faster than masked_fill_ with a broadcast boolean mask, and the same for finite scores)."""
+def _probs(
+    qi: torch.Tensor, k_e: torch.Tensor, i0: int, groups: int, causal: torch.Tensor, out: torch.Tensor | None
+) -> torch.Tensor:
+    """Softmax of one query block's scores against keys [0, e) (into `out` when given); the
+    block's own square is causal: `causal` (block x block) is 0 on and below its diagonal and
+    -inf above, added to the scores (2-4x faster than masked_fill_ with a broadcast boolean
+    mask, and the same for finite scores)."""
     b, hk, gn, _ = qi.shape
     n, e = gn // groups, k_e.shape[2]
     s = torch.matmul(qi, k_e.transpose(-1, -2)).view(b, hk, groups, n, e)
     s[..., i0:].add_(causal[:, : e - i0])
-    return torch.softmax(s, -1).view(b, hk, gn, e)
+    if out is None:
+        return torch.softmax(s, -1).view(b, hk, gn, e)
+    torch.ops.aten._softmax.out(s, -1, False, out=out.view(s.shape))
+    return out
 
 
-def _each_block(qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, block: int):
+def probs_numel(b: int, kv_heads: int, queries: int, seq: int, block: int) -> int:
+    """Elements of all query blocks' probabilities (`queries` = groups x block rows a block): the
+    causal triangle in blocks, each block against its key prefix (what the planner counts)."""
+    return b * kv_heads * (queries // block) * plan.causal_block_probs(seq, block)
+
+
+def _each_block(qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, block: int, probs, kept: bool):
     """Per query block of `qb` (_query_blocks): (i, e, k[:e], v[:e], its probabilities), with
-    e the block's end: the keys it sees."""
+    e the block's end: the keys it sees. The probabilities are read from `probs` when `kept`,
+    else computed (and written there when it has room: the forward keeping them)."""
     seq = k.shape[2]
+    _, b, hk, gn, _ = qb.shape
     causal = torch.full((block, block), float("-inf"), dtype=qb.dtype).triu_(1)
+    offset = 0
     for i in range(qb.shape[0]):
         e = min((i + 1) * block, seq)
         k_e, v_e = k[:, :, :e].contiguous(), v[:, :, :e].contiguous()
-        yield i, e, k_e, v_e, _probs(qb[i], k_e, i * block, groups, causal)
+        p = probs[offset : offset + b * hk * gn * e].view(b, hk, gn, e) if probs.numel() else None
+        offset += b * hk * gn * e
+        yield i, e, k_e, v_e, p if kept else _probs(qb[i], k_e, i * block, groups, causal, p)
 
 
 # Custom operators, not an autograd.Function: torch.compile (model.compile) keeps each one as
-# a single call in its graph and compiles the layer's other work around it.
+# a single call in its graph and compiles the layer's other work around it. The forward returns
+# the probabilities too, empty unless `keep`: kept, the backward reads them instead of
+# recomputing each block's scores and softmax (one of the seven batched GEMMs and half the
+# softmax work; the same bits either way).
 @torch.library.custom_op("raytrain::causal_blocks", mutates_args=())
-def _causal_blocks_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int) -> torch.Tensor:
+def _causal_blocks_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int, keep: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     groups = q.shape[1] // k.shape[1]
     qb = _query_blocks(q * scale, groups, block)
     ob = torch.empty_like(qb)
-    for i, _, _, v_e, p in _each_block(qb, k, v, groups, block):
+    probs = qb.new_empty(probs_numel(*qb.shape[1:4], k.shape[2], block) if keep else 0)
+    for i, _, _, v_e, p in _each_block(qb, k, v, groups, block, probs, kept=False):
         torch.matmul(p, v_e, out=ob[i])
-    return _from_query_blocks(ob, groups, q.shape[2]).contiguous()
+    return _from_query_blocks(ob, groups, q.shape[2]).contiguous(), probs
 
 
 @torch.library.custom_op("raytrain::causal_blocks_backward", mutates_args=())
 def _causal_blocks_bwd(
-    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    probs: torch.Tensor,
+    scale: float,
+    block: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     groups = q.shape[1] // k.shape[1]
     qb = _query_blocks(q * scale, groups, block)
@@ -118,8 +152,7 @@ def _causal_blocks_bwd(
     dqb = torch.empty_like(qb)
     dk = torch.zeros(k.shape, dtype=torch.float32)  # accumulated over the query blocks
     dv = torch.zeros(v.shape, dtype=torch.float32)
-    # The probabilities are recomputed: only q, k and v are kept.
-    for i, e, k_e, v_e, p in _each_block(qb, k, v, groups, block):
+    for i, e, k_e, v_e, p in _each_block(qb, k, v, groups, block, probs, kept=probs.numel() > 0):
         dv[:, :, :e] += torch.matmul(p.transpose(-1, -2), gb[i])
         # softmax's backward: p * (dp - rowsum(dp * p)); padded query rows have dp = 0.
         ds = torch._softmax_backward_data(torch.matmul(gb[i], v_e.transpose(-1, -2)), p, -1, p.dtype)
@@ -130,33 +163,42 @@ def _causal_blocks_bwd(
 
 
 @_causal_blocks_fwd.register_fake
-def _(q, k, v, scale, block):
-    return q.new_empty(q.shape)  # contiguous, whatever q's strides
+def _(q, k, v, scale, block, keep):
+    b, h, s, _ = q.shape
+    numel = probs_numel(b, k.shape[1], h // k.shape[1] * block, s, block) if keep else 0
+    return q.new_empty(q.shape), q.new_empty(numel)  # contiguous, whatever q's strides
 
 
 @_causal_blocks_bwd.register_fake
-def _(grad_out, q, k, v, scale, block):
+def _(grad_out, q, k, v, probs, scale, block):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, ctx.scale, ctx.block = inputs
-    ctx.save_for_backward(q, k, v)
+    q, k, v, ctx.scale, ctx.block, _ = inputs
+    ctx.mark_non_differentiable(output[1])  # no zero gradient is made for them
+    ctx.save_for_backward(q, k, v, output[1])
 
 
-def _backward(ctx, grad_out):
-    q, k, v = ctx.saved_tensors
-    return (*_causal_blocks_bwd(grad_out, q, k, v, ctx.scale, ctx.block), None, None)
+def _backward(ctx, grad_out, _grad_probs):
+    q, k, v, probs = ctx.saved_tensors
+    return (*_causal_blocks_bwd(grad_out, q, k, v, probs, ctx.scale, ctx.block), None, None, None)
 
 
 _causal_blocks_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def causal_blocks(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, block: int = BLOCK
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    block: int = BLOCK,
+    keep_probs: bool = False,
 ) -> torch.Tensor:
-    """Causal attention, (B, H, S, D) out; k and v may have fewer heads (grouped queries)."""
-    return _causal_blocks_fwd(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale, block)
+    """Causal attention, (B, H, S, D) out; k and v may have fewer heads (grouped queries).
+    `keep_probs`: keep the probabilities for the backward (probs_numel elements in q's dtype)."""
+    return _causal_blocks_fwd(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale, block, keep_probs)[0]
 
 
 def _plain_causal(module, query, key, value, attention_mask, dropout: float, kwargs: dict[str, Any]) -> bool:
@@ -177,7 +219,16 @@ def _plain_causal(module, query, key, value, attention_mask, dropout: float, kwa
 
 
 def attention_forward(
-    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, block: int = BLOCK, **kwargs
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling=None,
+    block: int = BLOCK,
+    keep_probs: bool = False,
+    **kwargs,
 ):
     """transformers' attention-function signature: (B, H, S, D) in, (B, S, H, D) out."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -186,17 +237,19 @@ def attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    return causal_blocks(query, key, value, scaling, block).transpose(1, 2).contiguous(), None
+    keep_probs = keep_probs and torch.is_grad_enabled()  # evaluation has no backward to keep them for
+    return causal_blocks(query, key, value, scaling, block, keep_probs).transpose(1, 2).contiguous(), None
 
 
-def register(block: int = BLOCK) -> str:
-    """Registers the blocks at `block` queries a block as a transformers attention implementation
-    (it takes SDPA's masks: None when plainly causal); returns its name there."""
+def register(block: int = BLOCK, keep_probs: bool = False) -> str:
+    """Registers the blocks at `block` queries a block (keeping their probabilities for the
+    backward or not) as a transformers attention implementation (it takes SDPA's masks: None
+    when plainly causal); returns its name there."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     name = "raytrain_" + impl_name(block)
-    AttentionInterface.register(name, functools.partial(attention_forward, block=block))
+    AttentionInterface.register(name, functools.partial(attention_forward, block=block, keep_probs=keep_probs))
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
 
@@ -212,8 +265,14 @@ def attention_shape(model_config, micro_batch: int, seq_len: int) -> tuple[int, 
     return micro_batch, heads, kv, seq_len, head_dim
 
 
-def time_attention(shape: tuple[int, int, int, int, int], dtype: torch.dtype, reps: int = 2) -> dict[str, float]:
-    """Seconds of one forward + backward of each implementation at `shape` (best of `reps`, after a warm-up)."""
+def time_attention(
+    shape: tuple[int, int, int, int, int],
+    dtype: torch.dtype,
+    reps: int = 2,
+    keep_probs: Callable[[int], bool] = lambda block: False,
+) -> dict[str, float]:
+    """Seconds of one forward + backward of each implementation at `shape` (best of `reps`, after
+    a warm-up); the blocks keep their probabilities where `keep_probs(block)` says."""
     b, h, hk, s, d = shape
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(b, h, s, d, generator=gen).to(dtype).requires_grad_()
@@ -222,7 +281,11 @@ def time_attention(shape: tuple[int, int, int, int, int], dtype: torch.dtype, re
     grad = torch.randn(b, h, s, d, generator=gen).to(dtype)
     impls: dict[str, Callable[[], torch.Tensor]] = {
         "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != hk),
-        **{impl_name(n): functools.partial(causal_blocks, q, k, v, block=n) for n in BLOCKS if n < s or n == BLOCK},
+        **{
+            impl_name(n): functools.partial(causal_blocks, q, k, v, block=n, keep_probs=keep_probs(n))
+            for n in BLOCKS
+            if n < s or n == BLOCK
+        },
     }
     out = {}
     for name, fn in impls.items():
@@ -242,10 +305,12 @@ def choose(
     micro_batch: int,
     seq_len: int,
     agree: Callable[[list[float]], list[float]] = lambda v: v,
+    keep_probs: Callable[[int], bool] = lambda block: False,
 ) -> tuple[str, dict[str, float]]:
-    """Sets the model's attention for `setting` ("auto", "sdpa" or a causal-blocks impl_name);
-    returns (the implementation's impl_name or "sdpa", the timings "auto" measured, averaged
-    over ranks by `agree`)."""
+    """Sets the model's attention for `setting` ("auto", "sdpa" or a causal-blocks impl_name),
+    the blocks keeping their probabilities where `keep_probs(block)` says; returns (the
+    implementation's impl_name or "sdpa", the timings "auto" measured, averaged over ranks by
+    `agree`)."""
     shape = attention_shape(model.config, micro_batch, seq_len)
     # Attention dropout (GPT-2's attn_pdrop) would send every training call to SDPA anyway.
     dropout = max(float(getattr(model.config, k, 0.0) or 0.0) for k in ("attention_dropout", "attn_pdrop"))
@@ -254,12 +319,12 @@ def choose(
     timings: dict[str, float] = {}
     if setting == "auto":
         dtype = next(iter(model.parameters())).dtype
-        local = time_attention(shape, dtype)
+        local = time_attention(shape, dtype, keep_probs=keep_probs)
         # Every rank must run the same code: one rank's choice from its own noisy timings could differ.
         timings = dict(zip(local, agree(list(local.values())), strict=True))
         setting = min(timings, key=timings.get)  # SDPA first: it wins a tie
         if setting == "sdpa":
             return "sdpa", timings
     block = block_of(setting)
-    model.set_attn_implementation(register(block))
+    model.set_attn_implementation(register(block, keep_probs(block)))
     return impl_name(block), timings

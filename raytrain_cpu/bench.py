@@ -457,7 +457,8 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
     """Each switch against the defaults, interleaved: bf16 forced, activation checkpointing,
     whole-layer ZeRO-3 gathers, gloo in place of the shared-memory collectives, DeepSpeed's
     fresh fp32 gradient each step and fresh reduce-scatter buffers in place of the kept ones,
-    SDPA's and the causal blocks' attention in place of the start-up timing's pick, Hugging
+    SDPA's and the causal blocks' attention in place of the start-up timing's pick, the
+    blocks' probabilities recomputed in the backward instead of kept (model.attention_probs), Hugging
     Face's loss and norms in place of the fused ones, the fused MLP activation, micro batch 4 in place
     of 8 (twice the ZeRO-3 gathers and hooks per token), compile per layer and of the whole
     model, ZeRO-2 and ZeRO-1 (no parameter gathers: for a model that fits whole on every rank,
@@ -476,6 +477,7 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
         "fresh reduce buffers": ["deepspeed.reuse_reduce_buffer=false"],
         "sdpa attention": ["model.attention=sdpa"],
         "causal-blocks attention": ["model.attention=causal_blocks"],
+        "recomputed attention probs": ["model.attention_probs=recompute"],
         "unfused loss": ["model.fused_loss=false"],
         "unfused norm": ["model.fused_norm=false"],
         "fused MLP": ["model.fused_mlp=true"],
@@ -696,9 +698,18 @@ def _reference_worker(
     attn = "sdpa"
     if not autocast_on:
         # The trainers' attention pick (model.attention=auto); the blocks leave autocast to SDPA.
-        from raytrain_cpu import attention
+        from raytrain_cpu import attention, plan
 
-        attn, _ = attention.choose(model, "auto", batch, spec["seq_len"])
+        shape = plan.shape_of_model_config(config)
+        attn, _ = attention.choose(
+            model,
+            "auto",
+            batch,
+            spec["seq_len"],
+            keep_probs=lambda n: plan.keeps_attention_probs(
+                shape, spec["seq_len"], False, cfg.model.attention_probs, n
+            ),
+        )
         # ... and their loss (model.fused_loss; its GEMMs are written for one dtype, not autocast).
         from raytrain_cpu import loss as fused_loss
 

@@ -87,6 +87,7 @@ EXECUTION_SETTINGS = frozenset(
     {
         "model.activation_checkpointing",
         "model.attention",
+        "model.attention_probs",
         "model.compile",
         "model.compile_scope",
         "model.fused_loss",

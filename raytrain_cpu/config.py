@@ -101,6 +101,13 @@ class ModelConfig:
     or 'auto': every rank times SDPA and the blocks at 64 and 128 queries at the run's shape at
     start-up and all take the fastest; a resumed run keeps its checkpoint's pick, so its losses
     continue bit for bit. Masked or cached attention always runs SDPA."""
+    attention_probs: str = "auto"
+    """What the causal blocks keep for the backward: 'keep' their probabilities (the backward
+    reads them: one batched GEMM of seven and half the softmax work fewer, about 1.2x the
+    attention's forward and backward, the same bits), 'recompute' them from q and k, or 'auto':
+    keep while they add at most a quarter to the activations the run keeps (heads x ~seq/2
+    elements a token a layer: kept for Llama-3-8B up to seq 1,024, or 2,048 with activation
+    checkpointing; `python -m raytrain_cpu.plan` counts them). SDPA is not affected."""
     fused_loss: bool = True
     """Compute the output layer and the cross-entropy loss together, a chunk of tokens at a time,
     with their gradients in the forward (raytrain_cpu.loss): no full-size logits, their fp32
@@ -142,6 +149,7 @@ class ModelConfig:
             "model.attention",
             f"got {self.attention!r}; choose one of auto, sdpa, causal_blocks, causal_blocks_<queries a block>.",
         )
+        _choice(self.attention_probs, "model.attention_probs", ("auto", "keep", "recompute"))
 
     @property
     def is_tiny(self) -> bool:

@@ -174,6 +174,23 @@ def shape_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelShape:
     )
 
 
+def shape_of_model_config(config: Any) -> ModelShape:
+    """A ModelShape from a loaded transformers config object, whose attribute_map answers the
+    Llama names for other families too (GPT-2's n_head, n_embd, n_layer; its MLP is n_inner
+    or 4 x hidden)."""
+    hidden = config.hidden_size
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    return shape_from_hf_config(
+        {k: getattr(config, k, None) for k in keys}
+        | {
+            "intermediate_size": getattr(config, "intermediate_size", None)
+            or getattr(config, "n_inner", None)
+            or 4 * hidden
+        },
+        name=getattr(config, "model_type", "model"),
+    )
+
+
 def resolve_shape(model: str) -> ModelShape:
     """'tiny', a known hub id, a config.json file, or a directory holding one."""
     known = KNOWN_SHAPES.get(model.lower())
@@ -245,6 +262,55 @@ def _act_bytes_per_token_layer(s: ModelShape) -> int:
     product (2i each). Checked against autograd's saved tensors (within 10%).
     """
     return 26 * s.hidden_size + 8 * s.kv_dim + 8 * s.intermediate_size
+
+
+# model.attention_probs=auto: the causal blocks keep their probabilities for the backward (no
+# recomputed scores and softmax: one batched GEMM of seven and half the softmax work; 1.18x the
+# attention's forward and backward at the 50M bench model's shape, 1.17-1.18x at Llama-3-8B's,
+# AMD Zen 4, benchmarks/attention.py) when that adds at most this share to the activations the
+# run keeps. They grow with the
+# sequence (heads x ~seq/2 elements a token a layer): kept at the bench model's seq 512 (18%)
+# and Llama-3-8B's 1,024 (16%), not at its 2,048 (30%) unless activation checkpointing keeps
+# one layer's activations at a time (14% then).
+KEEP_PROBS_SHARE = 0.25
+# Queries a causal block where the planner cannot know model.attention=auto's timed pick: the
+# larger of raytrain_cpu.attention.BLOCKS (more probabilities); 'causal_blocks' is its BLOCK.
+PROBS_BLOCK = 128
+CAUSAL_BLOCKS_DEFAULT = 64
+
+
+def causal_block_probs(seq_len: int, block: int) -> int:
+    """Elements of one head's probabilities in the causal blocks: each block of `block` queries
+    against the keys up to its end (raytrain_cpu.attention keeps them in this layout)."""
+    return block * sum(min((i + 1) * block, seq_len) for i in range(-(-seq_len // block)))
+
+
+def attention_block(attention: str) -> int | None:
+    """Queries a block the planner counts for a model.attention setting; None for SDPA."""
+    if attention == "sdpa":
+        return None
+    if attention == "auto":
+        return PROBS_BLOCK
+    _, _, n = attention.partition("causal_blocks_")
+    return int(n) if n else CAUSAL_BLOCKS_DEFAULT
+
+
+def probs_bytes_per_token_layer(shape: ModelShape, seq_len: int, block: int, dtype_bytes: int = 2) -> float:
+    return dtype_bytes * shape.num_heads * causal_block_probs(seq_len, block) / seq_len
+
+
+def keeps_attention_probs(
+    shape: ModelShape, seq_len: int, activation_checkpointing: bool, setting: str = "auto", block: int = PROBS_BLOCK
+) -> bool:
+    """model.attention_probs for the causal blocks at this shape: 'keep', 'recompute', or 'auto':
+    keep while they add at most KEEP_PROBS_SHARE to the activations the run keeps."""
+    if setting != "auto":
+        return setting == "keep"
+    layer = _act_bytes_per_token_layer(shape)
+    probs = probs_bytes_per_token_layer(shape, seq_len, block)
+    if activation_checkpointing:  # one layer's probabilities at a time, beside every layer's input
+        return probs <= KEEP_PROBS_SHARE * (2 * shape.hidden_size * shape.num_layers + layer)
+    return probs <= KEEP_PROBS_SHARE * layer
 
 
 # model.fused_norm: activation bytes per token per layer per hidden unit that the fused
@@ -346,6 +412,8 @@ def memory_breakdown(
     fused_loss: bool = True,
     fused_norm: bool = True,
     fused_mlp: bool = False,
+    attention: str = "auto",
+    attention_probs: str = "auto",
 ) -> dict[str, float]:
     """Per-rank bytes of each component (not cumulative), named after where it comes from.
 
@@ -372,6 +440,10 @@ def memory_breakdown(
     `fused_mlp` (model.fused_mlp): the SwiGLU activation recomputes silu(gate) in the backward
     instead of keeping it: one intermediate-size tensor in the training dtype less per token
     per layer.
+
+    `attention`, `attention_probs` (model.attention, model.attention_probs): the causal blocks'
+    probabilities, where kept (keeps_attention_probs), are activations of each layer too;
+    'auto' attention counts them at PROBS_BLOCK queries a block, SDPA keeps none.
 
     With `lora_rank` the base model is frozen: its weights are held (and gathered) as in full
     fine-tuning, but it has no fp32 master copy, gradients or optimizer state; those exist
@@ -415,10 +487,15 @@ def memory_breakdown(
     # model.attention=auto times both attentions once, right after the load, on tensors of the
     # run's shape (counted whichever model.attention says: the planner assumes the default).
     attention_pick = ATTENTION_PICK_FACTOR * b * tokens * shape.hidden_size  # heads x head_dim
+    block = attention_block(attention)
+    kept = block is not None and keeps_attention_probs(shape, seq_len, activation_checkpointing, attention_probs, block)
+    probs = probs_bytes_per_token_layer(shape, seq_len, block, b) if kept else 0.0
+    attention_pick += probs * tokens  # the timed blocks keep them too
     per_token_layer = (
         _act_bytes_per_token_layer(shape) * b // 2
         - (FUSED_NORM_SAVED_PER_HIDDEN * shape.hidden_size if fused_norm else 0)
         - (b * shape.intermediate_size if fused_mlp else 0)
+        + probs
     )
     if lora_rank:
         per_token_layer += _lora_act_delta(shape, lora_rank, tuple(lora_targets), dtype, lora_dropout)
@@ -788,6 +865,8 @@ def plan(
     fused_loss: bool = True,
     fused_norm: bool = True,
     fused_mlp: bool = False,
+    attention: str = "auto",
+    attention_probs: str = "auto",
     kept_pages: bool = True,
 ) -> dict[str, Any]:
     """The whole estimate as a JSON-able dict (what `--json` prints).
@@ -832,6 +911,8 @@ def plan(
         fused_loss=fused_loss,
         fused_norm=fused_norm,
         fused_mlp=fused_mlp,
+        attention=attention,
+        attention_probs=attention_probs,
         shm_ranks=world_size if world_size <= ranks_per_node else 0,  # all ranks on one node
         kept_pages=kept_pages,
     )
@@ -926,6 +1007,8 @@ def inputs_from_run_config(path: str) -> dict[str, Any]:
         fused_loss=m.fused_loss,
         fused_norm=m.fused_norm,
         fused_mlp=m.fused_mlp,
+        attention=m.attention,
+        attention_probs=m.attention_probs,
         kept_pages=cfg.scaling.allocator != "system",
     )
 
@@ -949,7 +1032,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"{i['micro_batch']} x seq {i['seq_len']}, grad accum {i['grad_accum_steps']}, activation checkpointing "
         f"{'on' if i['activation_checkpointing'] else 'off'}, AdamW {'fused' if i['fused_adamw'] else 'per-tensor'}, "
         f"loss {'fused' if i['fused_loss'] else 'unfused'}, norms {'fused' if i['fused_norm'] else 'unfused'}, "
-        f"MLP activations {'fused' if i['fused_mlp'] else 'unfused'}",
+        f"MLP activations {'fused' if i['fused_mlp'] else 'unfused'}, "
+        f"attention {i['attention']} (probabilities {i['attention_probs']})",
         f"trainable   {_count(m['trainable_params'])} params"
         + (
             f" (LoRA rank {i['lora_rank']} on {', '.join(i['lora_targets'])}"
@@ -1058,6 +1142,12 @@ def build_parser() -> argparse.ArgumentParser:
         "keeps no silu(gate)); the default counts Hugging Face's, as model.fused_mlp defaults to false",
     )
     p.add_argument(
+        "--attention-probs",
+        choices=("auto", "keep", "recompute"),
+        help="model.attention_probs: whether the causal blocks keep their probabilities for the "
+        f"backward (auto, the default: while they add at most {KEEP_PROBS_SHARE * 100:.0f}%% to the activations)",
+    )
+    p.add_argument(
         "--kept-pages",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -1094,6 +1184,8 @@ def main(argv: list[str] | None = None) -> int:
         fused_loss=True,
         fused_norm=True,
         fused_mlp=False,
+        attention="auto",
+        attention_probs="auto",
         kept_pages=True,
         max_live_parameters=DS_MAX_LIVE_PARAMETERS,
     )
@@ -1116,6 +1208,7 @@ def main(argv: list[str] | None = None) -> int:
             fused_loss=args.fused_loss,
             fused_norm=args.fused_norm,
             fused_mlp=args.fused_mlp,
+            attention_probs=args.attention_probs,
             kept_pages=args.kept_pages,
             max_live_parameters=int(args.max_live_parameters) if args.max_live_parameters else None,
         )

@@ -366,22 +366,33 @@ def choose_attention(w: Worker, model) -> str:
     """model.attention on this model: 'auto' times SDPA and the causal blocks here and every rank
     takes the fastest by the summed timings (raytrain_cpu.attention); a resumed 'auto' run keeps
     the attention (and block size) its checkpoint trained with, so its losses continue bit for bit."""
-    from raytrain_cpu import attention
+    from raytrain_cpu import attention, plan
 
+    m = w.cfg.model
     resumed = w.resumed.get("attention")
-    kept = w.cfg.model.attention == "auto" and (resumed == "sdpa" or attention.block_of(resumed) is not None)
+    kept = m.attention == "auto" and (resumed == "sdpa" or attention.block_of(resumed) is not None)
+
+    def keep_probs(block: int) -> bool:  # model.attention_probs (the same bits either way); only for the blocks
+        shape = plan.shape_of_model_config(model.config)
+        return plan.keeps_attention_probs(
+            shape, w.cfg.data.seq_len, m.activation_checkpointing, m.attention_probs, block
+        )
+
     chosen, timings = attention.choose(
         model,
-        resumed if kept else w.cfg.model.attention,
+        resumed if kept else m.attention,
         w.cfg.train.micro_batch_size,
         w.cfg.data.seq_len,
         lambda v: [x / w.world for x in _allreduce_sum(v)],
+        keep_probs,
     )
     measured = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items())
     why = f" (forward + backward, mean of ranks: {measured})" if measured else ""
     if kept:
         why = f" (auto: kept from the checkpoint at step {w.resumed.get('step')})"
-    w.log(f"[model] attention: {chosen}{why}")
+    block = attention.block_of(chosen)
+    probs = "" if block is None else f"; probabilities {'kept' if keep_probs(block) else 'recomputed'} for the backward"
+    w.log(f"[model] attention: {chosen}{why}{probs}")
     return chosen
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raytrain_cpu import attention
+from raytrain_cpu import attention, plan
 from raytrain_cpu.config import ConfigError, load_config
 from raytrain_cpu.model import tiny_llama_config
 
@@ -54,6 +54,39 @@ def test_causal_blocks_matches_an_fp64_reference_as_closely_as_sdpa(shape, block
     flash = _rel_errors(_output_and_grads(_sdpa, q, k, v, grad, torch.bfloat16), ref)
     for name, b, f in zip(("out", "dq", "dk", "dv"), blocks, flash, strict=True):
         assert b < 1.5 * f, f"{name}: {b:.2e} against SDPA's {f:.2e}"
+
+
+@pytest.mark.parametrize("block", attention.BLOCKS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kept_probabilities_give_the_same_bits_as_recomputed_ones(shape, block):
+    """The backward reading the forward's probabilities computes exactly what recomputing them
+    does; what the forward keeps is the causal triangle in blocks (the planner's count)."""
+    q, k, v, grad = _inputs(shape)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    results = []
+    for keep in (False, True):
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            results.append(
+                _output_and_grads(
+                    lambda q, k, v: attention.causal_blocks(q, k, v, block=block, keep_probs=keep),  # noqa: B023
+                    q,
+                    k,
+                    v,
+                    grad,
+                    torch.bfloat16,
+                )  # fmt: skip
+            )
+        b, h, hk, s, _ = shape
+        kept = b * h * plan.causal_block_probs(s, block)
+        assert saved == [q.numel(), k.numel(), v.numel(), kept if keep else 0]
+    for name, r, k in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        assert torch.equal(r, k), name
 
 
 def _tiny_llama(attn: str, seq_len: int = 96, **overrides):
@@ -148,22 +181,69 @@ def test_a_resumed_auto_run_keeps_the_checkpoints_attention_without_timing(kept)
     w = Worker(cfg, {}, 0, 1, Path("."), 4, logged.append, resumed={"attention": kept, "step": 3})
     assert choose_attention(w, model) == kept
     assert model.config._attn_implementation == ("sdpa" if kept == "sdpa" else f"raytrain_{kept}")
-    assert logged == [f"[model] attention: {kept} (auto: kept from the checkpoint at step 3)"]
+    # This model's probabilities at seq 256 would add 38-46% to its activations: recomputed (auto).
+    probs = "" if kept == "sdpa" else "; probabilities recomputed for the backward"
+    assert logged == [f"[model] attention: {kept} (auto: kept from the checkpoint at step 3){probs}"]
+
+
+@pytest.mark.parametrize("setting", ["keep", "recompute"])
+def test_the_worker_keeps_the_probabilities_as_configured(setting):
+    from transformers import AttentionInterface
+
+    from raytrain_cpu.train import Worker, choose_attention
+
+    model, _, _ = _tiny_llama("sdpa")
+    logged = []
+    cfg = load_config(None, ["model.attention=causal_blocks_128", f"model.attention_probs={setting}"])
+    w = Worker(cfg, {}, 0, 1, Path("."), 4, logged.append)
+    assert choose_attention(w, model) == "causal_blocks_128"
+    fn = AttentionInterface._global_mapping[model.config._attn_implementation]
+    assert fn.keywords == {"block": 128, "keep_probs": setting == "keep"}
+    word = "kept" if setting == "keep" else "recomputed"
+    assert logged == [f"[model] attention: causal_blocks_128; probabilities {word} for the backward"]
 
 
 def test_config_rejects_an_unknown_attention():
     for bad in ("flash", "causal_blocks_0", "causal_blocks_"):
         with pytest.raises(ConfigError, match="model.attention"):
             load_config(None, [f"model.attention={bad}"])
+    for good in ("auto", "keep", "recompute"):
+        assert load_config(None, [f"model.attention_probs={good}"]).model.attention_probs == good
+    with pytest.raises(ConfigError, match="model.attention_probs"):
+        load_config(None, ["model.attention_probs=true"])
+
+
+def test_a_llama_keeping_the_probabilities_trains_to_the_same_bits():
+    """model.attention_probs=keep through transformers' attention interface: the same loss and
+    gradients as recomputing; evaluation (no autograd) keeps nothing."""
+    ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(1))
+    results = []
+    for keep in (False, True):
+        model, chosen, _ = _tiny_llama("causal_blocks", keep_probs=lambda block: keep)  # noqa: B023
+        model.to(torch.bfloat16)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append([loss.detach()] + [p.grad for p in model.parameters()])
+        with torch.no_grad():
+            q = torch.randn(1, 4, 96, 16, dtype=torch.bfloat16)
+            kv = torch.randn(1, 2, 96, 16, dtype=torch.bfloat16)
+            out, _ = attention.attention_forward(model.model.layers[0].self_attn, q, kv, kv, None, keep_probs=keep)
+            assert out.shape == (1, 96, 4, 16)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 def test_the_custom_operators_pass_torch_library_opcheck():
     # Schema, autograd registration, fake (meta) kernels and AOT dispatch: what torch.compile needs.
     q, k, v, grad = _inputs((1, 4, 2, 70, 8))
     q = q.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # as projections hand it over
+    k, v = k.requires_grad_(), v.requires_grad_()
+    _, probs = torch.ops.raytrain.causal_blocks(q, k, v, 0.3, 64, True)
+    qkv = (q.detach(), k.detach(), v.detach())
     for op, args in (
-        (torch.ops.raytrain.causal_blocks.default, (q, k.requires_grad_(), v.requires_grad_(), 0.3, 64)),
-        (torch.ops.raytrain.causal_blocks_backward.default, (grad, q.detach(), k.detach(), v.detach(), 0.3, 64)),
+        (torch.ops.raytrain.causal_blocks.default, (q, k, v, 0.3, 64, False)),
+        (torch.ops.raytrain.causal_blocks.default, (q, k, v, 0.3, 64, True)),
+        (torch.ops.raytrain.causal_blocks_backward.default, (grad, *qkv, probs[:0], 0.3, 64)),
+        (torch.ops.raytrain.causal_blocks_backward.default, (grad, *qkv, probs.detach(), 0.3, 64)),
     ):
         assert set(torch.library.opcheck(op, args).values()) == {"SUCCESS"}
 

@@ -190,7 +190,7 @@ def test_activation_formula_matches_autograd(fused):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from raytrain_cpu import mlp, norm
+    from raytrain_cpu import attention, mlp, norm
 
     shape = plan.ModelShape("probe", vocab_size=320, hidden_size=256, intermediate_size=704, num_layers=2,
                             num_heads=4, num_kv_heads=2)  # fmt: skip
@@ -204,9 +204,11 @@ def test_activation_formula_matches_autograd(fused):
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16).train()
-    if fused:
+    attn = "sdpa"
+    if fused:  # and the causal blocks, keeping their probabilities
         norm.install(model)
         mlp.install(model)
+        attn, _ = attention.choose(model, "causal_blocks_128", 2, 128, keep_probs=lambda block: True)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -219,8 +221,44 @@ def test_activation_formula_matches_autograd(fused):
     tokens = torch.randint(0, shape.vocab_size, (2, 128))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(input_ids=tokens, labels=tokens)
-    predicted = plan.memory_breakdown(shape, 1, micro_batch=2, seq_len=128, fused_norm=fused, fused_mlp=fused)
+    predicted = plan.memory_breakdown(
+        shape, 1, micro_batch=2, seq_len=128, fused_norm=fused, fused_mlp=fused, attention=attn, attention_probs="keep"
+    )
     assert sum(saved.values()) == pytest.approx(predicted["activations"], rel=0.2)  # 1.075x and 1.17x over
+
+
+def test_attention_probabilities_are_kept_while_they_add_at_most_a_quarter():
+    llama8b = plan.resolve_shape("meta-llama/Meta-Llama-3-8B")
+    bench = plan.ModelShape("bench-50m", 2048, 512, 1408, 16, 8, 8)
+    keeps = plan.keeps_attention_probs
+    assert keeps(bench, 512, False)  # 18%
+    assert keeps(llama8b, 1024, False) and not keeps(llama8b, 2048, False)  # 16%, 30%
+    assert keeps(llama8b, 2048, True) and not keeps(llama8b, 4096, True)  # one layer's at a time
+    assert keeps(llama8b, 8192, False, "keep") and not keeps(bench, 512, False, "recompute")
+
+    def activations(**kw):
+        return plan.memory_breakdown(llama8b, 4, micro_batch=2, seq_len=1024, **kw)["activations"]
+
+    per_layer = 2 * 32 * plan.causal_block_probs(1024, 128) * 2  # micro batch x heads x elements x bf16
+    assert activations() - activations(attention_probs="recompute") == pytest.approx(32 * per_layer)
+    assert activations(attention="sdpa") == activations(attention_probs="recompute")
+    ac = dict(activation_checkpointing=True)
+    assert activations(**ac) - activations(attention_probs="recompute", **ac) == pytest.approx(per_layer)
+    per_layer_64 = per_layer * plan.causal_block_probs(1024, 64) // plan.causal_block_probs(1024, 128)
+    assert activations(attention="causal_blocks") - activations(attention_probs="recompute") == pytest.approx(
+        32 * per_layer_64
+    )
+
+
+def test_the_planners_block_sizes_are_the_attentions():
+    from raytrain_cpu import attention
+
+    assert max(attention.BLOCKS) == plan.PROBS_BLOCK and plan.CAUSAL_BLOCKS_DEFAULT == attention.BLOCK
+    for name in ("causal_blocks", "causal_blocks_128", "causal_blocks_32", "sdpa"):
+        assert plan.attention_block(name) == attention.block_of(name)
+    # the layout the forward keeps: the causal triangle in blocks of queries against key prefixes
+    assert plan.causal_block_probs(512, 128) == 128 * (128 + 256 + 384 + 512)
+    assert plan.causal_block_probs(100, 64) == 64 * (64 + 100)
 
 
 # ----------------------------------------------------------------------------- calibration
@@ -253,6 +291,7 @@ def test_each_phase_within_10_percent_of_measured(case, phase):
         fused_loss=case.get("fused_loss", False),  # measured before model.fused_loss: Hugging Face's
         fused_norm=case.get("fused_norm", False),  # likewise, before model.fused_norm
         fused_mlp=case.get("fused_mlp", False),  # likewise, before model.fused_mlp
+        attention_probs=case.get("attention_probs", "recompute"),  # likewise, before model.attention_probs
         kept_pages=False,  # measured with glibc at the 1 MiB threshold
     )["memory_gib"][phase]
     measured = case["measured_rss_gib"][PHASES[phase]]
