@@ -117,8 +117,8 @@ class ModelConfig:
     fused_norm: bool = True
     """Run Llama-style RMSNorms as one autograd operation (raytrain_cpu.norm): Hugging Face's
     forward, the same output bits, a closed-form fp32 backward; keeps 2 bytes per element where
-    Hugging Face's keeps 6 (two norms per layer) and runs 1.8x faster alone (benchmarks/norm.py),
-    1.03x the whole bench model on AMX. OLMo-2 and
+    Hugging Face's keeps 6 (two norms per layer) and runs 2.2-2.6x faster alone, a chunk of rows
+    at a time (benchmarks/norm.py, AMD Zen 4). OLMo-2 and
     Gemma norms, and compiled models (inductor fuses them itself), keep Hugging Face's."""
     fused_mlp: bool = False
     """Run the SwiGLU MLP's silu(gate) * up as one autograd operation (raytrain_cpu.mlp) that

@@ -106,3 +106,20 @@ def test_inputs_and_incoming_gradient_left_alone_in_fp32():
     x0, g0 = x.detach().clone(), g.clone()
     ours(x).backward(g)
     assert torch.equal(x.detach(), x0) and torch.equal(g, g0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunks_of_rows_give_what_the_whole_tensor_gives(monkeypatch, dtype):
+    """The fp32 work runs a chunk of rows at a time (norm.CHUNK_ELEMENTS): with 7 rows a chunk and
+    a ragged last one, the same output and input-gradient bits as in one chunk; the weight's
+    gradient sums the chunks' sums (within its dtype's rounding)."""
+    _, ours = _norm_pair(dtype)
+    gen = torch.Generator().manual_seed(2)
+    x = (3 * torch.randn(2, 50, 96, generator=gen)).to(dtype)
+    g = torch.randn(2, 50, 96, generator=gen).to(dtype)
+    whole = _run(ours, x, g)
+    monkeypatch.setattr(norm, "CHUNK_ELEMENTS", 7 * 96)
+    chunked = _run(ours, x, g)
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+    rounding = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-20
+    assert (whole[2].float() - chunked[2].float()).abs().max() <= rounding * whole[2].float().abs().max()
