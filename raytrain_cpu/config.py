@@ -99,7 +99,7 @@ class ModelConfig:
     against their key prefix, as GEMMs; 2x the speed of SDPA's CPU flash kernel on an AVX-512
     host at seq 512), 'causal_blocks_<N>' (N queries at a time: 128 is faster on AMX), 'sdpa',
     or 'auto': every rank times SDPA and the blocks at 64 and 128 queries at the run's shape at
-    start-up and all take the fastest; a resumed run keeps its checkpoint's pick, so its losses
+    start-up and all take the fastest (one more than 3% faster than those before it); a resumed run keeps its checkpoint's pick, so its losses
     continue bit for bit. Masked or cached attention always runs SDPA."""
     attention_probs: str = "auto"
     """What the causal blocks keep for the backward: 'keep' their probabilities (the backward

@@ -148,6 +148,36 @@ def test_auto_times_both_and_every_rank_takes_the_same_choice():
     assert chosen == "sdpa" and model.config._attn_implementation == "sdpa"
 
 
+def test_the_pick_keeps_the_earlier_implementation_within_the_tie_margin():
+    pick = attention.pick_fastest
+    assert pick({"sdpa": 1.0, "causal_blocks": 0.98, "causal_blocks_128": 0.975}) == "sdpa"
+    assert pick({"sdpa": 1.0, "causal_blocks": 0.9, "causal_blocks_128": 0.89}) == "causal_blocks"
+    assert pick({"sdpa": 1.0, "causal_blocks": 0.9, "causal_blocks_128": 0.8}) == "causal_blocks_128"
+    assert pick({"sdpa": 1.0, "causal_blocks": 1.1, "causal_blocks_128": 0.96}) == "causal_blocks_128"
+
+
+def test_timing_takes_more_rounds_where_they_are_quick(monkeypatch):
+    """At least `reps` rounds of every implementation in turn, more while under MIN_TIMING_S (up
+    to MAX_ROUNDS), after one warm-up call each."""
+    calls = []
+    blocks = attention.causal_blocks
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["block"])
+        return blocks(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "causal_blocks", counted)
+    shape = (1, 2, 2, 200, 8)  # 64 and 128 queries a block both timed
+    monkeypatch.setattr(attention, "MIN_TIMING_S", 0.0)
+    assert set(attention.time_attention(shape, torch.float32, reps=3)) == {"sdpa", "causal_blocks", "causal_blocks_128"}
+    assert calls.count(64) == calls.count(128) == 1 + 3
+    calls.clear()
+    monkeypatch.setattr(attention, "MIN_TIMING_S", 60.0)
+    monkeypatch.setattr(attention, "MAX_ROUNDS", 5)
+    attention.time_attention(shape, torch.float32, reps=3)
+    assert calls.count(64) == calls.count(128) == 1 + 5
+
+
 def test_auto_times_each_block_size_and_the_taller_blocks_train_like_the_default():
     # The ranks' all-reduce says: blocks of 128 queries were the fastest (as on AMX).
     tall, chosen, timings = _tiny_llama("auto", seq_len=256, agree=lambda v: [3.0, 2.0, 1.0])
