@@ -30,7 +30,6 @@ compiles the layer's other work around it.
 from __future__ import annotations
 
 import functools
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,8 +37,9 @@ from typing import Any
 import torch
 
 from raytrain_cpu import plan
+from raytrain_cpu.config import CAUSAL_BLOCKS_DEFAULT, causal_blocks_size
 
-BLOCK = 64  # queries per block of model.attention=causal_blocks
+BLOCK = CAUSAL_BLOCKS_DEFAULT  # queries per block of model.attention=causal_blocks
 NAME = "raytrain_causal_blocks"  # its name in transformers' attention interfaces (register)
 # The block sizes 'auto' times (benchmarks/attention.py, one layer at the bench model's shape,
 # forward + backward): 128 on AMX (43-46 ms against 52-60 at 64; 256: 49), both alike on the AMD
@@ -56,8 +56,7 @@ def impl_name(block: int) -> str:
 def block_of(name: str | None) -> int | None:
     """Queries a block of a causal-blocks implementation (by impl_name or its transformers name);
     None for anything else, SDPA's names included."""
-    m = re.fullmatch(r"(?:raytrain_)?causal_blocks(?:_([1-9][0-9]*))?", name or "")
-    return None if m is None else int(m.group(1) or BLOCK)
+    return causal_blocks_size(name)
 
 
 def _query_blocks(x: torch.Tensor, groups: int, block: int) -> torch.Tensor:

@@ -700,16 +700,8 @@ def _reference_worker(
         # The trainers' attention pick (model.attention=auto); the blocks leave autocast to SDPA.
         from raytrain_cpu import attention, plan
 
-        shape = plan.shape_of_model_config(config)
-        attn, _ = attention.choose(
-            model,
-            "auto",
-            batch,
-            spec["seq_len"],
-            keep_probs=lambda n: plan.keeps_attention_probs(
-                shape, spec["seq_len"], False, cfg.model.attention_probs, n
-            ),
-        )
+        keep_probs = plan.probs_keeper(config, spec["seq_len"], False, cfg.model.attention_probs)
+        attn, _ = attention.choose(model, "auto", batch, spec["seq_len"], keep_probs=keep_probs)
         # ... and their loss (model.fused_loss; its GEMMs are written for one dtype, not autocast).
         from raytrain_cpu import loss as fused_loss
 

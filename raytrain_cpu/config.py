@@ -28,6 +28,19 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key and the fix."""
 
 
+# model.attention's causal blocks: 'causal_blocks' runs this many queries a block,
+# 'causal_blocks_<N>' N (raytrain_cpu.attention; parsed here, where nothing imports torch, for
+# the config check, the attention module and the planner alike).
+CAUSAL_BLOCKS_DEFAULT = 64
+
+
+def causal_blocks_size(name: str | None) -> int | None:
+    """Queries a block of a causal-blocks implementation name ('causal_blocks', 'causal_blocks_128',
+    or transformers' 'raytrain_'-prefixed ones); None for anything else, SDPA's names included."""
+    m = re.fullmatch(r"(?:raytrain_)?causal_blocks(?:_([1-9][0-9]*))?", name or "")
+    return None if m is None else int(m.group(1) or CAUSAL_BLOCKS_DEFAULT)
+
+
 def _require(ok: bool, key: str, msg: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {msg}")
@@ -99,8 +112,8 @@ class ModelConfig:
     against their key prefix, as GEMMs; 2x the speed of SDPA's CPU flash kernel on an AVX-512
     host at seq 512), 'causal_blocks_<N>' (N queries at a time: 128 is faster on AMX), 'sdpa',
     or 'auto': every rank times SDPA and the blocks at 64 and 128 queries at the run's shape at
-    start-up and all take the fastest (one more than 3% faster than those before it); a resumed run keeps its checkpoint's pick, so its losses
-    continue bit for bit. Masked or cached attention always runs SDPA."""
+    start-up and all take the fastest (one more than 3% faster than those before it); a resumed
+    run keeps its checkpoint's pick, so its losses continue bit for bit. Masked or cached attention always runs SDPA."""
     attention_probs: str = "auto"
     """What the causal blocks keep for the backward: 'keep' their probabilities (the backward
     reads them: one batched GEMM of seven and half the softmax work fewer, about 1.2x the
@@ -143,9 +156,9 @@ class ModelConfig:
         _require(bool(self.name_or_path), "model.name_or_path", "must not be empty; use 'tiny'.")
         _choice(self.dtype, "model.dtype", ("auto", "bf16", "fp32"))
         _choice(self.compile_scope, "model.compile_scope", ("layers", "model"))
-        # attention.block_of's names, matched here without importing torch
         _require(
-            self.attention in ("auto", "sdpa") or re.fullmatch(r"causal_blocks(_[1-9][0-9]*)?", self.attention),
+            self.attention in ("auto", "sdpa")
+            or (causal_blocks_size(self.attention) is not None and not self.attention.startswith("raytrain_")),
             "model.attention",
             f"got {self.attention!r}; choose one of auto, sdpa, causal_blocks, causal_blocks_<queries a block>.",
         )

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from raytrain_cpu import config as config_module
+
 GIB = 2**30
 
 # ----------------------------------------------------------------------------- model shapes
@@ -268,15 +270,14 @@ def _act_bytes_per_token_layer(s: ModelShape) -> int:
 # recomputed scores and softmax: one batched GEMM of seven and half the softmax work; 1.18x the
 # attention's forward and backward at the 50M bench model's shape, 1.17-1.18x at Llama-3-8B's,
 # AMD Zen 4, benchmarks/attention.py) when that adds at most this share to the activations the
-# run keeps. They grow with the
-# sequence (heads x ~seq/2 elements a token a layer): kept at the bench model's seq 512 (18%)
-# and Llama-3-8B's 1,024 (16%), not at its 2,048 (30%) unless activation checkpointing keeps
-# one layer's activations at a time (14% then).
+# run keeps. They grow with the sequence (heads x ~seq/2 elements a token a layer): kept at the
+# bench model's seq 512 (18%) and Llama-3-8B's 1,024 (16%), not at its 2,048 (30%) unless
+# activation checkpointing keeps one layer's activations at a time (14% then).
 KEEP_PROBS_SHARE = 0.25
 # Queries a causal block where the planner cannot know model.attention=auto's timed pick: the
-# larger of raytrain_cpu.attention.BLOCKS (more probabilities); 'causal_blocks' is its BLOCK.
+# larger of raytrain_cpu.attention.BLOCKS (more probabilities).
 PROBS_BLOCK = 128
-CAUSAL_BLOCKS_DEFAULT = 64
+CAUSAL_BLOCKS_DEFAULT = config_module.CAUSAL_BLOCKS_DEFAULT
 
 
 def causal_block_probs(seq_len: int, block: int) -> int:
@@ -287,12 +288,7 @@ def causal_block_probs(seq_len: int, block: int) -> int:
 
 def attention_block(attention: str) -> int | None:
     """Queries a block the planner counts for a model.attention setting; None for SDPA."""
-    if attention == "sdpa":
-        return None
-    if attention == "auto":
-        return PROBS_BLOCK
-    _, _, n = attention.partition("causal_blocks_")
-    return int(n) if n else CAUSAL_BLOCKS_DEFAULT
+    return PROBS_BLOCK if attention == "auto" else config_module.causal_blocks_size(attention)
 
 
 def probs_bytes_per_token_layer(shape: ModelShape, seq_len: int, block: int, dtype_bytes: int = 2) -> float:
@@ -311,6 +307,13 @@ def keeps_attention_probs(
     if activation_checkpointing:  # one layer's probabilities at a time, beside every layer's input
         return probs <= KEEP_PROBS_SHARE * (2 * shape.hidden_size * shape.num_layers + layer)
     return probs <= KEEP_PROBS_SHARE * layer
+
+
+def probs_keeper(model_config: Any, seq_len: int, activation_checkpointing: bool, setting: str):
+    """keeps_attention_probs for a loaded model, as a function of the block size: what
+    attention.choose asks (the trainers' workers and the bench's plain-PyTorch reference)."""
+    shape = shape_of_model_config(model_config)
+    return lambda block: keeps_attention_probs(shape, seq_len, activation_checkpointing, setting, block)
 
 
 # model.fused_norm: activation bytes per token per layer per hidden unit that the fused

@@ -371,12 +371,8 @@ def choose_attention(w: Worker, model) -> str:
     m = w.cfg.model
     resumed = w.resumed.get("attention")
     kept = m.attention == "auto" and (resumed == "sdpa" or attention.block_of(resumed) is not None)
-
-    def keep_probs(block: int) -> bool:  # model.attention_probs (the same bits either way); only for the blocks
-        shape = plan.shape_of_model_config(model.config)
-        return plan.keeps_attention_probs(
-            shape, w.cfg.data.seq_len, m.activation_checkpointing, m.attention_probs, block
-        )
+    # model.attention_probs, per block size (the same bits either way)
+    keep_probs = plan.probs_keeper(model.config, w.cfg.data.seq_len, m.activation_checkpointing, m.attention_probs)
 
     chosen, timings = attention.choose(
         model,
