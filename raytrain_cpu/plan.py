@@ -312,8 +312,13 @@ def keeps_attention_probs(
 def probs_keeper(model_config: Any, seq_len: int, activation_checkpointing: bool, setting: str):
     """keeps_attention_probs for a loaded model, as a function of the block size: what
     attention.choose asks (the trainers' workers and the bench's plain-PyTorch reference)."""
-    shape = shape_of_model_config(model_config)
-    return lambda block: keeps_attention_probs(shape, seq_len, activation_checkpointing, setting, block)
+
+    def keep(block: int) -> bool:  # asked only for the causal blocks: a config without their shape never is
+        return keeps_attention_probs(
+            shape_of_model_config(model_config), seq_len, activation_checkpointing, setting, block
+        )
+
+    return keep
 
 
 # model.fused_norm: activation bytes per token per layer per hidden unit that the fused
