@@ -2,9 +2,9 @@
 
     python benchmarks/attention.py [--shapes 50m,llama3-8b] [--tokens 2048] [--threads 1] [--repeats 3]
 
-Forward and backward of one layer's attention on bf16 q, k, v laid out as Hugging Face's Llama
-hands them over (a transposed view of the projections' output), as one worker runs it once per
-decoder layer: the ~50M bench model's heads (8 x 64, seq 512) and Llama-3-8B's (32 query and 8
+Forward and backward of one layer's attention on bf16 q, k, v and the output's gradient laid out
+as Hugging Face's Llama hands them over (transposed views of the projections' output), as one
+worker runs it once per decoder layer: the ~50M bench model's heads (8 x 64, seq 512) and Llama-3-8B's (32 query and 8
 key/value heads of 128, seq 1024). `model.attention=auto` times SDPA against the causal blocks at
 start-up, at each of raytrain_cpu.attention.BLOCKS queries a block; this bench says what the
 block size, keeping the probabilities for the backward (model.attention_probs) and the host
@@ -47,7 +47,7 @@ def child(_: int, spec: dict[str, Any], out) -> None:
         return torch.randn(b, s, heads, d, generator=gen).to(torch.bfloat16).transpose(1, 2).requires_grad_()
 
     q, k, v = projected(h), projected(hk), projected(hk)
-    grad = torch.randn(b, h, s, d, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(b, s, h, d, generator=gen).to(torch.bfloat16).transpose(1, 2)  # as o_proj's backward hands it
     if spec["variant"] == "sdpa":
 
         def attend() -> torch.Tensor:

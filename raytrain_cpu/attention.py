@@ -72,10 +72,28 @@ def _query_blocks(x: torch.Tensor, groups: int, block: int) -> torch.Tensor:
     return x.reshape(nb, b, h // groups, groups * block, d).contiguous()
 
 
-def _from_query_blocks(xb: torch.Tensor, groups: int, seq: int) -> torch.Tensor:
+def _unblocked(xb: torch.Tensor, groups: int, seq: int, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of _query_blocks (in `dtype`) into a fresh (B, S, H, D) tensor, returned as its
+    (B, H, S, D) view: one pass, where a contiguous (B, H, S, D) result would cost one more on
+    either side of the operator, since transformers' projections hand q, k and v over as
+    (B, S, H, D) memory, take the output back as it, and their gradients flow back as it."""
     nb, b, hk, gb, d = xb.shape
-    x = xb.view(nb, b, hk, groups, gb // groups, d).permute(1, 2, 3, 0, 4, 5)
-    return x.reshape(b, hk * groups, nb * (gb // groups), d)[:, :, :seq]
+    n = gb // groups
+    src = xb.view(nb, b, hk, groups, n, d).permute(1, 2, 3, 0, 4, 5)  # (B, H/groups, groups, blocks, n, D)
+    out = xb.new_empty(b, seq, hk * groups, d, dtype=dtype)
+    if nb * n == seq:
+        out.view(b, nb, n, hk, groups, d).permute(0, 3, 4, 1, 2, 5).copy_(src)
+    else:  # the last block's padded rows dropped on the way
+        out.view(b, seq, hk, groups, d).permute(0, 2, 3, 1, 4).copy_(
+            src.reshape(b, hk, groups, nb * n, d)[..., :seq, :]
+        )
+    return out.transpose(1, 2)
+
+
+def _unblocked_layout(shape, like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of (B, H, S, D) `shape` laid out as _unblocked's results (the fake kernels')."""
+    b, h, s, d = shape
+    return like.new_empty(b, s, h, d).transpose(1, 2)
 
 
 def _probs(
@@ -111,6 +129,7 @@ def _each_block(qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int,
     offset = 0
     for i in range(qb.shape[0]):
         e = min((i + 1) * block, seq)
+        # Copied: the batched GEMMs copy a prefix view (not one dense batch of matrices) anyway.
         k_e, v_e = k[:, :, :e].contiguous(), v[:, :, :e].contiguous()
         p = probs[offset : offset + b * hk * gn * e].view(b, hk, gn, e) if probs.numel() else None
         offset += b * hk * gn * e
@@ -119,34 +138,37 @@ def _each_block(qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int,
 
 # Custom operators, not an autograd.Function: torch.compile (model.compile) keeps each one as
 # a single call in its graph and compiles the layer's other work around it. The forward returns
-# the probabilities too, empty unless `keep`: kept, the backward reads them instead of
-# recomputing each block's scores and softmax (one of the seven batched GEMMs and half the
-# softmax work; the same bits either way).
+# beside the output what the backward reads besides k and v: the scaled query blocks (saved in
+# place of q: the same memory, and the backward need not make them again) and the
+# probabilities, empty unless `keep`: kept, the backward reads them instead of recomputing each
+# block's scores and softmax (one of the seven batched GEMMs and half the softmax work; the same
+# bits either way).
 @torch.library.custom_op("raytrain::causal_blocks", mutates_args=())
 def _causal_blocks_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int, keep: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     groups = q.shape[1] // k.shape[1]
     qb = _query_blocks(q * scale, groups, block)
     ob = torch.empty_like(qb)
     probs = qb.new_empty(probs_numel(*qb.shape[1:4], k.shape[2], block) if keep else 0)
     for i, _, _, v_e, p in _each_block(qb, k, v, groups, block, probs, kept=False):
         torch.matmul(p, v_e, out=ob[i])
-    return _from_query_blocks(ob, groups, q.shape[2]).contiguous(), probs
+    return _unblocked(ob, groups, q.shape[2], q.dtype), probs, qb
 
 
 @torch.library.custom_op("raytrain::causal_blocks_backward", mutates_args=())
 def _causal_blocks_bwd(
     grad_out: torch.Tensor,
-    q: torch.Tensor,
+    qb: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     probs: torch.Tensor,
     scale: float,
     block: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups = q.shape[1] // k.shape[1]
-    qb = _query_blocks(q * scale, groups, block)
+    """Gradients for q, k and v from the forward's scaled query blocks (`qb`), k, v and (when
+    kept) probabilities."""
+    groups, seq = qb.shape[3] // block, k.shape[2]
     gb = _query_blocks(grad_out, groups, block)
     dqb = torch.empty_like(qb)
     dk = torch.zeros(k.shape, dtype=torch.float32)  # accumulated over the query blocks
@@ -157,31 +179,38 @@ def _causal_blocks_bwd(
         ds = torch._softmax_backward_data(torch.matmul(gb[i], v_e.transpose(-1, -2)), p, -1, p.dtype)
         torch.matmul(ds, k_e, out=dqb[i])
         dk[:, :, :e] += torch.matmul(ds.transpose(-1, -2), qb[i])
-    dq = _from_query_blocks(dqb.mul_(scale), groups, q.shape[2]).contiguous()
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    dq = _unblocked(dqb.mul_(scale), groups, seq, qb.dtype)
+    return dq, _unblocked(dk.unsqueeze(0), 1, seq, k.dtype), _unblocked(dv.unsqueeze(0), 1, seq, v.dtype)
 
 
 @_causal_blocks_fwd.register_fake
 def _(q, k, v, scale, block, keep):
-    b, h, s, _ = q.shape
-    numel = probs_numel(b, k.shape[1], h // k.shape[1] * block, s, block) if keep else 0
-    return q.new_empty(q.shape), q.new_empty(numel)  # contiguous, whatever q's strides
+    b, h, s, d = q.shape
+    hk, nb, groups = k.shape[1], -(-s // block), h // k.shape[1]
+    numel = probs_numel(b, hk, groups * block, s, block) if keep else 0
+    return _unblocked_layout(q.shape, q), q.new_empty(numel), q.new_empty(nb, b, hk, groups * block, d)
 
 
 @_causal_blocks_bwd.register_fake
-def _(grad_out, q, k, v, probs, scale, block):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(grad_out, qb, k, v, probs, scale, block):
+    b, hk, s, d = k.shape
+    dq = _unblocked_layout((b, qb.shape[3] // block * hk, s, d), qb)
+    return dq, _unblocked_layout(k.shape, k), _unblocked_layout(v.shape, v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, ctx.scale, ctx.block, _ = inputs
-    ctx.mark_non_differentiable(output[1])  # no zero gradient is made for them
-    ctx.save_for_backward(q, k, v, output[1])
+    _, k, v, ctx.scale, ctx.block, _ = inputs
+    _, probs, qb = output
+    ctx.mark_non_differentiable(probs, qb)
+    # Else autograd hands the backward a zero-filled gradient for each: as many bytes written
+    # as the probabilities and q, for nothing.
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(qb, k, v, probs)
 
 
-def _backward(ctx, grad_out, _grad_probs):
-    q, k, v, probs = ctx.saved_tensors
-    return (*_causal_blocks_bwd(grad_out, q, k, v, probs, ctx.scale, ctx.block), None, None, None)
+def _backward(ctx, grad_out, *_):
+    qb, k, v, probs = ctx.saved_tensors
+    return (*_causal_blocks_bwd(grad_out, qb, k, v, probs, ctx.scale, ctx.block), None, None, None)
 
 
 _causal_blocks_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -195,8 +224,9 @@ def causal_blocks(
     block: int = BLOCK,
     keep_probs: bool = False,
 ) -> torch.Tensor:
-    """Causal attention, (B, H, S, D) out; k and v may have fewer heads (grouped queries).
-    `keep_probs`: keep the probabilities for the backward (probs_numel elements in q's dtype)."""
+    """Causal attention, (B, H, S, D) out (a view of (B, S, H, D) memory); k and v may have fewer
+    heads (grouped queries). `keep_probs`: keep the probabilities for the backward (probs_numel
+    elements in q's dtype)."""
     return _causal_blocks_fwd(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale, block, keep_probs)[0]
 
 
@@ -237,7 +267,8 @@ def attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     keep_probs = keep_probs and torch.is_grad_enabled()  # evaluation has no backward to keep them for
-    return causal_blocks(query, key, value, scaling, block, keep_probs).transpose(1, 2).contiguous(), None
+    out = causal_blocks(query, key, value, scaling, block, keep_probs)
+    return out.transpose(1, 2), None  # (B, S, H, D) memory already: no copy
 
 
 def register(block: int = BLOCK, keep_probs: bool = False) -> str:

@@ -105,6 +105,7 @@ def bench_model_config(shape: dict[str, int], seq_len: int) -> tuple[Any, Any]:
     cfg = load_config(None, model_overrides(shape, seq_len))
     config = tiny_llama_config(cfg, VOCAB, eos_token_id=0)
     config._attn_implementation = "sdpa"
+    config.use_cache = False  # as the trainers' loader sets it: no key/value cache built in training
     return cfg, config
 
 

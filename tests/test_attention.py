@@ -60,7 +60,8 @@ def test_causal_blocks_matches_an_fp64_reference_as_closely_as_sdpa(shape, block
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kept_probabilities_give_the_same_bits_as_recomputed_ones(shape, block):
     """The backward reading the forward's probabilities computes exactly what recomputing them
-    does; what the forward keeps is the causal triangle in blocks (the planner's count)."""
+    does; what the forward keeps is the causal triangle in blocks (the planner's count), and in
+    place of q its scaled query blocks."""
     q, k, v, grad = _inputs(shape)
     saved = []
 
@@ -82,9 +83,10 @@ def test_kept_probabilities_give_the_same_bits_as_recomputed_ones(shape, block):
                     torch.bfloat16,
                 )  # fmt: skip
             )
-        b, h, hk, s, _ = shape
+        b, h, hk, s, d = shape
         kept = b * h * plan.causal_block_probs(s, block)
-        assert saved == [q.numel(), k.numel(), v.numel(), kept if keep else 0]
+        query_blocks = b * h * -(-s // block) * block * d  # q scaled, in whole blocks: q's size when s fills them
+        assert saved == [query_blocks, k.numel(), v.numel(), kept if keep else 0]
     for name, r, k in zip(("out", "dq", "dk", "dv"), *results, strict=True):
         assert torch.equal(r, k), name
 
@@ -267,13 +269,14 @@ def test_the_custom_operators_pass_torch_library_opcheck():
     q, k, v, grad = _inputs((1, 4, 2, 70, 8))
     q = q.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # as projections hand it over
     k, v = k.requires_grad_(), v.requires_grad_()
-    _, probs = torch.ops.raytrain.causal_blocks(q, k, v, 0.3, 64, True)
-    qkv = (q.detach(), k.detach(), v.detach())
+    _, probs, qb = torch.ops.raytrain.causal_blocks(q, k, v, 0.3, 64, True)
+    saved = (qb.detach(), k.detach(), v.detach())
+    grad = grad.transpose(1, 2).contiguous().transpose(1, 2)  # as o_proj's backward hands it over
     for op, args in (
         (torch.ops.raytrain.causal_blocks.default, (q, k, v, 0.3, 64, False)),
         (torch.ops.raytrain.causal_blocks.default, (q, k, v, 0.3, 64, True)),
-        (torch.ops.raytrain.causal_blocks_backward.default, (grad, *qkv, probs[:0], 0.3, 64)),
-        (torch.ops.raytrain.causal_blocks_backward.default, (grad, *qkv, probs.detach(), 0.3, 64)),
+        (torch.ops.raytrain.causal_blocks_backward.default, (grad, *saved, probs[:0], 0.3, 64)),
+        (torch.ops.raytrain.causal_blocks_backward.default, (grad, *saved, probs.detach(), 0.3, 64)),
     ):
         assert set(torch.library.opcheck(op, args).values()) == {"SUCCESS"}
 
