@@ -481,6 +481,7 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
         "recomputed attention probs": ["model.attention_probs=recompute"],
         "unfused loss": ["model.fused_loss=false"],
         "unfused norm": ["model.fused_norm=false"],
+        "unfused rotary": ["model.fused_rotary=false"],
         "fused MLP": ["model.fused_mlp=true"],
         "micro batch 4": ["train.micro_batch_size=4"],  # the 50m bench's until 2026-11-27
         "compile": ["model.compile=true"],
@@ -707,10 +708,11 @@ def _reference_worker(
         from raytrain_cpu import loss as fused_loss
 
         fused_loss.install(model)
-    if not compile:  # the trainers' norms (model.fused_norm), under autocast too; inductor fuses its own
-        from raytrain_cpu import norm
+    if not compile:  # the trainers' norms and rotary embeddings, under autocast too; inductor fuses its own
+        from raytrain_cpu import norm, rotary
 
         norm.install(model)
+        rotary.install(model)
     # The project's optimizer: AdamW without weight decay on norms, its lr, betas and eps.
     groups = [
         {"params": [p for p in opt_params if p.ndim >= 2], "weight_decay": t.weight_decay},

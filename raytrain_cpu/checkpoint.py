@@ -92,6 +92,7 @@ EXECUTION_SETTINGS = frozenset(
         "model.compile_scope",
         "model.fused_loss",
         "model.fused_norm",
+        "model.fused_rotary",
         "model.fused_mlp",
         "model.compile_cache_dir",
         "data.cache_dir",

@@ -133,6 +133,12 @@ class ModelConfig:
     Hugging Face's keeps 6 (two norms per layer) and runs 2.2-2.6x faster alone, a chunk of rows
     at a time (benchmarks/norm.py, AMD Zen 4). OLMo-2 and
     Gemma norms, and compiled models (inductor fuses them itself), keep Hugging Face's."""
+    fused_rotary: bool = True
+    """Apply the rotary position embedding to q and k as one autograd operation a chunk of rows
+    at a time (raytrain_cpu.rotary): Hugging Face's products and sums in the same order (the same
+    bits), about two passes over memory where its five operators and their backward make about
+    a dozen; 1.9-2.0x Hugging Face's alone at the bench model's and Llama-3-8B's shapes (AMD Zen
+    4). Llama's attention; other attention classes and compiled models keep Hugging Face's."""
     fused_mlp: bool = False
     """Run the SwiGLU MLP's silu(gate) * up as one autograd operation (raytrain_cpu.mlp) that
     recomputes silu(gate) in the backward instead of keeping it: the same bits, 2 bytes per

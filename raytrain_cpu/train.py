@@ -410,14 +410,16 @@ def install_fused_loss(w: Worker, model) -> None:
 
 
 def install_fused_layer_ops(w: Worker, model) -> None:
-    """model.fused_norm, model.fused_mlp: Llama-style RMSNorms (raytrain_cpu.norm) and SwiGLU
-    activations (raytrain_cpu.mlp) as one autograd operation each; compiled models keep
-    Hugging Face's, which inductor fuses itself."""
-    from raytrain_cpu import mlp, norm
+    """model.fused_norm, model.fused_rotary, model.fused_mlp: Llama-style RMSNorms
+    (raytrain_cpu.norm), rotary embeddings (raytrain_cpu.rotary) and SwiGLU activations
+    (raytrain_cpu.mlp) as one autograd operation each; compiled models keep Hugging Face's,
+    which inductor fuses itself."""
+    from raytrain_cpu import mlp, norm, rotary
 
     m = w.cfg.model
     for what, on, setting, install, kind in (
         ("norms", m.fused_norm, "model.fused_norm", norm.install, "RMSNorms"),
+        ("rotary embeddings", m.fused_rotary, "model.fused_rotary", rotary.install, "rotary embeddings"),
         ("MLP activations", m.fused_mlp, "model.fused_mlp", mlp.install, "SwiGLU activations"),
     ):
         if not on or m.compile:
