@@ -136,6 +136,14 @@ def _each_block(qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int,
         yield i, e, k_e, v_e, p if kept else _probs(qb[i], k_e, i * block, groups, causal, p)
 
 
+def _accumulate(total: torch.Tensor, part: torch.Tensor, seen: int) -> None:
+    """total[:, :, :e] += part (e = part's keys) for a fp32 `total` whose first `seen` keys earlier
+    blocks wrote: the rest are copied in, not added to zeros (the same values, with no zero fill
+    and a conversion in place of an addition over the new keys)."""
+    total[:, :, :seen] += part[:, :, :seen]
+    total[:, :, seen : part.shape[2]].copy_(part[:, :, seen:])
+
+
 # Custom operators, not an autograd.Function: torch.compile (model.compile) keeps each one as
 # a single call in its graph and compiles the layer's other work around it. The forward returns
 # beside the output what the backward reads besides k and v: the scaled query blocks (saved in
@@ -171,14 +179,14 @@ def _causal_blocks_bwd(
     groups, seq = qb.shape[3] // block, k.shape[2]
     gb = _query_blocks(grad_out, groups, block)
     dqb = torch.empty_like(qb)
-    dk = torch.zeros(k.shape, dtype=torch.float32)  # accumulated over the query blocks
-    dv = torch.zeros(v.shape, dtype=torch.float32)
-    for i, e, k_e, v_e, p in _each_block(qb, k, v, groups, block, probs, kept=probs.numel() > 0):
-        dv[:, :, :e] += torch.matmul(p.transpose(-1, -2), gb[i])
+    dk = torch.empty(k.shape, dtype=torch.float32)  # accumulated over the query blocks
+    dv = torch.empty(v.shape, dtype=torch.float32)
+    for i, _, k_e, v_e, p in _each_block(qb, k, v, groups, block, probs, kept=probs.numel() > 0):
+        _accumulate(dv, torch.matmul(p.transpose(-1, -2), gb[i]), i * block)
         # softmax's backward: p * (dp - rowsum(dp * p)); padded query rows have dp = 0.
         ds = torch._softmax_backward_data(torch.matmul(gb[i], v_e.transpose(-1, -2)), p, -1, p.dtype)
         torch.matmul(ds, k_e, out=dqb[i])
-        dk[:, :, :e] += torch.matmul(ds.transpose(-1, -2), qb[i])
+        _accumulate(dk, torch.matmul(ds.transpose(-1, -2), qb[i]), i * block)
     dq = _unblocked(dqb.mul_(scale), groups, seq, qb.dtype)
     return dq, _unblocked(dk.unsqueeze(0), 1, seq, k.dtype), _unblocked(dv.unsqueeze(0), 1, seq, v.dtype)
 
