@@ -14,7 +14,7 @@ benchmarks/results/<machine>/<suite>.json and a markdown table next to it (or --
             of the same model, and the bound 2*params/world + largest tensor + 1.5 GB.
 * scaling   tokens/s at 1 and 2 workers with the same threads per worker.
 * placement this project's thread placement against Ray's plain settings (and pinning).
-* options   torch.compile (per layer or the whole model), whole-layer ZeRO-3 gathers,
+* options   torch.compile (per layer or the whole model), per-module ZeRO-3 gathers,
             activation checkpointing, bf16, the per-tensor AdamW loop and glibc malloc
             (fixed or dynamic mmap threshold) against the defaults.
 * lora      LoRA (r=16, every projection) against full fine-tuning: tokens/s, peak RSS per
@@ -456,11 +456,11 @@ def suite_placement(r: Runner, args) -> dict[str, Any]:
 
 def suite_options(r: Runner, args) -> dict[str, Any]:
     """Each switch against the defaults, interleaved: bf16 forced, activation checkpointing,
-    whole-layer ZeRO-3 gathers, gloo in place of the shared-memory collectives, DeepSpeed's
+    per-module ZeRO-3 gathers in place of whole layers, gloo in place of the shared-memory collectives, DeepSpeed's
     fresh fp32 gradient each step and fresh reduce-scatter buffers in place of the kept ones,
     SDPA's and the causal blocks' attention in place of the start-up timing's pick, the
     blocks' probabilities recomputed in the backward instead of kept (model.attention_probs), Hugging
-    Face's loss and norms in place of the fused ones, the fused MLP activation, micro batch 4 in place
+    Face's loss, norms and rotary embedding in place of the fused ones, the fused MLP activation, micro batch 4 in place
     of 8 (twice the ZeRO-3 gathers and hooks per token), compile per layer and of the whole
     model, ZeRO-2 and ZeRO-1 (no parameter gathers: for a model that fits whole on every rank,
     see `plan`), PyTorch's per-tensor AdamW loop in place of the fused kernel, and glibc malloc
@@ -472,7 +472,7 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
         "model.dtype=fp32": ["model.dtype=fp32"],
         "activation_checkpointing": ["model.activation_checkpointing=true"],
         "params persistent": ["deepspeed.param_persistence_threshold=100000000"],
-        "whole-layer gathers": ["deepspeed.gather_whole_layers=true"],
+        "per-module gathers": ["deepspeed.gather_whole_layers=false"],  # the default until 2026-11-27
         "gloo collectives": ["deepspeed.shm_collectives=false"],
         "fresh fp32 gradients": ["deepspeed.reuse_fp32_grad_buffer=false"],
         "fresh reduce buffers": ["deepspeed.reuse_reduce_buffer=false"],
@@ -513,12 +513,13 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
 
 def suite_lora(r: Runner, args) -> dict[str, Any]:
     """LoRA (rank 16 on every projection) against full fine-tuning, interleaved, same data and
-    steps; and LoRA's own levers against plain LoRA: whole-layer gathers, per-layer compile."""
+    steps; and LoRA's own levers against plain LoRA (whole-layer gathers, the default): per-module
+    gathers, per-layer compile."""
     lora = ["lora.rank=16", "lora.alpha=32"]
     variants = {
         "full fine-tuning": [],
         "LoRA r=16": lora,
-        "LoRA r=16 + whole-layer gathers": [*lora, "deepspeed.gather_whole_layers=true"],
+        "LoRA r=16 + per-module gathers": [*lora, "deepspeed.gather_whole_layers=false"],
         "LoRA r=16 + compile": [*lora, "model.compile=true"],
     }
     only = set(args.variants.split(",")) if args.variants else None
