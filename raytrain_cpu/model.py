@@ -346,13 +346,18 @@ def unwrapped(model):
 
 
 @functools.cache
-def same_forward(cls: type, reference: type) -> bool:
-    """Whether `cls.forward` is `reference.forward` line for line (transformers' modular copies
-    give each architecture its own class with the same source); read once per class."""
+def same_source(fn, reference) -> bool:
+    """Whether function `fn` is `reference` line for line (transformers' modular copies give each
+    architecture its own functions and classes with the same source); read once per pair."""
     try:
-        return inspect.getsource(cls.forward) == inspect.getsource(reference.forward)
+        return fn is reference or inspect.getsource(fn) == inspect.getsource(reference)
     except (OSError, TypeError):
         return False
+
+
+def same_forward(cls: type, reference: type) -> bool:
+    """Whether `cls.forward` is `reference.forward` line for line; read once per class."""
+    return same_source(cls.forward, reference.forward)
 
 
 def install_forward(model, runs_reference, forward) -> int:

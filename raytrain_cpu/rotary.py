@@ -125,21 +125,12 @@ def install(model) -> int:
     with Llama's rotary embedding; how many."""
     from transformers.models.llama import modeling_llama
 
-    from raytrain_cpu.model import install_forward, same_forward
+    from raytrain_cpu.model import install_forward, same_forward, same_source
 
     def runs_llama_attention(m) -> bool:
         module = sys.modules[type(m).__module__]
-        return same_forward(type(m), modeling_llama.LlamaAttention) and _same_source(
+        return same_forward(type(m), modeling_llama.LlamaAttention) and same_source(
             getattr(module, "apply_rotary_pos_emb", None), modeling_llama.apply_rotary_pos_emb
         )
 
     return install_forward(model, runs_llama_attention, _llama_attention_forward)
-
-
-def _same_source(fn, reference) -> bool:
-    import inspect
-
-    try:
-        return fn is reference or inspect.getsource(fn) == inspect.getsource(reference)
-    except (OSError, TypeError):
-        return False
