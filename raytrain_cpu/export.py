@@ -21,6 +21,7 @@ import shutil
 import sys
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,9 @@ def _write_safetensors(tensors, out: Path, dtype, max_shard_bytes: int, base_nam
     shards: list[list[str]] = []  # tensor names per file; only the file being filled is in memory
     current: dict[str, Any] = {}
     current_bytes = total = 0
-    seen: set[int] = set()
+    # Tied weights are one tensor under two names. Weak references, not bare ids: the merged LoRA
+    # weights are temporaries, and a freed one's id may come back for a later tensor (not a tie).
+    seen: dict[int, weakref.ref] = {}
 
     def flush() -> None:
         nonlocal current, current_bytes
@@ -62,9 +65,10 @@ def _write_safetensors(tensors, out: Path, dtype, max_shard_bytes: int, base_nam
         current, current_bytes = {}, 0
 
     for name, lazy in tensors:
-        if id(lazy) in seen:  # a tied weight (lm_head = embed_tokens): transformers re-ties it on load
+        tied = seen.get(id(lazy))
+        if tied is not None and tied() is lazy:  # lm_head = embed_tokens: transformers re-ties it on load
             continue
-        seen.add(id(lazy))
+        seen[id(lazy)] = weakref.ref(lazy)
         tensor = lazy.contiguous()
         if tensor.is_floating_point():
             tensor = tensor.to(dtype)

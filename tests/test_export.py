@@ -152,3 +152,28 @@ def test_export_refuses_an_incomplete_checkpoint(zero3, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "rank 1" in err and "is missing" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_writer_skips_ties_not_reused_ids(tmp_path, monkeypatch):
+    """A tied weight (one tensor, two names) is written once; a new tensor that got a freed one's id
+    is not a tie. The merged LoRA weights are such temporaries, and an id set dropped some of them
+    (CI: a merged export 1.3 off in its logits). CPython reuses ids when its allocator says so; here
+    every tensor gets the same id, so the test does not depend on the allocator."""
+    import torch
+    from safetensors.torch import load_file
+
+    from raytrain_cpu import export
+
+    def temporaries():
+        embed = torch.ones(4, 4)
+        yield "embed_tokens.weight", embed
+        yield "lm_head.weight", embed  # tied
+        for i in range(4):
+            yield f"layers.{i}.weight", torch.full((4, 4), float(i)) + 0  # freed once written
+
+    monkeypatch.setattr(export, "id", lambda obj: 7, raising=False)
+    written = export._write_safetensors(temporaries(), tmp_path, torch.bfloat16, max_shard_bytes=1 << 20)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    assert written["tensors"] == 5
+    assert sorted(state) == ["embed_tokens.weight"] + [f"layers.{i}.weight" for i in range(4)]
+    assert all(state[f"layers.{i}.weight"].eq(i).all() for i in range(4))
