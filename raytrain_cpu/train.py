@@ -255,6 +255,36 @@ class Loop:
         return max(time.perf_counter() - self.t_start, 1e-9)
 
 
+@dataclass
+class FreePages:
+    """scaling.free_memory_growth_mib: malloc's free pages go back to the OS when the resident
+    memory has grown `limit` bytes past the `baseline`, the resident memory after the attempt's
+    first steps (its working set made) or after the last release. A release that frees little
+    (the growth was live memory) raises the baseline, so it is not repeated every step."""
+
+    limit: float  # bytes; 0: never
+    first_step: int  # the step after which the resident memory is the baseline
+    baseline: float = 0.0
+    releases: int = 0
+    released: float = 0.0  # bytes, over all releases
+
+    def after_step(self, step: int, rss: float, release: Callable[[], float]) -> float | None:
+        """Releases through `release` (it returns the resident memory after) when due: the
+        bytes that went back, else None."""
+        if not self.limit or step < self.first_step:
+            return None
+        if step == self.first_step or not self.baseline:
+            self.baseline = rss
+            return None
+        if rss - self.baseline <= self.limit:
+            return None
+        after = release()
+        self.baseline = max(self.baseline, after)
+        self.releases += 1
+        self.released += max(rss - after, 0.0)
+        return rss - after
+
+
 # ----------------------------------------------------------------------------- phases: set up
 
 
@@ -727,6 +757,24 @@ def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink
     st.window_t, st.window_tokens, st.window_wait = time.perf_counter(), 0, 0.0
 
 
+def release_free_pages(w: Worker, st: Loop, free_pages: FreePages) -> None:
+    """scaling.free_memory_growth_mib, on this rank alone (no collective: a release costs the
+    next step its page faults, nothing else)."""
+    from raytrain_cpu import cpu
+
+    def release() -> float:
+        cpu.release_free_memory()
+        return obs.process_memory()["rss"]
+
+    freed = free_pages.after_step(st.step, obs.process_memory()["rss"], release)
+    if freed is not None and free_pages.releases in (1, 10, 100, 1000):
+        w.log(
+            f"[memory] step {st.step}: resident memory {free_pages.limit / 2**20:.0f}+ MiB past the first steps'; "
+            f"malloc's free pages handed back ({freed / 2**20:.0f} MiB; {free_pages.releases} time(s) so far, "
+            "scaling.free_memory_growth_mib)"
+        )
+
+
 def checkpoint_reason(w: Worker, st: Loop) -> str | None:
     """'final', 'periodic', 'preemption' (a spot notice: at once) or None."""
     import ray.train
@@ -906,6 +954,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     # A short run (or a resumed one near its end) still times its last step.
     warmup = min(cpu.WARMUP_STEPS, max(t.max_steps - st.step - 1, 0))
     clock = cpu.StepClock(cpu.CommTimer().install() if t.profile_breakdown else None, warmup)
+    free_pages = FreePages(cfg.scaling.free_memory_growth_mib * 2**20, st.step + cpu.WARMUP_STEPS + 1)
 
     # ---- loop
     while st.step < t.max_steps:
@@ -913,6 +962,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             train_step(w, st, engine, batches, guard, clock, block_log)
         guard.after_step(st.step, engine, scheduler)
         clock.end_step()
+        release_free_pages(w, st, free_pages)
         if st.step % t.log_every == 0 or st.step == t.max_steps or guard.stop_reason:
             log_step(w, st, engine, scheduler, guard, sink, progress, cfg.lora.enabled)
         if guard.stop_reason:
@@ -939,6 +989,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     # Every rank's optimizer bytes, gathered with a one-hot sum (summary.json: optimizer_state_bytes).
     opt_bytes = _allreduce_sum([float(optimizer_state_bytes(engine)) if r == w.rank else 0.0 for r in range(w.world)])
     loaded.params["optimizer_state_bytes"] = [int(b) for b in opt_bytes]
+    cpu_setup["free_pages_released"] = {"times": free_pages.releases, "mib": free_pages.released / 2**20}  # rank 0's
     if w.is_main:
         write_worker_summary(w, st, engine, guard, loaded, cpu_setup, breakdown)
     if sink is not None:

@@ -242,6 +242,33 @@ def test_release_free_memory_hands_the_freed_pages_back(allocator):
     assert int(before) - int(after) > 200 << 20, out.stdout
 
 
+def test_free_pages_released_past_the_limit_once_a_growth():
+    """scaling.free_memory_growth_mib: the baseline is the resident memory after the first steps;
+    growth past it by the limit releases (the real release: test above); a release that frees
+    little raises the baseline, so live growth does not release every step; 0 never releases."""
+    from raytrain_cpu.train import FreePages
+
+    mib = 2**20
+    calls = []
+
+    def release_to(after):
+        return lambda: calls.append(after) or after
+
+    pages = FreePages(limit=100 * mib, first_step=3)
+    assert pages.after_step(1, 900 * mib, release_to(0)) is None  # warm-up: no baseline yet
+    assert pages.after_step(3, 500 * mib, release_to(0)) is None and pages.baseline == 500 * mib
+    assert pages.after_step(4, 600 * mib, release_to(0)) is None  # at the limit, not past it
+    assert pages.after_step(5, 650 * mib, release_to(520 * mib)) == 130 * mib  # freed pages went back
+    assert (pages.releases, pages.baseline, pages.released) == (1, 520 * mib, 130 * mib)
+    # live memory grew: the release frees little, the baseline moves up with it
+    assert pages.after_step(6, 700 * mib, release_to(690 * mib)) == 10 * mib
+    assert pages.baseline == 690 * mib
+    assert pages.after_step(7, 780 * mib, release_to(0)) is None  # no release at every step now
+    assert calls == [520 * mib, 690 * mib]
+    off = FreePages(limit=0, first_step=3)
+    assert all(off.after_step(s, s * 1000 * mib, release_to(0)) is None for s in range(10))
+
+
 def test_allocator_in_use(tmp_path):
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n")
