@@ -461,11 +461,12 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
     place of the kept ones, SDPA's and the causal blocks' attention in place of the start-up
     timing's pick, the blocks' probabilities recomputed in the backward instead of kept
     (model.attention_probs), Hugging Face's loss, norms and rotary embedding in place of the
-    fused ones, the fused MLP activation, micro batch 4 in place of 8 (twice the ZeRO-3 gathers and hooks per token), compile per layer and of the whole
-    model, ZeRO-2 and ZeRO-1 (no parameter gathers: for a model that fits whole on every rank,
-    see `plan`), PyTorch's per-tensor AdamW loop in place of the fused kernel, and glibc malloc
-    with the workers' fixed mmap threshold and with its own dynamic one (against jemalloc or
-    tcmalloc where the defaults find them installed)."""
+    fused ones, the fused MLP activation, micro batch 4 in place of 8 (twice the ZeRO-3
+    gathers and hooks per token), compile per layer and of the whole model, ZeRO-2 and ZeRO-1
+    (no parameter gathers: for a model that fits whole on every rank, see `plan`), PyTorch's
+    per-tensor AdamW loop in place of the fused kernel, and glibc malloc with the workers' fixed
+    mmap threshold and with its own dynamic one (against jemalloc or tcmalloc where the defaults
+    find them installed)."""
     variants = {
         "defaults": [],
         "model.dtype=bf16": ["model.dtype=bf16"],

@@ -273,16 +273,17 @@ class FreePages:
         bytes that went back, else None."""
         if not self.limit or step < self.first_step:
             return None
-        if step == self.first_step or not self.baseline:
+        if step == self.first_step:
             self.baseline = rss
             return None
         if rss - self.baseline <= self.limit:
             return None
         after = release()
+        freed = max(rss - after, 0.0)
         self.baseline = max(self.baseline, after)
         self.releases += 1
-        self.released += max(rss - after, 0.0)
-        return rss - after
+        self.released += freed
+        return freed
 
 
 # ----------------------------------------------------------------------------- phases: set up
@@ -761,6 +762,9 @@ def release_free_pages(w: Worker, st: Loop, free_pages: FreePages) -> None:
     """scaling.free_memory_growth_mib, on this rank alone (no collective: a release costs the
     next step its page faults, nothing else)."""
     from raytrain_cpu import cpu
+
+    if not free_pages.limit:  # off: not even the /proc read
+        return
 
     def release() -> float:
         cpu.release_free_memory()
