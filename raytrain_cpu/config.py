@@ -462,7 +462,8 @@ class ScalingConfig:
     many MiB past its size after the first steps (or after the last such release). jemalloc
     keeping freed pages for the next step reuses them in most runs, but in some its kept pages
     grew every step (10-20 MiB a step on a 16-layer model, to twice the live memory in 100
-    steps); this bounds that growth. The next step faults its pages in again. 0: never."""
+    steps); this bounds that growth. The next step faults its pages in again. 0: never. The
+    planner (`python -m raytrain_cpu.plan`) leaves this much free per rank in every fit."""
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= 0, "scaling.num_workers", "must be >= 0 (0 = auto).")

@@ -253,6 +253,11 @@ KEPT_PAGES = 1.09
 # raytrain_cpu.main run peaked at 1.60 GiB per rank (full fine-tuning: 1.54, predicted 1.54),
 # against 3.4 GiB with glibc's dynamic threshold. Fitted on that run.
 LORA_FRAGMENTATION = 1.16
+# A worker hands malloc's kept pages back only once its resident size has grown
+# scaling.free_memory_growth_mib past its size after the first steps (train.FreePages: in some
+# runs jemalloc's kept pages crept 5-20 MiB a step at a constant live size). Until then a rank
+# may hold up to that much above the training peak, so a fit leaves it free on every rank.
+FREE_MEMORY_GROWTH_MIB = 512  # config.ScalingConfig.free_memory_growth_mib's default
 
 
 def _act_bytes_per_token_layer(s: ModelShape) -> int:
@@ -720,6 +725,7 @@ def _stages(shape: ModelShape, world_size: int, mem_kwargs: dict[str, Any]) -> t
     """(memory_breakdown's parts, memory_stages) for plan()'s memory arguments."""
     kwargs = dict(mem_kwargs)
     kept_pages = kwargs.pop("kept_pages", True)
+    kwargs.pop("free_memory_growth_mib", None)  # a margin of the fit (_margin), not of the stages
     parts = memory_breakdown(shape, world_size, **kwargs)
     return parts, memory_stages(parts, lora=bool(kwargs.get("lora_rank")), kept_pages=kept_pages)
 
@@ -728,8 +734,13 @@ def _peak(shape: ModelShape, world_size: int, mem_kwargs: dict[str, Any]) -> flo
     return _stages(shape, world_size, mem_kwargs)[1]["peak"]
 
 
-def _fits(peak_bytes: float, ranks_per_node: int, instance_gib: float) -> bool:
-    return peak_bytes * ranks_per_node <= usable_bytes(instance_gib)
+def _margin(mem_kwargs: dict[str, Any]) -> float:
+    """Bytes a rank may hold above its training peak before its kept pages go back (FREE_MEMORY_GROWTH_MIB)."""
+    return mem_kwargs.get("free_memory_growth_mib", FREE_MEMORY_GROWTH_MIB) * 2**20
+
+
+def _fits(peak_bytes: float, ranks_per_node: int, instance_gib: float, margin_bytes: float) -> bool:
+    return (peak_bytes + margin_bytes) * ranks_per_node <= usable_bytes(instance_gib)
 
 
 def recommend(
@@ -747,12 +758,13 @@ def recommend(
     peak = _peak(shape, world_size, mem_kwargs)
     nodes = math.ceil(world_size / ranks_per_node)
     candidates = [(name, gib) for fam in ("c7i", "m7i", "r7i") for name, (_, gib, _) in instance_catalog(fam).items()]
-    chosen = next((name for name, gib in candidates if _fits(peak, ranks_per_node, gib)), None)
+    margin = _margin(mem_kwargs)
+    chosen = next((name for name, gib in candidates if _fits(peak, ranks_per_node, gib, margin)), None)
 
     # ZeRO-3 shards with the world size, so more, smaller nodes can replace fewer, bigger ones.
     one_per_node = mem_kwargs | {"shm_ranks": 0}  # one rank per node: gloo
     min_workers = {
-        name: next((w for w in range(1, max_workers + 1) if _fits(_peak(shape, w, one_per_node), 1, gib)), None)
+        name: next((w for w in range(1, max_workers + 1) if _fits(_peak(shape, w, one_per_node), 1, gib, margin)), None)
         for name, (_, gib, _) in C7I_SIZES.items()
     }
 
@@ -790,6 +802,7 @@ def lower_stage_advice(
     node: str,
     ranks_per_node: int,
     node_gib: float,
+    margin_bytes: float,
 ) -> str | None:
     """Where a ZeRO-3 run would fit `node` at ZeRO-2 too, the line that says so (else None).
 
@@ -800,7 +813,7 @@ def lower_stage_advice(
     if zero_stage != 3 or offload != "none":
         return None
     z2, z3 = stages_compared["2"], stages_compared["3"]
-    if not _fits(z2["peak_gib"] * GIB, ranks_per_node, node_gib):
+    if not _fits(z2["peak_gib"] * GIB, ranks_per_node, node_gib, margin_bytes):
         return None
     return (
         f"ZeRO-2 also fits {node} ({z2['peak_gib']:.1f} GiB per rank against {z3['peak_gib']:.1f}) and moves "
@@ -837,7 +850,7 @@ def micro_batch_advice(
         return None
     for k in sorted((k for k in range(2, grad_accum_steps + 1) if grad_accum_steps % k == 0), reverse=True):
         peak = _peak(shape, world_size, mem_kwargs | {"micro_batch": micro_batch * k})
-        if _fits(peak, ranks_per_node, node_gib):
+        if _fits(peak, ranks_per_node, node_gib, _margin(mem_kwargs)):
             return (
                 f"micro batch {micro_batch * k} x grad accum {grad_accum_steps // k} keeps the global batch and fits "
                 f"{node} ({peak / GIB:.1f} GiB per rank): 1/{k} of ZeRO-3's gathers and hooks per token "
@@ -876,6 +889,7 @@ def plan(
     attention: str = "auto",
     attention_probs: str = "auto",
     kept_pages: bool = True,
+    free_memory_growth_mib: int = FREE_MEMORY_GROWTH_MIB,
 ) -> dict[str, Any]:
     """The whole estimate as a JSON-able dict (what `--json` prints).
 
@@ -883,7 +897,8 @@ def plan(
     on `lora_targets` (`lora_dropout` > 0 keeps more activations).
 
     `instance` (e.g. 'c7i.48xlarge') checks the fit on that node and times the communication
-    at its network rate; without it, the recommended node is used.
+    at its network rate; without it, the recommended node is used. Every fit leaves
+    `free_memory_growth_mib` (scaling.free_memory_growth_mib) free per rank above the peak.
     """
     shape = resolve_shape(model_shape) if isinstance(model_shape, str) else model_shape
     if zero_stage not in (1, 2, 3):
@@ -896,6 +911,8 @@ def plan(
         raise ValueError("world_size, micro_batch, seq_len, grad_accum_steps and ranks_per_node must be >= 1")
     if lora_rank < 0:
         raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
+    if free_memory_growth_mib < 0:
+        raise ValueError(f"free_memory_growth_mib must be >= 0, got {free_memory_growth_mib}")
     if not 0.0 <= lora_dropout < 1.0:
         raise ValueError(f"lora_dropout must be in [0, 1), got {lora_dropout}")
     lora_targets = tuple(lora_targets)
@@ -923,6 +940,7 @@ def plan(
         attention_probs=attention_probs,
         shm_ranks=world_size if world_size <= ranks_per_node else 0,  # all ranks on one node
         kept_pages=kept_pages,
+        free_memory_growth_mib=free_memory_growth_mib,
     )
     lora_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets)
     parts, stages = _stages(shape, world_size, mem_kwargs)
@@ -935,7 +953,7 @@ def plan(
     net_gbps = C7I_SIZES[f"c7i.{size}"][2]  # m7i and r7i have c7i's network at each size
     node_gib = instance_catalog(family)[node][1]
     if instance:
-        rec["fits_instance"] = _fits(stages["peak"], ranks_per_node, node_gib)
+        rec["fits_instance"] = _fits(stages["peak"], ranks_per_node, node_gib, _margin(mem_kwargs))
     tokens = micro_batch * seq_len * grad_accum_steps
     # The same run at each ZeRO stage: ZeRO-3 gathers the model every micro batch, so when
     # memory allows, a lower stage often moves far fewer bytes per step.
@@ -946,7 +964,9 @@ def plan(
         }
         for z in (1, 2, 3)
     }
-    stage_advice = lower_stage_advice(zero_stage, offload, stages_compared, node, ranks_per_node, node_gib)
+    stage_advice = lower_stage_advice(
+        zero_stage, offload, stages_compared, node, ranks_per_node, node_gib, _margin(mem_kwargs)
+    )
     batch_advice = micro_batch_advice(
         shape, world_size, micro_batch, grad_accum_steps, mem_kwargs, node, ranks_per_node, node_gib
     )
@@ -963,6 +983,8 @@ def plan(
         | mem_kwargs
         | {"lora_targets": list(lora_targets)},
         "memory_gib": {k: v / GIB for k, v in stages.items()},
+        # What every fit leaves free per rank above the peak (FREE_MEMORY_GROWTH_MIB).
+        "release_margin_gib": _margin(mem_kwargs) / GIB,
         "components_gib": {k: v / GIB for k, v in parts.items()},
         "comm_gib_per_step": comm / GIB,
         "network_node": node,
@@ -1018,6 +1040,7 @@ def inputs_from_run_config(path: str) -> dict[str, Any]:
         attention=m.attention,
         attention_probs=m.attention_probs,
         kept_pages=cfg.scaling.allocator != "system",
+        free_memory_growth_mib=cfg.scaling.free_memory_growth_mib,
     )
 
 
@@ -1063,6 +1086,13 @@ def format_table(result: dict[str, Any]) -> str:
             " scaling.glibc_mmap_threshold=1048576 is --no-kept-pages, its 32 MiB default ~25% higher)"
             if i.get("kept_pages", True)
             else "  (for glibc with scaling.glibc_mmap_threshold=1048576; its 32 MiB default measured ~25% higher)"
+        ),
+        (
+            f"  fits leave {result['release_margin_gib']:.2f} GiB per rank above the peak: malloc's kept pages go back"
+            " to the OS only past that growth (scaling.free_memory_growth_mib)"
+            if result["release_margin_gib"]
+            else "  fits leave no margin above the peak: scaling.free_memory_growth_mib=0 never hands kept pages back,"
+            " so a rank's memory is not bounded by this estimate"
         ),
         "",
         f"communication per rank per step   {result['comm_gib_per_step']:.3g} GiB "
@@ -1163,6 +1193,12 @@ def build_parser() -> argparse.ArgumentParser:
         "peak; the default); --no-kept-pages plans for glibc with scaling.glibc_mmap_threshold=1048576",
     )
     p.add_argument(
+        "--free-memory-growth-mib",
+        type=int,
+        help="scaling.free_memory_growth_mib: the growth a rank may hold above its peak before malloc's kept "
+        f"pages go back; every fit leaves it free per rank (default {FREE_MEMORY_GROWTH_MIB})",
+    )
+    p.add_argument(
         "--max-live-parameters",
         type=float,
         help="ZeRO-3 parameters kept gathered (deepspeed.max_live_parameters; default 1e9)",
@@ -1195,6 +1231,7 @@ def main(argv: list[str] | None = None) -> int:
         attention="auto",
         attention_probs="auto",
         kept_pages=True,
+        free_memory_growth_mib=FREE_MEMORY_GROWTH_MIB,
         max_live_parameters=DS_MAX_LIVE_PARAMETERS,
     )
     try:
@@ -1218,6 +1255,7 @@ def main(argv: list[str] | None = None) -> int:
             fused_mlp=args.fused_mlp,
             attention_probs=args.attention_probs,
             kept_pages=args.kept_pages,
+            free_memory_growth_mib=args.free_memory_growth_mib,
             max_live_parameters=int(args.max_live_parameters) if args.max_live_parameters else None,
         )
         inputs |= {k: v for k, v in flags.items() if v is not None}

@@ -436,6 +436,28 @@ def test_kept_pages_raise_only_the_training_peak(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["memory_gib"]["peak"] == pytest.approx(handed_back["peak"])
 
 
+def test_fits_leave_the_release_margin_free_on_every_rank(tmp_path, capsys):
+    """A rank may hold scaling.free_memory_growth_mib above its peak before its kept pages go
+    back (train.FreePages): every fit leaves it free. Llama-3-8B on 16 ranks, 4 per c7i.12xlarge
+    fits with no margin (20.57 GiB a rank against 20.6 usable) and not with the default's 512 MiB."""
+    args = dict(ranks_per_node=4, instance="c7i.12xlarge")
+    bare = plan.plan(LLAMA3_8B, 16, free_memory_growth_mib=0, **args)
+    guarded = plan.plan(LLAMA3_8B, 16, **args)
+    assert guarded["memory_gib"] == bare["memory_gib"]  # the estimate itself does not change
+    assert (guarded["release_margin_gib"], bare["release_margin_gib"]) == (0.5, 0.0)
+    assert bare["recommendation"]["fits_instance"] and not guarded["recommendation"]["fits_instance"]
+    assert guarded["recommendation"]["instance"] != "c7i.12xlarge"  # the recommendation moves up too
+    assert "fits leave 0.50 GiB per rank above the peak" in plan.format_table(guarded)
+    assert "scaling.free_memory_growth_mib=0 never hands kept pages back" in plan.format_table(bare)
+    config = tmp_path / "run.yaml"
+    config.write_text("scaling:\n  free_memory_growth_mib: 1024\n")
+    assert plan.inputs_from_run_config(str(config))["free_memory_growth_mib"] == 1024
+    assert plan.main(["--model", LLAMA3_8B, "-w", "16", "--free-memory-growth-mib", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["release_margin_gib"] == 0.0
+    with pytest.raises(ValueError, match="free_memory_growth_mib must be >= 0"):
+        plan.plan(LLAMA3_8B, 16, free_memory_growth_mib=-1)
+
+
 def test_collective_buffers_only_when_all_ranks_share_a_node():
     """raytrain_cpu.collectives maps 2 x world slots on one machine; across nodes gloo maps none."""
     from raytrain_cpu import collectives
