@@ -398,6 +398,24 @@ def choose_dtype(
     }
 
 
+def time_peak_flops(
+    gemms: Sequence[Gemm], dtype: str, agree: Callable[[list[float]], list[float]] | None = None
+) -> float:
+    """The per-worker GEMM rate MFU is logged against, timed again once the worker is set up.
+
+    The start-up probe (choose_dtype) runs while Ray still starts the data pipeline's processes
+    beside the workers: on a 2-core host it read half the rate (the ~50M model's shapes: bf16
+    99.8 and 103.5 GFLOP/s, against 205.9 timed after the engine's set-up and 205.5 in `bench
+    train`'s GEMM peak), and the logged MFU read 120-147%. Its bf16/fp32 ratio, both timed in
+    the same conditions, still decides the dtype; this timing of the chosen dtype alone is
+    MFU's denominator. `agree` averages it over ranks, as choose_dtype's does."""
+    import torch
+
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    rate = gemm_probe(probe_gemms(gemms), torch_dtype, min_time_s=0.02)["flops_per_s"]
+    return agree([rate])[0] if agree is not None else rate
+
+
 def gemms_for_model(model_dir: str, tokens: int) -> list[Gemm]:
     """llama_gemms for a Hugging Face model directory (config.json only, no weights; GPT-2 style
     key names too)."""

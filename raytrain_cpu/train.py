@@ -341,9 +341,26 @@ def setup_cpu(w: Worker) -> dict[str, Any]:
         resumed_dtype=w.resumed.get("dtype"),
     )
     w.cfg.model.dtype = setup["dtype"]["dtype"]  # the DeepSpeed config, load dtype and manifests follow
-    w.loop_config["peak_flops"] = w.loop_config.get("peak_flops") or setup["dtype"]["peak_flops_per_s"]
     obs.console(cpu.describe_setup(w.rank, setup))
     return setup
+
+
+def time_mfu_peak(w: Worker, cpu_setup: dict[str, Any]) -> None:
+    """MFU's denominator, timed again now that every rank is set up and Ray's start-up is over
+    (cpu.time_peak_flops: the start-up probe read half the rate on a 2-core host)."""
+    from raytrain_cpu import cpu
+
+    d = cpu_setup["dtype"]
+    gemms = cpu.gemms_for_model(w.loop_config["model_dir"], w.cfg.train.micro_batch_size * w.cfg.data.seq_len)
+    d["start_probe_flops_per_s"] = d["peak_flops_per_s"]
+    d["peak_flops_per_s"] = cpu.time_peak_flops(
+        gemms, d["dtype"], agree=lambda v: [x / w.world for x in _allreduce_sum(v)]
+    )
+    w.loop_config["peak_flops"] = d["peak_flops_per_s"]
+    w.log(
+        f"[engine] MFU against {d['dtype']} GEMMs at {d['peak_flops_per_s'] / 1e9:.1f} GFLOP/s per worker at the "
+        f"model's shapes (start-up probe: {d['start_probe_flops_per_s'] / 1e9:.1f})"
+    )
 
 
 @dataclass
@@ -934,6 +951,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     ds_config = deepspeed_config(cfg, w.world)
     loaded = load_model(w, ds_config)
     engine, scheduler = build_engine(w, loaded.model, ds_config)
+    time_mfu_peak(w, cpu_setup)
 
     # ---- resume
     st = resume(w, engine)

@@ -134,6 +134,21 @@ def test_choose_dtype_agrees_across_ranks():
     assert out["dtype"] == "fp32" and out["peak_flops_per_s"] == 2.0 and len(seen[0]) == 2
 
 
+def test_mfu_peak_timed_again_in_the_chosen_dtype_and_agreed():
+    """MFU's denominator (cpu.time_peak_flops): the probe's shapes in the dtype chosen, averaged
+    over ranks by `agree`, which gets this rank's one rate."""
+    gemms = cpu.llama_gemms(64, 176, 4, 2, 2048, 2, tokens=64)
+    seen = []
+
+    def agree(values):
+        seen.append(values)
+        return [3.0e9]
+
+    assert cpu.time_peak_flops(gemms, "fp32", agree) == 3.0e9
+    assert len(seen[0]) == 1 and seen[0][0] > 0
+    assert cpu.time_peak_flops(gemms, "bf16") > 0
+
+
 def test_gemm_flops_match_6n():
     """Forward + both backward GEMMs of every weight = 6 x non-embedding params per token."""
     from raytrain_cpu.bench import n_params
