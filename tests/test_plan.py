@@ -631,3 +631,39 @@ def test_micro_batch_advice_trades_accumulation_for_fewer_gathers():
         "meta-llama/Meta-Llama-3-8B", 4, micro_batch=1, grad_accum_steps=2, seq_len=2048, instance="c7i.8xlarge"
     )
     assert tight["recommendation"]["fits_instance"] and tight["micro_batch_advice"] is None
+
+
+def test_readme_planner_figures_are_todays_planner():
+    """The README's "Planning memory" figures, each recomputed: a change to the memory model
+    that moves one fails here until the README says the new figure."""
+    readme = " ".join((ROOT / "README.md").read_text().split())  # line breaks as spaces
+    w4 = plan.plan(LLAMA3_8B, 4)
+    m = w4["memory_gib"]
+
+    def peak(model: str = LLAMA3_8B, world: int = 4, **kw) -> str:
+        return f"{plan.plan(model, world, **kw)['memory_gib']['peak']:.1f}"
+
+    lora = dict(activation_checkpointing=True, lora_rank=16)
+    cfg = plan.inputs_from_run_config(str(ROOT / "configs/llama3-8b-c7i.yaml"))
+    cfg_lora = plan.inputs_from_run_config(str(ROOT / "configs/llama3-8b-lora-c7i.yaml"))
+    accumulated = cfg | {"micro_batch": 1, "grad_accum_steps": 8}
+    expected = [
+        f"Llama-3-8B at 4 ranks needs {m['after_load']:.2f} GiB per rank after loading, "
+        f"{m['after_master']:.1f} after `deepspeed.initialize`, {m['after_optimizer']:.1f} with AdamW's moments",
+        f"and {m['peak']:.1f} at the training peak",
+        f"{peak(attention_probs='recompute')} recomputed, `--attention-probs recompute`",
+        f"{peak(fused_loss=False)} with Hugging Face's loss",
+        f"{peak(fused_norm=False)} with its norms",
+        f"{peak(fused_mlp=True)} with the fused MLP activation",
+        f"{peak(kept_pages=False)} for glibc at the 1 MiB threshold",
+        f"micro batch 1 and 8 accumulation steps "
+        f"{peak(activation_checkpointing=True, micro_batch=1, grad_accum_steps=8)} at the peak",
+        f"micro batch 8 at 1 step peaks at {plan.plan(**cfg)['memory_gib']['peak']:.1f} GiB per rank",
+        f"batch 1 at 8 steps peaks at {plan.plan(**accumulated)['memory_gib']['peak']:.1f}",
+        f"{plan.plan(**cfg_lora)['memory_gib']['peak']:.1f} GiB peak",
+        f"that is {m['peak']:.1f} against {w4['zero3_max_live_parameters_compared']['1e8']:.1f} GiB",
+        f"({w4['zero_stages_compared']['2']['peak_gib']:.1f} GiB per rank against ZeRO-3's {m['peak']:.1f}",
+        f"peaks at {peak(world=1, **lora)} GiB on one rank ({peak(world=1, fused_loss=False, **lora)} with",
+    ]
+    missing = [phrase for phrase in expected if phrase not in readme]
+    assert not missing, "README.md's planner figures are out of date; today's planner says:\n" + "\n".join(missing)
