@@ -372,8 +372,9 @@ def choose_dtype(
 
     `agree` averages the measurements over ranks (an all-reduce), so every rank takes the
     same decision: a split one would give the ranks different DeepSpeed configs. Both
-    dtypes are probed even when one is configured: the chosen one's rate is the per-worker
-    peak that MFU is logged against. 20 ms a shape and dtype: time_gemm keeps the best of
+    dtypes are probed even when one is configured (the log says when bf16 is the slower);
+    MFU's denominator is timed again once the worker is set up (time_peak_flops), since this
+    probe runs beside Ray's start-up. 20 ms a shape and dtype: time_gemm keeps the best of
     doubling batches, which measured the same GFLOP/s as 100 ms for the tiny, 50M and 0.5B
     shapes (within the host's run-to-run noise), and costs every worker start 0.3 s instead
     of 1.3 s at tiny size.

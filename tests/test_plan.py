@@ -456,6 +456,9 @@ def test_fits_leave_the_release_margin_free_on_every_rank(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["release_margin_gib"] == 0.0
     with pytest.raises(ValueError, match="free_memory_growth_mib must be >= 0"):
         plan.plan(LLAMA3_8B, 16, free_memory_growth_mib=-1)
+    from raytrain_cpu.config import ScalingConfig
+
+    assert ScalingConfig().free_memory_growth_mib == plan.FREE_MEMORY_GROWTH_MIB  # plans the default run
 
 
 def test_collective_buffers_only_when_all_ranks_share_a_node():
