@@ -497,6 +497,8 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
         "glibc dynamic mmap threshold": ["scaling.allocator=system", "scaling.glibc_mmap_threshold=0"],
         "jemalloc": ["scaling.allocator=jemalloc"],  # against a base run with scaling.allocator=system
         "jemalloc 30 s decay": [f"scaling.jemalloc_conf={JEMALLOC_DECAY_30S}"],  # the default until 2026-11-27
+        # cpu.JEMALLOC_CONF before 2026-11-28: a kept extent serves requests of at least 1/64 its size only
+        "jemalloc default extent fit": [f"scaling.jemalloc_conf={cpu.JEMALLOC_DEFAULT_FIT}"],
         "jemalloc 30 s decay without oversize arena": [
             f"scaling.jemalloc_conf={JEMALLOC_DECAY_30S},oversize_threshold:0"
         ],

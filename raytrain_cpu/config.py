@@ -459,11 +459,12 @@ class ScalingConfig:
     them. The planner's estimate is for jemalloc (the cluster images preload it) or 1 MiB."""
     free_memory_growth_mib: int = 512
     """Hand malloc's free pages back to the OS when a worker's resident memory has grown this
-    many MiB past its size after the first steps (or after the last such release). jemalloc
-    keeping freed pages for the next step reuses them in most runs, but in some its kept pages
-    grew every step (10-20 MiB a step on a 16-layer model, to twice the live memory in 100
-    steps); this bounds that growth. The next step faults its pages in again. 0: never. The
-    planner (`python -m raytrain_cpu.plan`) leaves this much free per rank in every fit."""
+    many MiB past its size after the first steps (or after the last such release): a bound on
+    whatever an allocator keeps and does not reuse. Before cpu.JEMALLOC_CONF let jemalloc reuse
+    any kept extent, its kept pages grew every step in some runs (10-20 MiB a step on a
+    16-layer model, to twice the live memory in 100 steps). The next step faults its pages in
+    again. 0: never. The planner (`python -m raytrain_cpu.plan`) leaves this much free per rank
+    in every fit."""
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= 0, "scaling.num_workers", "must be >= 0 (0 = auto).")

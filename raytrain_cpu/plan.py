@@ -246,7 +246,9 @@ FRAGMENTATION = 1.0
 # x1.092 (llama-37m, micro batch 8), x1.096 (0.5B, micro batch 8: 9.49 GiB, flat from the 8th
 # of 14 steps), x1.078 (0.5B, micro batch 2), x1.117 (llama-37m, micro batch 2, which glibc
 # too left 13% over). Only the training peak, which decides the fit, counts it; after the
-# engine's set-up the 0.5B model held 2.93 GiB against glibc's 2.47.
+# engine's set-up the 0.5B model held 2.93 GiB against glibc's 2.47. Measured before
+# cpu.JEMALLOC_CONF let any kept extent serve (lg_extent_max_active_fit): the 50M bench model
+# peaked at 3.53 GB a rank with either setting.
 KEPT_PAGES = 1.09
 # LoRA's mid-size fp32 temporaries (each adapter's input cast to fp32, B's output, its scaled
 # copy, their sum with the base output) still leave some holes: on llama-37m, micro batch 8, a
