@@ -581,8 +581,9 @@ _LIB_DIRS = (
 # coalesce as neighbours are freed, and once a free extent outgrew 64x a step's smaller tensors
 # those took fresh pages while the kept ones sat idle: RSS crept every step at a constant live
 # size (a 16-layer, hidden-64 model: 0.72 -> 1.25 GiB in 150 steps, 2.02 with one arena). With
-# 2^16 any kept extent serves (split as needed): flat at 0.69-0.70 GiB in two runs of the same
-# command, at the same tokens/s.
+# 2^16 any kept extent serves (split as needed): flat at 0.69-0.70 GiB in four runs; the bench
+# model 1.05x and 1.04x faster at the same 3.53 GB peak (`benchmarks/results/
+# amd-epyc-avx512_bf16/alloc-extent-fit-creep.md`, `options-extent-fit.md`).
 JEMALLOC_DEFAULT_FIT = "background_thread:false,metadata_thp:auto,dirty_decay_ms:-1,muzzy_decay_ms:-1"
 JEMALLOC_CONF = JEMALLOC_DEFAULT_FIT + ",lg_extent_max_active_fit:16"
 
