@@ -24,6 +24,7 @@ Why each piece exists:
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
@@ -417,9 +418,10 @@ def time_peak_flops(
     return agree([rate])[0] if agree is not None else rate
 
 
+@functools.lru_cache(maxsize=8)
 def gemms_for_model(model_dir: str, tokens: int) -> list[Gemm]:
     """llama_gemms for a Hugging Face model directory (config.json only, no weights; GPT-2 style
-    key names too)."""
+    key names too). Cached: the start-up probe and MFU's second timing read the same config."""
     from raytrain_cpu.model import model_dims
 
     d = model_dims(model_dir)

@@ -945,6 +945,7 @@ def plan(
         free_memory_growth_mib=free_memory_growth_mib,
     )
     lora_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets)
+    margin = _margin(mem_kwargs)
     parts, stages = _stages(shape, world_size, mem_kwargs)
     comm = comm_bytes_per_step(shape, world_size, zero_stage, grad_accum_steps, dtype, **lora_kw)
     rec = recommend(shape, world_size, ranks_per_node=ranks_per_node, **mem_kwargs)
@@ -955,7 +956,7 @@ def plan(
     net_gbps = C7I_SIZES[f"c7i.{size}"][2]  # m7i and r7i have c7i's network at each size
     node_gib = instance_catalog(family)[node][1]
     if instance:
-        rec["fits_instance"] = _fits(stages["peak"], ranks_per_node, node_gib, _margin(mem_kwargs))
+        rec["fits_instance"] = _fits(stages["peak"], ranks_per_node, node_gib, margin)
     tokens = micro_batch * seq_len * grad_accum_steps
     # The same run at each ZeRO stage: ZeRO-3 gathers the model every micro batch, so when
     # memory allows, a lower stage often moves far fewer bytes per step.
@@ -966,9 +967,7 @@ def plan(
         }
         for z in (1, 2, 3)
     }
-    stage_advice = lower_stage_advice(
-        zero_stage, offload, stages_compared, node, ranks_per_node, node_gib, _margin(mem_kwargs)
-    )
+    stage_advice = lower_stage_advice(zero_stage, offload, stages_compared, node, ranks_per_node, node_gib, margin)
     batch_advice = micro_batch_advice(
         shape, world_size, micro_batch, grad_accum_steps, mem_kwargs, node, ranks_per_node, node_gib
     )
@@ -986,7 +985,7 @@ def plan(
         | {"lora_targets": list(lora_targets)},
         "memory_gib": {k: v / GIB for k, v in stages.items()},
         # What every fit leaves free per rank above the peak (FREE_MEMORY_GROWTH_MIB).
-        "release_margin_gib": _margin(mem_kwargs) / GIB,
+        "release_margin_gib": margin / GIB,
         "components_gib": {k: v / GIB for k, v in parts.items()},
         "comm_gib_per_step": comm / GIB,
         "network_node": node,
