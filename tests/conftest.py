@@ -195,3 +195,57 @@ def straight(ray_session, tmp_path_factory, shared_cache):
     cfg = load_config(None, straight_overrides("straight", storage, shared_cache, "run.export_on_finish=true"))
     summary = run(cfg)
     return {"cfg": cfg, "summary": summary, "run_dir": cfg.run.run_dir, "losses": run_losses(cfg.run.run_dir)}
+
+
+# ----------------------------------------------------------------------------- the entry point as a user runs it
+# `python -m raytrain_cpu.main` in its own process, with its own Ray, once per session: the console
+# test reads its console, the report tests read its run directory. One run for both saves a whole
+# run's start-up (~20 s here). Its guards get an injected loss spike at step 12 and a NaN at step 16
+# (guards.action=skip), so the same run shows the guards at work and gives the report marks.
+CLI_STEPS = 24
+CLI_OVERRIDES = [
+    f"train.max_steps={CLI_STEPS}",
+    "data.seq_len=64",
+    "data.tokenize_actors=1",
+    "train.micro_batch_size=4",
+    "train.log_every=2",
+    "train.eval_every=0",  # one evaluation, at the end: evaluations are the slow part here
+    "train.eval_batches=4",
+    "train.warmup_steps=2",
+    "guards.action=skip",
+    "guards.loss_window=5",
+    "guards.inject=spike@12:50,nan@16",
+]
+
+
+def child_env() -> dict[str, str]:
+    """This environment without a Ray address or console knobs: a child process starts its own Ray."""
+    drop = ("RAY_ADDRESS", "RAY_DEDUP_LOGS_ALLOW_REGEX", "RAY_DEDUP_LOGS_SKIP_REGEX", "RAY_DISABLE_WORKER_LOG_PREFIX")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+@pytest.fixture(scope="session")
+def cli_run(tmp_path_factory, shared_cache) -> dict:
+    """The CLI_OVERRIDES run: its exit code, console (stdout, stderr), seconds and run directory."""
+    import subprocess
+    import time
+
+    from raytrain_cpu.config import load_config
+
+    args = [f"run.storage_path={tmp_path_factory.mktemp('cli_run')}", f"data.cache_dir={shared_cache}", *CLI_OVERRIDES]
+    t0 = time.time()
+    p = subprocess.run(
+        [sys.executable, "-m", "raytrain_cpu.main", *args],
+        cwd=Path(__file__).resolve().parents[1],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return {
+        "returncode": p.returncode,
+        "stdout": p.stdout,
+        "stderr": p.stderr,
+        "seconds": time.time() - t0,
+        "run_dir": Path(load_config(None, args).run.run_dir),
+    }

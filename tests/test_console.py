@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import fast_overrides
+from conftest import CLI_STEPS, child_env
 
 from raytrain_cpu.main import RAY_CONSOLE_FILTER, _pass_stderr, failure_reason
 from raytrain_cpu.metrics import CONSOLE_LINE, console
@@ -43,12 +43,6 @@ RAY_NOISE = [
     "Token authentication",
     "Writing model shards",
 ]
-
-
-def _env() -> dict[str, str]:
-    """This environment without a Ray address or console knobs: the child starts its own Ray."""
-    drop = ("RAY_ADDRESS", "RAY_DEDUP_LOGS_ALLOW_REGEX", "RAY_DEDUP_LOGS_SKIP_REGEX", "RAY_DISABLE_WORKER_LOG_PREFIX")
-    return {k: v for k, v in os.environ.items() if k not in drop}
 
 
 # ----------------------------------------------------------------------------- fast: the parts
@@ -162,30 +156,24 @@ def test_failure_reason_names_the_worker_that_died():
 
 
 @pytest.mark.slow
-def test_default_console_is_raytrain_lines_only(tmp_path, shared_cache, record_property):
-    """The entry point as a user runs it: its console holds raytrain's lines, every one of them."""
-    t0 = time.time()
-    args = fast_overrides(tmp_path, shared_cache, "train.max_steps=2")
-    p = subprocess.run(
-        [sys.executable, "-m", "raytrain_cpu.main", *args, "data.tokenize_actors=1"],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    console_lines = (p.stdout + p.stderr).splitlines()
+def test_default_console_is_raytrain_lines_only(cli_run, record_property):
+    """The entry point as a user runs it (conftest's `cli_run`, guards firing on injected faults
+    included): its console holds raytrain's lines, every one of them."""
+    console_lines = (cli_run["stdout"] + cli_run["stderr"]).splitlines()
     record_property("console_lines", len(console_lines))
-    print(f"\n[console] {len(console_lines)} lines in {time.time() - t0:.0f}s:\n" + "\n".join(console_lines))
-    assert p.returncode == 0, p.stderr[-3000:]
+    shown = "\n".join(console_lines)
+    print(f"\n[console] {len(console_lines)} lines in {cli_run['seconds']:.0f}s:\n{shown}")
+    assert cli_run["returncode"] == 0, cli_run["stderr"][-3000:]
     for noise in RAY_NOISE:
         assert not any(noise in line for line in console_lines), noise
     ours = re.compile(r"^(\[(?:raytrain|data|rank \d+)\] |== raytrain_cpu summary ==$|[a-z][a-z/ ]+ {2,}\S|$)")
     assert [line for line in console_lines if not ours.match(line)] == []
-    text = "\n".join(console_lines)
-    assert "[rank 0] step 1/2 " in text and "[rank 0] step 2/2 " in text and "[rank 0] step 2 eval loss" in text
-    assert "== raytrain_cpu summary ==" in text and "\nsteps            2\n" in text
-    logs = re.search(r"^\[raytrain\] Ray's own logs: (\S+) ", text, re.M)
+    last = CLI_STEPS
+    assert f"[rank 0] step 2/{last} " in shown and f"[rank 0] step {last}/{last} " in shown
+    assert f"[rank 0] step {last} eval loss" in shown
+    assert "[rank 0] guard: step 12: loss " in shown and "[rank 0] guard: step 16: " in shown  # the injected faults
+    assert "== raytrain_cpu summary ==" in shown and f"\nsteps            {last}\n" in shown
+    logs = re.search(r"^\[raytrain\] Ray's own logs: (\S+) ", shown, re.M)
     assert logs and (Path(logs.group(1)) / "raytrain-driver.log").is_file()  # Ray's lines went there
 
 
@@ -212,21 +200,39 @@ ray.shutdown()
 """
 
 
+VERBOSE_CASES = [("true", "import-after"), ("false", "import-first")]
+
+
+@pytest.fixture(scope="module")
+def ray_children():
+    """Both CHILD processes, started at once (each is mostly Ray starting up); each waits on its
+    stdin once it has printed its lines, and is killed at teardown if its test did not finish it."""
+    children = {
+        case: subprocess.Popen(
+            [sys.executable, "-c", CHILD, *case],
+            cwd=ROOT,
+            env=child_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for case in VERBOSE_CASES
+    }
+    yield children
+    for p in children.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("verbose", "order"), [("true", "import-after"), ("false", "import-first")])
-def test_verbose_shows_ray_lines(verbose, order):
+@pytest.mark.parametrize(("verbose", "order"), VERBOSE_CASES)
+def test_verbose_shows_ray_lines(verbose, order, ray_children):
     """run.verbose=true keeps what Ray forwards (its own lines, with their process prefix); quiet also
     works where Ray was imported before (a notebook). Ray lines of one worker arrive in order, so
     once "[rank 0] done" is here, the line before it is too, or was dropped."""
-    p = subprocess.Popen(
-        [sys.executable, "-c", CHILD, verbose, order],
-        cwd=ROOT,
-        env=_env(),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    p = ray_children[(verbose, order)]
     watchdog = threading.Timer(180, p.kill)
     watchdog.start()
     lines = []

@@ -311,6 +311,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("spot_scenario")  # the node-loss scenario runs beside this one
 def test_kill_and_hang_recover_and_resume_exactly(straight, tmp_path, shared_cache, monkeypatch, record_property):
     """Points 1, 3 and 7: a worker killed, later a worker hung; the run finishes with the straight run's losses."""
     from raytrain_cpu.main import run
@@ -486,17 +487,36 @@ def test_export_on_finish(straight):
 # ----------------------------------------------------------------------------- node loss and spot notice
 
 
+@pytest.fixture(scope="module")
+def spot_scenario(straight, tmp_path_factory, shared_cache):
+    """The node-loss scenario (`_cluster_scenario`) in a subprocess with its own 3-node Ray Cluster,
+    started once the straight run has made the data cache; yields a function that waits for its
+    result. test_kill_and_hang_recover_and_resume_exactly starts it, so the two run side by side:
+    each spends most of its time waiting on restarts, health checks and timeouts (178 s one after
+    the other on this 2-core host, 135 s side by side)."""
+    root = tmp_path_factory.mktemp("spot")
+    args = {"storage": str(root), "cache": shared_cache}
+    with open(root / "stdout.txt", "w") as out, open(root / "stderr.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, __file__, json.dumps(args)], stdout=out, stderr=err, cwd=root)
+
+    def result() -> dict:
+        rc = proc.wait(timeout=600)
+        stdout, stderr = (root / "stdout.txt").read_text(), (root / "stderr.txt").read_text()
+        assert rc == 0, stdout[-3000:] + stderr[-6000:]
+        return json.loads(stdout.strip().splitlines()[-1])
+
+    yield result
+    if proc.poll() is None:  # a test failed before waiting: the scenario's cluster goes with it
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.slow
-def test_node_loss_after_spot_notice(tmp_path, shared_cache, straight):
+def test_node_loss_after_spot_notice(spot_scenario, straight):
     """Points 1 and 8 on a 3-node Ray Cluster (one machine): the node running both workers gets a spot
     notice (a Ray drain with a deadline), the workers checkpoint at once, the node goes; Ray Train
     restarts the workers on the node left and they resume from the notice's checkpoint."""
-    args = {"storage": str(tmp_path), "cache": shared_cache}
-    proc = subprocess.run(
-        [sys.executable, __file__, json.dumps(args)], capture_output=True, text=True, timeout=600, cwd=tmp_path
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = spot_scenario()
     shown = {k: v for k, v in result.items() if k != "losses"}
     print(f"\n[spot] {shown}")
     notice = result["notice_checkpoint"]

@@ -1,9 +1,10 @@
 """The run report, the metric sinks and the guards end to end, on one small real run.
 
-The run (module-scoped, ~1 min here) has an injected loss spike at step 12 and an injected NaN
-at step 16 with guards.action=skip, so the same run shows the guards at work through Ray Train
-and gives the report something to mark. Resumed and still-running runs are made from copies
-of its directory (duplicate steps appended, summary.json removed, a line cut short).
+The run is conftest's `cli_run` (`python -m raytrain_cpu.main`, once per session, also read by
+tests/test_console.py): an injected loss spike at step 12 and an injected NaN at step 16 with
+guards.action=skip, so the same run shows the guards at work through Ray Train and gives the
+report something to mark. Resumed and still-running runs are made from copies of its directory
+(duplicate steps appended, summary.json removed, a line cut short).
 """
 
 from __future__ import annotations
@@ -16,25 +17,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import CLI_STEPS
 
 from raytrain_cpu import metrics as obs
 from raytrain_cpu.report import PLOTS, load_run, plot_loss, plot_lr, plot_memory, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 24
-RUN_OVERRIDES = [
-    f"train.max_steps={STEPS}",
-    "data.seq_len=64",
-    "data.tokenize_actors=1",
-    "train.micro_batch_size=4",
-    "train.log_every=2",
-    "train.eval_every=0",  # one evaluation, at the end: evaluations are the slow part here
-    "train.eval_batches=4",
-    "train.warmup_steps=2",
-    "guards.action=skip",
-    "guards.loss_window=5",
-    "guards.inject=spike@12:50,nan@16",
-]
+STEPS = CLI_STEPS
 
 
 def raw_rows(run_dir: Path) -> list[dict]:
@@ -43,14 +32,9 @@ def raw_rows(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def run_dir(ray_session, shared_cache, tmp_path_factory) -> Path:
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.main import run
-
-    storage = tmp_path_factory.mktemp("report_runs")
-    cfg = load_config(None, [f"run.storage_path={storage}", f"data.cache_dir={shared_cache}", *RUN_OVERRIDES])
-    summary = run(cfg)
-    return Path(summary["run_dir"])
+def run_dir(cli_run) -> Path:
+    assert cli_run["returncode"] == 0, cli_run["stdout"][-3000:] + cli_run["stderr"][-3000:]
+    return cli_run["run_dir"]
 
 
 # ----------------------------------------------------------------------------- the run itself
