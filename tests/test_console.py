@@ -168,11 +168,10 @@ def test_default_console_is_raytrain_lines_only(cli_run, record_property):
         assert not any(noise in line for line in console_lines), noise
     ours = re.compile(r"^(\[(?:raytrain|data|rank \d+)\] |== raytrain_cpu summary ==$|[a-z][a-z/ ]+ {2,}\S|$)")
     assert [line for line in console_lines if not ours.match(line)] == []
-    last = CLI_STEPS
-    assert f"[rank 0] step 2/{last} " in shown and f"[rank 0] step {last}/{last} " in shown
-    assert f"[rank 0] step {last} eval loss" in shown
+    assert f"[rank 0] step 2/{CLI_STEPS} " in shown and f"[rank 0] step {CLI_STEPS}/{CLI_STEPS} " in shown
+    assert f"[rank 0] step {CLI_STEPS} eval loss" in shown
     assert "[rank 0] guard: step 12: loss " in shown and "[rank 0] guard: step 16: " in shown  # the injected faults
-    assert "== raytrain_cpu summary ==" in shown and f"\nsteps            {last}\n" in shown
+    assert "== raytrain_cpu summary ==" in shown and f"\nsteps            {CLI_STEPS}\n" in shown
     logs = re.search(r"^\[raytrain\] Ray's own logs: (\S+) ", shown, re.M)
     assert logs and (Path(logs.group(1)) / "raytrain-driver.log").is_file()  # Ray's lines went there
 

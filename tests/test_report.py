@@ -17,13 +17,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CLI_STEPS
+from conftest import CLI_STEPS as STEPS
 
 from raytrain_cpu import metrics as obs
 from raytrain_cpu.report import PLOTS, load_run, plot_loss, plot_lr, plot_memory, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = CLI_STEPS
 
 
 def raw_rows(run_dir: Path) -> list[dict]:
