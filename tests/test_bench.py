@@ -183,3 +183,24 @@ def test_pinned_suites_gives_each_command_its_own_cores(tmp_path):
     )
     masks = [ast.literal_eval((tmp_path / f"{i}.log").read_text()) for i in range(2)]
     assert all(len(m) >= 1 for m in masks) and not set(masks[0]) & set(masks[1])
+
+
+def test_device_goals_table_reads_each_suites_result(tmp_path):
+    """benchmarks/device/goals.py reads its four figures from bench's own result files (lease 5's,
+    AMX), and a suite that wrote none shows as failed, not as a figure."""
+    import importlib.util
+    import shutil
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    spec = importlib.util.spec_from_file_location("goals", root / "device" / "goals.py")
+    goals = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(goals)
+    amx = root / "results" / "intel-xeon-amx_bf16"
+    for suite, lease in (("train", "lease5b"), ("reference", "lease5a"), ("seed", "lease5a")):
+        shutil.copy(amx / f"{suite}-{lease}.json", tmp_path / f"{suite}.json")
+    table, rows = goals.goals_table(tmp_path, "an AMX host", amx=True)
+    figures = {r["suite"]: r["value"] for r in rows}
+    assert figures["train"] == pytest.approx(0.302, abs=1e-3)  # train-lease5b.md's MFU
+    assert figures["reference"] == pytest.approx(0.848, abs=1e-3) and figures["seed"] == pytest.approx(1.29, abs=0.01)
+    assert figures["scaling"] is None and "| scaling | 2-worker scaling efficiency | failed" in table
+    assert not any(r["met"] for r in rows) and "Not an AMX host" not in table
