@@ -455,12 +455,19 @@ def latest_reported(run_dir: Path) -> Path | None:
     return Path(run_dir) / latest["checkpoint_dir_name"]
 
 
+def _siblings(ckpt_dir: Path) -> str:
+    """'; <run dir> holds checkpoint_000100, ...' for a mistyped checkpoint path, else ''."""
+    run_dir = ckpt_dir.parent
+    found = sorted(p.name for p in run_dir.glob("checkpoint_*") if (p / MANIFEST).is_file())
+    return f"; {run_dir} holds {', '.join(found)}" if found else ""
+
+
 def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
     path = Path(ckpt_dir) / MANIFEST
     if not path.is_file():
         raise CheckpointError(
             f"checkpoint {ckpt_dir} has no {MANIFEST}: it is incomplete or not a raytrain_cpu checkpoint"
-            + ("" if Path(ckpt_dir).is_dir() else " (the directory does not exist)")
+            + ("" if Path(ckpt_dir).is_dir() else f" (the directory does not exist{_siblings(Path(ckpt_dir))})")
         )
     try:
         manifest = json.loads(path.read_text())

@@ -50,6 +50,13 @@ def _choice(value: str, key: str, choices: tuple[str, ...]) -> None:
     _require(value in choices, key, f"got {value!r}; choose one of {', '.join(choices)}.")
 
 
+def _absolute(path: str) -> str:
+    """A local path made absolute against the directory the run was started in: Ray Train's
+    workers run in directories of their own, and export and generate read the paths a
+    checkpoint's manifest records from wherever they are started."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -169,6 +176,13 @@ class ModelConfig:
             f"got {self.attention!r}; choose one of auto, sdpa, causal_blocks, causal_blocks_<queries a block>.",
         )
         _choice(self.attention_probs, "model.attention_probs", ("auto", "keep", "recompute"))
+        # A hub id stays as it is; a local directory (what model.check_model_path treats as one) goes absolute.
+        if not self.is_tiny and Path(self.name_or_path).expanduser().exists():
+            self.name_or_path = _absolute(self.name_or_path)
+        if self.tokenizer not in ("bundled", "") and Path(self.tokenizer).expanduser().exists():
+            self.tokenizer = _absolute(self.tokenizer)
+        if self.compile_cache_dir:
+            self.compile_cache_dir = _absolute(self.compile_cache_dir)
 
     @property
     def is_tiny(self) -> bool:
@@ -255,6 +269,7 @@ class DataConfig:
                 "data.chat_template",
                 f"{self.chat_template!r} does not exist; give a Jinja template file, or '' for the tokenizer's own.",
             )
+            self.chat_template = _absolute(self.chat_template)
         if self.source in ("text", "parquet", "jsonl"):
             _require(bool(self.path), "data.path", f"source {self.source!r} needs data.path=<file|dir|glob>.")
         _require(self.seq_len >= 8, "data.seq_len", f"got {self.seq_len}; use at least 8 tokens.")
@@ -545,6 +560,7 @@ class DeepSpeedSettings:
                 "deepspeed.config_file",
                 f"{self.config_file!r} does not exist; give the path of a DeepSpeed JSON file or ''.",
             )
+            self.config_file = _absolute(self.config_file)  # the workers read it
         _require(self.param_persistence_threshold >= 0, "deepspeed.param_persistence_threshold", "must be >= 0.")
         _require(
             self.max_live_parameters > 0, "deepspeed.max_live_parameters", "must be > 0 (DeepSpeed's default is 1e9)."
@@ -673,6 +689,11 @@ class MetricsConfig:
     needs the mlflow extra installed on every node; '' disables MLflow."""
     mlflow_experiment: str = "raytrain_cpu"
     """MLflow experiment the run is logged under (the MLflow run is named after run.name)."""
+
+    def __post_init__(self) -> None:
+        # A plain directory (MLflow's file store) is opened by rank 0, which runs elsewhere.
+        if self.mlflow_tracking_uri and ":" not in self.mlflow_tracking_uri:
+            self.mlflow_tracking_uri = _absolute(self.mlflow_tracking_uri)
 
 
 # ----------------------------------------------------------------------------- root

@@ -222,12 +222,15 @@ def load_exported(path: str | Path, dtype=None):
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto").eval()
     from peft import PeftModel
 
+    from raytrain_cpu.lora import quiet_peft
+
     base_dir = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
     info = json.loads((path / RUN_INFO).read_text()) if (path / RUN_INFO).is_file() else {}
     if dtype is None:  # the adapter's own dtype (the training dtype), for the base too
         dtype = _torch_dtype(info.get("dtype") or "fp32")
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
-    return PeftModel.from_pretrained(base, str(path)).eval()
+    with quiet_peft():
+        return PeftModel.from_pretrained(base, str(path)).eval()
 
 
 # ----------------------------------------------------------------------------- checking an export

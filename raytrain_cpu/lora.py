@@ -21,6 +21,7 @@ Export (`export.py`) works on the consolidated checkpoint, one tensor at a time:
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from collections.abc import Iterator
@@ -50,6 +51,15 @@ def peft_config(lora: LoraSettings | dict[str, Any], base_model: str = ""):
     )
 
 
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """peft asks transformers a deprecated question (`is_gradient_checkpointing`) on every wrap
+    and every adapter load: a FutureWarning for transformers' maintainers, not for our users."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        yield
+
+
 def _wrap(model, lora: LoraSettings, where: str):
     """get_peft_model with its errors turned into ConfigErrors that name the key and the fix."""
     import torch
@@ -60,8 +70,7 @@ def _wrap(model, lora: LoraSettings, where: str):
     )
     conv1d_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ == "Conv1D"})
     try:
-        with warnings.catch_warnings():  # peft asks transformers a deprecated question on every wrap
-            warnings.filterwarnings("ignore", category=FutureWarning)
+        with quiet_peft():
             return get_peft_model(model, peft_config(lora))
     except ValueError as e:
         if "not found in the base model" in str(e) or "No modules were targeted" in str(e):

@@ -43,6 +43,37 @@ def test_overrides_are_typed():
     assert cfg.model.activation_checkpointing is True
 
 
+def test_local_paths_are_recorded_absolute(tmp_path, monkeypatch):
+    """Relative to the directory the run starts in, and kept when a worker rebuilds the config
+    elsewhere; hub ids, 'tiny' and 'bundled' stay names."""
+    from raytrain_cpu.train import deepspeed_config
+
+    for d in ("model", "tok"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    (tmp_path / "ds.json").write_text('{"wall_clock_breakdown": true}')
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(
+        None,
+        ["model.name_or_path=model", "model.tokenizer=./tok", "model.compile_cache_dir=cache"]
+        + ["data.format=chat", "data.chat_template=t.jinja", "deepspeed.config_file=ds.json"]
+        + ["metrics.mlflow_tracking_uri=mlruns"],
+    )
+    assert cfg.model.name_or_path == str(tmp_path / "model") and cfg.model.tokenizer == str(tmp_path / "tok")
+    assert cfg.model.compile_cache_dir == str(tmp_path / "cache")
+    assert cfg.deepspeed.config_file == str(tmp_path / "ds.json")
+    assert cfg.metrics.mlflow_tracking_uri == str(tmp_path / "mlruns")
+    uri = "http://mlflow:5000"
+    assert load_config(None, [f"metrics.mlflow_tracking_uri={uri}"]).metrics.mlflow_tracking_uri == uri
+    assert cfg.data.chat_template == str(tmp_path / "t.jinja")
+    monkeypatch.chdir(ROOT)
+    assert Config.from_dict(cfg.to_dict()) == cfg
+    assert deepspeed_config(Config.from_dict(cfg.to_dict()), 2)["wall_clock_breakdown"] is True  # read elsewhere
+    hub = load_config(None, ["model.name_or_path=meta-llama/Meta-Llama-3-8B", "model.tokenizer=org/tok"])
+    assert (hub.model.name_or_path, hub.model.tokenizer) == ("meta-llama/Meta-Llama-3-8B", "org/tok")
+    assert (Config().model.name_or_path, Config().model.tokenizer) == ("tiny", "bundled")
+
+
 def test_round_trip_through_plain_dict():
     cfg = load_config(None, ["train.max_steps=7", "scaling.resources_per_worker={c7i_48xl: 1}"])
     assert Config.from_dict(cfg.to_dict()) == cfg

@@ -154,6 +154,15 @@ def test_export_refuses_an_incomplete_checkpoint(zero3, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_export_of_a_mistyped_checkpoint_names_the_runs_checkpoints(zero3, tmp_path, capsys):
+    from raytrain_cpu.export import main
+
+    typo = zero3["checkpoint"].parent / "checkpoint_000999"
+    assert main([str(typo), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and zero3["checkpoint"].name in err
+
+
 def test_writer_skips_ties_not_reused_ids(tmp_path, monkeypatch):
     """A tied weight (one tensor, two names) is written once; a new tensor that got a freed one's id
     is not a tie. The merged LoRA weights are such temporaries, and an id set dropped some of them
