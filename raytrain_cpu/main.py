@@ -698,7 +698,7 @@ def print_summary(s: dict[str, Any]) -> None:
         f"tokens seen      {s['tokens_seen']:,}\n"
         f"final loss       {s['final_loss']:.4f}\n"
         f"eval perplexity  {ppl}\n"
-        f"tokens/s         {s['tokens_per_s']:,.0f} on {s['world_size']} workers\n"
+        f"tokens/s         {s['tokens_per_s']:,.0f} on {s['world_size']} worker{'s' * (s['world_size'] != 1)}\n"
         f"wall time        {s['wall_s']:.0f}s\n"
         f"checkpoint       {s['checkpoint_path']}\n"
         f"run directory    {s['run_dir']} (metrics.jsonl, summary.json)\n"
