@@ -121,6 +121,48 @@ def _write_tokenizer(out: Path, tokenizer: str, manifest: dict[str, Any]) -> Non
     (out / RUN_INFO).write_text(json.dumps(info, indent=2))
 
 
+def _run_sources(ckpt_dir: Path, manifest: dict[str, Any], model_dir: str | None, tokenizer: str | None):
+    """(config source, tokenizer): as given, else the run's own from the manifest.
+
+    A run directory copied to another machine (FSx to a laptop) or moved still exports: a tiny
+    run's own base model is looked up beside the checkpoint, the bundled tokenizer in this
+    install. Anything else the manifest names and this machine lacks is an error naming the
+    option that replaces it, before anything is written."""
+    from raytrain_cpu.tokenizer import BUNDLED_TOKENIZER
+
+    def missing(path: str) -> bool:  # local paths are recorded absolute; a hub id is never missing here
+        return path.startswith("/") and not Path(path).exists()
+
+    recorded = manifest["model_dir"]
+    if model_dir is None:
+        model_dir = recorded
+        beside = ckpt_dir.parent / "base_model"
+        if missing(recorded) and Path(recorded).name == beside.name and beside.is_dir():
+            model_dir = str(beside)
+        elif missing(recorded):
+            raise CheckpointError(
+                f"the run trained {recorded}, which is not on this machine: pass --model-dir with a copy of that "
+                "model directory or its hub id (its config.json is read, and its tokenizer unless --tokenizer)"
+            )
+    if tokenizer is None:
+        tokenizer = manifest.get("tokenizer") or recorded
+        if missing(tokenizer) and Path(tokenizer).parts[-3:] == BUNDLED_TOKENIZER.parts[-3:]:
+            tokenizer = str(BUNDLED_TOKENIZER)  # the bundled one, from another install
+        elif tokenizer == recorded:
+            tokenizer = model_dir
+        elif missing(tokenizer):
+            raise CheckpointError(
+                f"the run's tokenizer {tokenizer} is not on this machine: pass --tokenizer with a copy or its hub id"
+            )
+    template = (manifest.get("data") or {}).get("chat_template") or ""
+    if missing(template):
+        raise CheckpointError(
+            f"the run rendered its chat data with {template}, which is not on this machine: copy that template "
+            "file there, or export where the run trained"
+        )
+    return model_dir, tokenizer
+
+
 def export_checkpoint(
     ckpt_dir: str | Path,
     out_dir: str | Path,
@@ -150,8 +192,7 @@ def export_checkpoint(
         raise ValueError(f"--dtype: got {dtype!r}; choose auto, bf16 or fp32.")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass --overwrite or choose another directory.")
-    model_dir = model_dir or manifest["model_dir"]
-    tokenizer = tokenizer or manifest.get("tokenizer") or model_dir
+    model_dir, tokenizer = _run_sources(ckpt_dir, manifest, model_dir, tokenizer)
 
     t0 = time.perf_counter()
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")

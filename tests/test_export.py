@@ -154,6 +154,33 @@ def test_export_refuses_an_incomplete_checkpoint(zero3, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_run_copied_to_another_machine_still_exports(zero3, tmp_path, capsys):
+    """The manifest's paths are where the run trained (FSx, another install): a tiny run's own
+    base model is found beside the checkpoint and the bundled tokenizer in this install; a model
+    that is truly elsewhere is named with the option that replaces it, before anything is written."""
+    from raytrain_cpu.export import main
+
+    ckpt = tmp_path / "run" / zero3["checkpoint"].name
+    shutil.copytree(zero3["checkpoint"], ckpt)
+    shutil.copytree(zero3["checkpoint"].parents[1] / "base_model", tmp_path / "run" / "base_model")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    elsewhere = {
+        "model_dir": "/fsx/runs/x/base_model",
+        "tokenizer": "/opt/venv/site-packages/raytrain_cpu/assets/tokenizer",
+    }
+    (ckpt / "manifest.json").write_text(json.dumps(manifest | elsewhere))
+    assert main([str(ckpt), str(tmp_path / "hf")]) == 0
+    logits, _ = _logits(tmp_path / "hf", zero3["probe"]["input_ids"])
+    assert (logits - zero3["probe"]["logits"]).abs().max().item() == 0.0
+
+    (ckpt / "manifest.json").write_text(json.dumps(manifest | {"model_dir": "/fsx/models/llama"}))
+    assert main([str(ckpt), str(tmp_path / "out")]) == 2
+    assert "/fsx/models/llama" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert main([str(ckpt), str(tmp_path / "out"), "--model-dir", str(tmp_path / "run" / "base_model")]) == 0
+    (ckpt / "manifest.json").write_text(json.dumps(manifest | {"data": {"chat_template": "/fsx/t.j2"}}))
+    assert main([str(ckpt), str(tmp_path / "out2")]) == 2 and "/fsx/t.j2" in capsys.readouterr().err
+
+
 def test_export_of_a_mistyped_checkpoint_names_the_runs_checkpoints(zero3, tmp_path, capsys):
     from raytrain_cpu.export import main
 
