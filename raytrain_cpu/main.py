@@ -710,6 +710,23 @@ def print_summary(s: dict[str, Any]) -> None:
         print(f"error: the run stopped early at step {s['steps']}: {s['guard_stop']}", file=sys.stderr, flush=True)
 
 
+def print_interrupted(cfg: Config) -> None:
+    """What a stopped run left and how to go on: the checkpoints Ray Train recorded stay."""
+    from raytrain_cpu.checkpoint import CheckpointError, latest_reported
+
+    try:
+        latest = latest_reported(cfg.run.run_dir)
+        kept = f"its latest checkpoint is {latest}" if latest else "it had saved no checkpoint yet"
+    except CheckpointError as e:
+        kept = str(e)
+    print(
+        f"\n[raytrain] interrupted: run {cfg.run.name!r} stopped before step {cfg.train.max_steps}; {kept}. "
+        "Run the same command again to resume from it.",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _guard_line(s: dict[str, Any]) -> str:
     g = s.get("guard_events") or {}
     if not any(g.values()):
@@ -753,6 +770,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, SystemExit):
+        # Ray Train turns Ctrl-C into an abort of the run, then exits this process with
+        # SystemExit(1) and only a log record (which the quiet console keeps in Ray's log files).
+        print_interrupted(cfg)
+        return 130
     print_summary(summary)
     return 3 if summary.get("guard_stop") else 0
 

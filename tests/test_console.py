@@ -3,7 +3,8 @@
 Fast tests check the parts (the line marker, Ray's filter knobs, the stderr filter, the one-line
 failure reason); the slow ones run the real entry point and a real Ray: the default console of
 `python -m raytrain_cpu.main` holds raytrain's lines only, while run.verbose=true (and a Ray the
-caller imported first, as in a notebook) gets the lines Ray forwards as before.
+caller imported first, as in a notebook) gets the lines Ray forwards as before. Ctrl-C ends the
+run with one line saying where it resumes.
 """
 
 from __future__ import annotations
@@ -250,3 +251,38 @@ def test_verbose_shows_ray_lines(verbose, order, ray_children):
         assert re.match(r"^\S*\(noisy pid=\d+\)\S* \[rank 0\] done$", forwarded[1]), lines
     else:
         assert forwarded == ["[rank 0] done"], lines
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_run_and_says_where_it_can_resume(tmp_path, shared_cache):
+    """Ray Train turns Ctrl-C into an abort and exits the driver with SystemExit(1), logging only to
+    the files the quiet console keeps. The CLI says what stopped and where the run resumes, exit 130."""
+    import signal
+
+    from raytrain_cpu.checkpoint import latest_reported, verify_checkpoint
+
+    run_dir = tmp_path / "stopped"
+    args = [f"run.storage_path={tmp_path}", "run.name=stopped", f"data.cache_dir={shared_cache}"]
+    args += ["train.max_steps=100000", "train.checkpoint_every=4", "train.eval_every=0", "data.seq_len=64"]
+    args += ["data.tokenize_actors=1", "train.micro_batch_size=4"]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "raytrain_cpu.main", *args],
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 300
+        while latest_reported(run_dir) is None and p.poll() is None and time.time() < deadline:
+            time.sleep(1)
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err[-3000:]
+    latest = latest_reported(run_dir)
+    assert f"[raytrain] interrupted: run 'stopped' stopped before step 100000; its latest checkpoint is {latest}" in err
+    assert verify_checkpoint(latest)["step"] % 4 == 0  # whole, as Ray Train recorded it: a resume starts there
