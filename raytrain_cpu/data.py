@@ -21,17 +21,21 @@ The flow, top to bottom:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import sys
 import time
 import uuid
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -517,6 +521,42 @@ def materialize_tokenizer(path: str, cache: Path) -> tuple[str, int]:
     return str(p / "tokenizer.json"), eos
 
 
+@contextlib.contextmanager
+def _console_errors_held() -> Iterator[list]:
+    """Holds back the ERROR records Ray Data's loggers would print on the console while blocks are
+    read, and prints them at the end unless the caller clears the list. A DataError in a tokenizer
+    task (bad input) reaches the user as one line naming the file and the fix; Ray Data also logs
+    it with the task's whole stack, three times (~150 lines), calling it an internal error. Its own
+    log file (ray-data.log) keeps every record either way."""
+    held: list[tuple[logging.Handler, logging.LogRecord]] = []
+    consoles = [
+        h
+        for name in ("ray", "ray.data")
+        for h in logging.getLogger(name).handlers
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+    ]
+
+    def holder(handler: logging.Handler):
+        def hold(record: logging.LogRecord) -> bool:
+            if record.levelno < logging.ERROR:
+                return True
+            held.append((handler, record))
+            return False
+
+        return hold
+
+    filters = [(h, holder(h)) for h in consoles]
+    for h, f in filters:
+        h.addFilter(f)
+    try:
+        yield held
+    finally:
+        for h, f in filters:
+            h.removeFilter(f)
+        for h, record in held:
+            h.handle(record)
+
+
 def _unwrap(e: BaseException) -> DataError | None:
     """The DataError inside a Ray task failure, so the user sees our message, not a traceback."""
     chain: list[BaseException] = []
@@ -775,11 +815,13 @@ def _kill_tokenizer_actors() -> None:
     from ray.actor import ActorHandle
 
     gc.collect()
-    for obj in gc.get_objects():
-        if isinstance(obj, ActorHandle):
-            descriptor = obj.__dict__.get("_ray_actor_creation_function_descriptor")  # no __getattr__
-            if descriptor is not None and "MapBatches(Tokenize)" in descriptor.class_name:
-                ray.kill(obj)
+    with warnings.catch_warnings():  # isinstance on every object touches deprecated module proxies (torch's reduce_op)
+        warnings.simplefilter("ignore")
+        handles = [obj for obj in gc.get_objects() if isinstance(obj, ActorHandle)]
+    for obj in handles:
+        descriptor = obj.__dict__.get("_ray_actor_creation_function_descriptor")  # no __getattr__
+        if descriptor is not None and "MapBatches(Tokenize)" in descriptor.class_name:
+            ray.kill(obj)
 
 
 def _pack(
@@ -806,27 +848,30 @@ def _pack(
     every = round(1 / cfg.eval_fraction) if holdout else 0
     docs = skipped = tokens = 0
     failure = None
-    try:
-        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-            skipped += int(pa.compute.sum(batch.column("skipped")).as_py() or 0)
-            col = batch.column("ids").combine_chunks()
-            offsets = col.offsets.to_numpy()
-            values = col.values.to_numpy()
-            labels = batch.column("labels").combine_chunks().values.to_numpy() if sft else None
-            for i in range(len(col)):
-                ids = values[offsets[i] : offsets[i + 1]]
-                if len(ids) == 0:
-                    continue
-                docs += 1
-                tokens += len(ids)
-                # Hold-out goes by document, so no article is split between train and eval.
-                w = eval_writer if eval_writer is not None and docs % every == 0 else writer
-                if sft:
-                    w.add_example(ids, labels[offsets[i] : offsets[i + 1]])
-                else:
-                    w.add(ids)
-    except Exception as e:
-        failure = _unwrap(e) or e  # ours as one line; anything else as it came
+    with _console_errors_held() as held:
+        try:
+            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                skipped += int(pa.compute.sum(batch.column("skipped")).as_py() or 0)
+                col = batch.column("ids").combine_chunks()
+                offsets = col.offsets.to_numpy()
+                values = col.values.to_numpy()
+                labels = batch.column("labels").combine_chunks().values.to_numpy() if sft else None
+                for i in range(len(col)):
+                    ids = values[offsets[i] : offsets[i + 1]]
+                    if len(ids) == 0:
+                        continue
+                    docs += 1
+                    tokens += len(ids)
+                    # Hold-out goes by document, so no article is split between train and eval.
+                    w = eval_writer if eval_writer is not None and docs % every == 0 else writer
+                    if sft:
+                        w.add_example(ids, labels[offsets[i] : offsets[i + 1]])
+                    else:
+                        w.add(ids)
+        except Exception as e:
+            failure = _unwrap(e) or e  # ours as one line; anything else as it came
+        if isinstance(failure, DataError):
+            held.clear()  # ours: the one line it raises says it all (Ray Data's log file keeps the rest)
     if failure is not None:
         _kill_tokenizer_actors()
         raise failure  # outside the handler: no link to Ray's exception when it is ours
