@@ -56,13 +56,38 @@ def write_tiny_model(cfg: Config, tokenizer, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     if (out_dir / "model.safetensors").is_file():
         return out_dir
+    config = tiny_llama_config(cfg, len(tokenizer), tokenizer.eos_token_id)
+    check_tiny_model_fits(config)
     torch.manual_seed(cfg.train.seed)
-    model = LlamaForCausalLM(tiny_llama_config(cfg, len(tokenizer), tokenizer.eos_token_id))
+    model = LlamaForCausalLM(config)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     tmp.rename(out_dir)
     return out_dir
+
+
+# Initialising model.tiny in fp32 and writing it with save_pretrained, over the process's own memory:
+# measured 1.08x the fp32 bytes (280M parameters, peak RSS), so 4 bytes a parameter and a tenth more.
+TINY_WRITE_BYTES_PER_PARAM = 4.4
+
+
+def check_tiny_model_fits(config) -> None:
+    """The driver builds model.tiny whole before writing it. A size past the memory this machine
+    has free would push it into swap (or the OOM killer) with nothing said; refuse it instead."""
+    import psutil
+
+    from raytrain_cpu.plan import shape_of_model_config
+
+    n = sum(shape_of_model_config(config).param_numels())
+    need, free = n * TINY_WRITE_BYTES_PER_PARAM, psutil.virtual_memory().available
+    if need > free:
+        raise ConfigError(
+            f"model.tiny: the {n / 1e9:.1f}B-parameter model it describes is initialised whole in fp32 on the "
+            f"driver before it is written (~{need / 2**30:.0f} GiB; {free / 2**30:.0f} GiB available here). Make "
+            "model.tiny smaller, or start from a model directory (model.name_or_path=<dir>): its safetensors load "
+            "sharded, never whole in one process."
+        )
 
 
 def check_model_path(name_or_path: str) -> None:

@@ -96,3 +96,16 @@ def test_a_shape_mismatch_is_named(tmp_path):
     model = _FakeModel({"a.weight": torch.Size([5, 7])}, torch.float32, 1)
     with pytest.raises(ValueError, match=r"a.weight: checkpoint shape \(7, 5\)"):
         _read_own_partitions(model, _checkpoint_files(str(tmp_path)))
+
+
+def test_a_tiny_model_too_big_to_build_here_is_refused_first():
+    """model.tiny is built whole on the driver: a size past this machine's free memory is a
+    ConfigError naming the size and the way out, not minutes of swapping."""
+    from raytrain_cpu.config import ConfigError, load_config
+    from raytrain_cpu.model import check_tiny_model_fits, tiny_llama_config
+
+    check_tiny_model_fits(tiny_llama_config(load_config(), 2048, 0))  # the default tiny Llama
+    shape = {"hidden_size": 32768, "intermediate_size": 131072, "num_layers": 64, "num_heads": 64, "num_kv_heads": 8}
+    huge = load_config(None, [f"model.tiny.{k}={v}" for k, v in shape.items()])  # ~1T parameters
+    with pytest.raises(ConfigError, match=r"model.tiny: the \d+\.\dB-parameter model .*model.name_or_path"):
+        check_tiny_model_fits(tiny_llama_config(huge, 2048, 0))
