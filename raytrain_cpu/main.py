@@ -716,12 +716,12 @@ def print_interrupted(cfg: Config) -> None:
 
     try:
         latest = latest_reported(cfg.run.run_dir)
-        kept = f"its latest checkpoint is {latest}" if latest else "it had saved no checkpoint yet"
+        kept = f"its latest checkpoint is {latest}. Run the same command again to resume from it."
+        kept = kept if latest else "it had saved no checkpoint yet. Run the same command again to start it."
     except CheckpointError as e:
-        kept = str(e)
+        kept = f"{e}."
     print(
-        f"\n[raytrain] interrupted: run {cfg.run.name!r} stopped before step {cfg.train.max_steps}; {kept}. "
-        "Run the same command again to resume from it.",
+        f"\n[raytrain] interrupted: run {cfg.run.name!r} stopped before step {cfg.train.max_steps}; {kept}",
         file=sys.stderr,
         flush=True,
     )
