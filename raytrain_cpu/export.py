@@ -22,6 +22,7 @@ import sys
 import time
 import uuid
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -328,6 +329,15 @@ def export_on_finish(ckpt_dir: Path, run_dir: Path, probe: dict[str, Any] | None
 # ----------------------------------------------------------------------------- CLI
 
 
+@contextlib.contextmanager
+def progress_to_stderr() -> Iterator[None]:
+    """Keeps a command's stdout for its result (export's JSON, generate's text), so it pipes:
+    DeepSpeed prints its checkpoint-reading progress to stdout, and its logger writes to the
+    stdout it finds when first imported, which in these commands happens inside this block."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m raytrain_cpu.export",
@@ -352,16 +362,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     try:
-        info = export_checkpoint(
-            args.checkpoint,
-            args.out_dir,
-            dtype=args.dtype,
-            model_dir=args.model_dir,
-            tokenizer=args.tokenizer,
-            checksums=args.checksums,
-            overwrite=args.overwrite,
-            merge=args.merge,
-        )
+        with progress_to_stderr():
+            info = export_checkpoint(
+                args.checkpoint,
+                args.out_dir,
+                dtype=args.dtype,
+                model_dir=args.model_dir,
+                tokenizer=args.tokenizer,
+                checksums=args.checksums,
+                overwrite=args.overwrite,
+                merge=args.merge,
+            )
     except (CheckpointError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

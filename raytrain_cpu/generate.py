@@ -126,9 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.model).is_dir():
         print(f"error: {args.model!r} is not a directory; give a checkpoint or an export directory", file=sys.stderr)
         return 2
+    from raytrain_cpu.export import progress_to_stderr
+
     try:
         messages = _read_messages(args.chat) if args.chat else None
-        text = generate(args.model, args.prompt, messages, args.max_new_tokens, args.temperature, args.seed)
+        with progress_to_stderr():
+            text = generate(args.model, args.prompt, messages, args.max_new_tokens, args.temperature, args.seed)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -100,13 +100,15 @@ def _logits(model_dir: Path, input_ids):
         return model(input_ids=input_ids).logits.float(), model
 
 
-def test_export_gives_the_trained_models_logits(zero3, tmp_path):
+def test_export_gives_the_trained_models_logits(zero3, tmp_path, capsys):
     from transformers import AutoTokenizer
 
     from raytrain_cpu.export import main
 
     out = tmp_path / "hf"
+    capsys.readouterr()
     assert main([str(zero3["checkpoint"]), str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["export_dir"] == str(out)  # stdout is the result only: it pipes
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= {
         p.name for p in out.iterdir()
     }
