@@ -281,7 +281,12 @@ def test_ctrl_c_stops_the_run_and_says_where_it_can_resume(tmp_path, shared_cach
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)
     finally:
-        p.kill()
+        if p.poll() is None:  # a failed wait: stop its Ray as a user would (a kill would leave it running)
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
     assert p.returncode == 130, err[-3000:]
     latest = latest_reported(run_dir)
     assert f"[raytrain] interrupted: run 'stopped' stopped before step 100000; its latest checkpoint is {latest}" in err
