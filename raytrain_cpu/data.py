@@ -528,24 +528,17 @@ def _console_errors_held() -> Iterator[list]:
     task (bad input) reaches the user as one line naming the file and the fix; Ray Data also logs
     it with the task's whole stack, three times (~150 lines), calling it an internal error. Its own
     log file (ray-data.log) keeps every record either way."""
+    from raytrain_cpu.metrics import ray_console_handlers
+
     held: list[tuple[logging.Handler, logging.LogRecord]] = []
-    consoles = [
-        h
-        for name in ("ray", "ray.data")
-        for h in logging.getLogger(name).handlers
-        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
-    ]
 
-    def holder(handler: logging.Handler):
-        def hold(record: logging.LogRecord) -> bool:
-            if record.levelno < logging.ERROR:
-                return True
-            held.append((handler, record))
-            return False
+    def hold(handler: logging.Handler, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        held.append((handler, record))
+        return False
 
-        return hold
-
-    filters = [(h, holder(h)) for h in consoles]
+    filters = [(h, functools.partial(hold, h)) for h in ray_console_handlers()]
     for h, f in filters:
         h.addFilter(f)
     try:

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from raytrain_cpu.config import Config, ConfigError, load_config, options_help
-from raytrain_cpu.metrics import CONSOLE_LINE
+from raytrain_cpu.metrics import CONSOLE_LINE, ray_console_handlers
 
 # ----------------------------------------------------------------------------- validation
 
@@ -307,10 +307,8 @@ def quiet_ray_loggers() -> logging.Handler:
 
     import ray.data  # noqa: F401  (sets up ray.data's handlers, to quiet them here)
 
-    for name in ("ray", "ray.data"):
-        for handler in logging.getLogger(name).handlers:
-            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-                handler.setLevel(logging.ERROR)
+    for handler in ray_console_handlers():
+        handler.setLevel(logging.ERROR)
     buffer = logging.handlers.MemoryHandler(capacity=10_000, flushLevel=logging.CRITICAL + 1)
     logging.getLogger("ray").addHandler(buffer)
     return buffer
@@ -716,10 +714,13 @@ def print_interrupted(cfg: Config) -> None:
 
     try:
         latest = latest_reported(cfg.run.run_dir)
-        kept = f"its latest checkpoint is {latest}. Run the same command again to resume from it."
-        kept = kept if latest else "it had saved no checkpoint yet. Run the same command again to start it."
     except CheckpointError as e:
         kept = f"{e}."
+    else:
+        if latest:
+            kept = f"its latest checkpoint is {latest}. Run the same command again to resume from it."
+        else:
+            kept = "it had saved no checkpoint yet. Run the same command again to start it."
     print(
         f"\n[raytrain] interrupted: run {cfg.run.name!r} stopped before step {cfg.train.max_steps}; {kept}",
         file=sys.stderr,

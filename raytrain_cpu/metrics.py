@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import re
@@ -180,6 +181,17 @@ def console(msg: str) -> None:
     prefix = head.group(0) if head else "[raytrain] "
     sys.stdout.write("".join(f"{line if CONSOLE_LINE.match(line) else prefix + line}\n" for line in lines))
     sys.stdout.flush()
+
+
+def ray_console_handlers() -> list[logging.Handler]:
+    """The handlers through which Ray's Python loggers ("ray", and "ray.data" with its own) print
+    on this process's console, as opposed to their log files."""
+    return [
+        h
+        for name in ("ray", "ray.data")
+        for h in logging.getLogger(name).handlers
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+    ]
 
 
 def format_duration(seconds: float | None) -> str:

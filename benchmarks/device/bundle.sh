@@ -24,8 +24,7 @@ rm -rf "$out" && mkdir -p "$out"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-version() { python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
-pins() { for name in "$@"; do echo "$name==$(version "$name")"; done; }
+pins() { python -c "import importlib.metadata as m, sys; print(*(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" "$@"; }
 
 # Missing from the device image (or too old there), at this venv's versions.
 CARRIED=(transformers datasets dill multiprocess hjson pydantic pydantic-core annotated-types
@@ -39,13 +38,13 @@ python -m pip download -q --no-deps --only-binary=:all: --python-version "$py" -
     "${platforms[@]}" -d "$out" $(pins "${CARRIED[@]}")
 
 python -m pip download -q --no-deps --only-binary=:all: --python-version "$py" --implementation cp \
-    "${platforms[@]}" -d "$tmp/ray" "ray==$(version ray)"
+    "${platforms[@]}" -d "$tmp/ray" "$(pins ray)"
 mkdir -p "$tmp/ray/site"
 unzip -q "$tmp"/ray/ray-*.whl -d "$tmp/ray/site"  # unzip keeps the execute bits of raylet and gcs_server
 rm -rf "$tmp"/ray/site/ray/{jars,rllib,serve,llm,dashboard/client}
 tar -C "$tmp/ray/site" -cJf "$out/ray-stripped.tar.xz" .
 
-python -m pip download -q --no-deps --no-binary=:all: -d "$tmp/ds" "deepspeed==$(version deepspeed)"
+python -m pip download -q --no-deps --no-binary=:all: -d "$tmp/ds" "$(pins deepspeed)"
 DS_BUILD_OPS=0 python -m pip wheel -q --no-deps --no-build-isolation -w "$out" "$tmp"/ds/deepspeed-*.tar.gz
 
 du -sh "$out"
