@@ -94,6 +94,29 @@ def check_resume(cfg: Config, world: int | None = None) -> dict[str, Any] | None
     return latest
 
 
+def finished_run(cfg: Config) -> dict[str, Any] | None:
+    """The summary of a run whose latest checkpoint already reached train.max_steps, else None.
+
+    Re-running a finished job (the same command, a resubmitted `ray job submit`) then succeeds
+    without starting Ray and leaves the run as it was: training on would rewrite config.yaml
+    and summary.json with an attempt that trains no step.
+    """
+    latest = newest_checkpoint(cfg.run.run_dir)
+    if latest is None or latest["step"] < cfg.train.max_steps:
+        return None
+    print(
+        f"[raytrain] run {cfg.run.name!r} is already at step {latest['step']} ({latest['path']}), "
+        f"train.max_steps={cfg.train.max_steps}: nothing to train. Raise train.max_steps to train on, or "
+        f"export it: python -m raytrain_cpu.export {latest['path']} <dir>",
+        flush=True,
+    )
+    summary_file = cfg.run.run_dir / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    if summary.get("steps") != latest["step"]:  # no summary of that step (a run stopped after its checkpoint)
+        summary = {"steps": latest["step"], "world_size": latest["world_size"], "run_dir": str(cfg.run.run_dir)}
+    return {**summary, "checkpoint_path": latest["path"]}
+
+
 def check_lora_before_ray(cfg: Config) -> dict[str, int] | None:
     """LoRA targets that match nothing, or layers peft can't wrap, fail here (a meta-device model:
     no weights, no memory), not minutes later on every worker. Hub ids are checked by the workers."""
@@ -508,6 +531,9 @@ def run(cfg: Config) -> dict[str, Any]:
     A Ray it starts prints raytrain's lines only, unless run.verbose (see "console" above); a
     Ray the caller started keeps the caller's console.
     """
+    done = finished_run(cfg)
+    if done is not None:
+        return done
     quiet = quiet_ray_console(cfg)  # before `import ray`: Ray reads its console knobs on import
     import ray
     import ray.train
@@ -617,8 +643,6 @@ def run(cfg: Config) -> dict[str, Any]:
     if cfg.train.record_block_ids:
         (run_dir / "block_ids").mkdir(exist_ok=True)
     start_step = latest["step"] if latest else 0
-    if latest and latest["step"] >= cfg.train.max_steps:
-        print(f"[raytrain] {latest['path']} is already at step {latest['step']} >= train.max_steps; nothing to do.")
     start = start_step * global_batch
     datasets = build_datasets(cache, meta, cfg, world, start)
 
@@ -688,16 +712,18 @@ def run(cfg: Config) -> dict[str, Any]:
 
 
 def print_summary(s: dict[str, Any]) -> None:
-    ppl = f"{s['eval_perplexity']:.2f}" if s.get("eval_perplexity") is not None else "n/a"
+    def num(key: str, spec: str) -> str:  # a finished run's summary may lack a figure
+        return "n/a" if s.get(key) is None else format(s[key], spec)
+
     resumed = f" (resumed from step {s['resumed_from_step']})" if s.get("resumed_from_step") else ""
     print(
         "\n== raytrain_cpu summary ==\n"
         f"steps            {s['steps']}{resumed}\n"
-        f"tokens seen      {s['tokens_seen']:,}\n"
-        f"final loss       {s['final_loss']:.4f}\n"
-        f"eval perplexity  {ppl}\n"
-        f"tokens/s         {s['tokens_per_s']:,.0f} on {s['world_size']} worker{'s' * (s['world_size'] != 1)}\n"
-        f"wall time        {s['wall_s']:.0f}s\n"
+        f"tokens seen      {num('tokens_seen', ',')}\n"
+        f"final loss       {num('final_loss', '.4f')}\n"
+        f"eval perplexity  {num('eval_perplexity', '.2f')}\n"
+        f"tokens/s         {num('tokens_per_s', ',.0f')} on {s['world_size']} worker{'s' * (s['world_size'] != 1)}\n"
+        f"wall time        {num('wall_s', '.0f')}s\n"
         f"checkpoint       {s['checkpoint_path']}\n"
         f"run directory    {s['run_dir']} (metrics.jsonl, summary.json)\n"
         f"guards           {_guard_line(s)}\n"

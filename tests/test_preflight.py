@@ -110,6 +110,35 @@ def test_cli_exits_2_before_ray(make_config):
     assert "Traceback" not in p.stderr and "[raytrain]" not in p.stdout  # stopped before ray.init
 
 
+def test_rerunning_a_finished_run_prints_its_summary_and_changes_nothing(make_config, capsys):
+    """The same command again (or a resubmitted job) once the run reached train.max_steps, or a
+    lower train.max_steps: exit 0 with the run's summary, no Ray, config.yaml and summary.json
+    untouched (it used to start Ray, train no step, overwrite summary.json with empty figures
+    and fail printing them)."""
+    import ray
+    from conftest import fast_overrides
+
+    from raytrain_cpu.main import main
+
+    cfg = make_config("run.name=r", "train.max_steps=2")
+    run_dir = fake_run_dir(cfg, step=2)
+    figures = {"steps": 2, "tokens_seen": 2048, "final_loss": 6.5, "eval_perplexity": 600.0, "tokens_per_s": 99.0}
+    summary = {**figures, "world_size": 2, "wall_s": 30.0, "run_dir": str(run_dir)}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    before = {f: (run_dir / f).read_bytes() for f in ("config.yaml", "summary.json")}
+    argv = fast_overrides(cfg.run.storage_path, cfg.data.cache_dir, "run.name=r")
+    for steps in (2, 1):
+        assert main([*argv, f"train.max_steps={steps}"]) == 0
+        out = capsys.readouterr().out
+        assert f"run 'r' is already at step 2 ({run_dir / 'checkpoint_000002'}), train.max_steps={steps}" in out
+        assert "final loss       6.5000" in out and "eval perplexity  600.00" in out
+    assert {f: (run_dir / f).read_bytes() for f in before} == before
+    (run_dir / "summary.json").unlink()  # stopped after its last checkpoint, before the summary
+    assert main([*argv, "train.max_steps=2"]) == 0
+    assert "final loss       n/a" in capsys.readouterr().out
+    assert not (run_dir / "summary.json").exists() and not ray.is_initialized()
+
+
 # ----------------------------------------------------------------------------- seq_len vs the model's context
 
 
