@@ -621,6 +621,11 @@ class RunSettings:
         return Path(self.storage_path).expanduser().absolute() / self.name
 
     @property
+    def hub_cache(self) -> Path:
+        """What the driver fetches from the hub (models, tokenizers), kept for later runs."""
+        return Path(self.storage_path).expanduser().absolute() / "hf_cache"
+
+    @property
     def ray_init_address(self) -> str:
         """The address for ray.init: run.ray_address, else RAY_ADDRESS (set under `ray job
         submit`), else 'local'. Plain ray.init() would join whatever cluster

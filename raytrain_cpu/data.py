@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from raytrain_cpu.config import Config, ConfigError, DataConfig, load_config
+from raytrain_cpu.hub import download_tokenizer, hub_errors, is_hub_id
 from raytrain_cpu.tokenizer import BUNDLED_SFT, BUNDLED_WIKITEXT, load_tokenizer, resolve_tokenizer_path
 
 CACHE_FORMAT = 1
@@ -119,7 +120,8 @@ def _hub_files(cfg: DataConfig, split: str) -> tuple[str, ...]:
     base = f"datasets/{cfg.hub_id}"
     candidates = [f"{base}/{cfg.hub_config}/{split}-*.parquet", f"{base}/{cfg.hub_config}/{split}/*.parquet"]
     for pattern in candidates:
-        files = sorted(fs.glob(pattern))
+        with hub_errors("data.hub_id", cfg.hub_id, "dataset"):
+            files = sorted(fs.glob(pattern))
         if files:
             return tuple(f"hf://{f}" for f in files)
     raise DataError(
@@ -506,13 +508,14 @@ def _local_eos_id(tokenizer_dir: Path) -> int | None:
     return None
 
 
-def materialize_tokenizer(path: str, cache: Path) -> tuple[str, int]:
-    """(tokenizer.json path, EOS id); a hub tokenizer is saved once under the cache directory."""
+def materialize_tokenizer(path: str, cfg: Config) -> tuple[str, int]:
+    """(tokenizer.json path, EOS id); a hub tokenizer is saved once under the data cache."""
     p = Path(path)
     if not (p.is_dir() and (p / "tokenizer.json").is_file()):
-        p = cache / "tokenizers" / re.sub(r"[^A-Za-z0-9_.-]", "_", path)
+        p = cache_root(cfg) / "tokenizers" / re.sub(r"[^A-Za-z0-9_.-]", "_", path)
         if not (p / "tokenizer.json").is_file():
-            load_tokenizer(path).save_pretrained(str(p))
+            source = download_tokenizer(path, cfg.run.hub_cache) if is_hub_id(path) else path
+            load_tokenizer(source).save_pretrained(str(p))
         if not (p / "tokenizer.json").is_file():
             raise DataError(f"model.tokenizer: {path!r} has no fast tokenizer (tokenizer.json); use one that does.")
     eos = _local_eos_id(p)
@@ -900,7 +903,7 @@ def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
     cpus = int(ray.cluster_resources().get("CPU", 1))
     actors = cfg.data.tokenize_actors or max(1, cpus)
     tmp = final.parent / f".{key}.tmp-{uuid.uuid4().hex[:8]}"
-    tokenizer = materialize_tokenizer(tokenizer_path, cache_root(cfg))
+    tokenizer = materialize_tokenizer(tokenizer_path, cfg)
     # Padding (chat/instruction blocks): the tokenizer's pad token, else EOS; its labels are -100 either way.
     pad_id = _local_special_id(Path(tokenizer[0]).parent, "pad_token")
     pad_id = tokenizer[1] if pad_id is None else pad_id

@@ -23,20 +23,29 @@ from typing import Any
 import yaml
 
 from raytrain_cpu.config import Config, ConfigError, load_config, options_help
+from raytrain_cpu.hub import download_model, is_hub_id
 from raytrain_cpu.metrics import CONSOLE_LINE, ray_console_handlers
 
 # ----------------------------------------------------------------------------- validation
 
 
-def check_storage(path: Path) -> None:
-    """Fails if the run directory can't be created and written; leaves nothing behind."""
+def check_storage(path: Path, key: str = "run.storage_path") -> None:
+    """Fails if the directory `path` (set by config key `key`) can't be created and written;
+    leaves nothing behind."""
     probe_dir = path
     while not probe_dir.exists():
         probe_dir = probe_dir.parent
+    if probe_dir == Path(path.anchor) and probe_dir != path:
+        # A missing top-level directory is a mount that isn't there (/fsx on a node without
+        # FSx): creating it would put the run on this node's root disk, where no other node sees it.
+        raise ConfigError(
+            f"{key}: {Path(path.anchor, path.parts[1])} does not exist. On a cluster it is the shared storage's "
+            "mount point: mount it on every node (cluster/README.md); on one machine choose a directory such as "
+            "./runs (top-level directories are never created)."
+        )
     if not probe_dir.is_dir():
         raise ConfigError(
-            f"run.storage_path: {probe_dir} is a file, so {path} can't be created. "
-            "Choose a directory path for run.storage_path."
+            f"{key}: {probe_dir} is a file, so {path} can't be created. Choose a directory path for {key}."
         )
     probe = probe_dir / f".raytrain_write_probe_{uuid.uuid4().hex[:8]}"
     try:
@@ -44,8 +53,8 @@ def check_storage(path: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(
-            f"run.storage_path: cannot write under {probe_dir} ({e.strerror}). "
-            "Point run.storage_path at a writable directory (on a cluster: the shared /fsx mount)."
+            f"{key}: cannot write under {probe_dir} ({e.strerror}). "
+            f"Point {key} at a writable directory (on a cluster: the shared /fsx mount)."
         ) from None
 
 
@@ -66,11 +75,14 @@ def validate_before_ray(cfg: Config) -> None:
                 f"model.tokenizer: {cfg.model.tokenizer!r} does not exist; use 'bundled', '' or a tokenizer directory."
             )
     check_storage(cfg.run.run_dir)
-    if cfg.data.source != "hub":
-        try:
-            source_specs(cfg.data)
-        except DataError as e:
-            raise ConfigError(str(e)) from None
+    caches = {"data.cache_dir": cfg.data.cache_dir, "model.compile_cache_dir": cfg.model.compile_cache_dir}
+    for key, where in caches.items():
+        if where:
+            check_storage(Path(where).expanduser().absolute(), key)
+    try:
+        source_specs(cfg.data)  # a hub dataset's file list: the hub answers before Ray starts
+    except DataError as e:
+        raise ConfigError(str(e)) from None
     check_resume(cfg)
 
 
@@ -117,21 +129,23 @@ def finished_run(cfg: Config) -> dict[str, Any] | None:
     return {**summary, "checkpoint_path": latest["path"]}
 
 
-def check_lora_before_ray(cfg: Config) -> dict[str, int] | None:
+def check_lora_before_ray(cfg: Config, model_dir: str | None = None) -> dict[str, int] | None:
     """LoRA targets that match nothing, or layers peft can't wrap, fail here (a meta-device model:
-    no weights, no memory), not minutes later on every worker. Hub ids are checked by the workers."""
+    no weights, no memory), not minutes later on every worker. A hub model is checked once run()
+    has fetched it (`model_dir`), still before Ray starts."""
     if not cfg.lora.enabled:
         return None
     from raytrain_cpu.lora import check_lora
 
+    local = Path(model_dir or cfg.model.name_or_path).expanduser()
     if cfg.model.is_tiny:
         from raytrain_cpu.model import tiny_llama_config
 
         model_config = tiny_llama_config(cfg, vocab_size=2048, eos_token_id=0)
-    elif Path(cfg.model.name_or_path).expanduser().is_dir():
+    elif local.is_dir():
         from transformers import AutoConfig
 
-        model_config = AutoConfig.from_pretrained(str(Path(cfg.model.name_or_path).expanduser()))
+        model_config = AutoConfig.from_pretrained(str(local))
     else:
         return None
     return check_lora(model_config, cfg.lora, cfg.model.name_or_path)
@@ -531,23 +545,40 @@ def run(cfg: Config) -> dict[str, Any]:
     A Ray it starts prints raytrain's lines only, unless run.verbose (see "console" above); a
     Ray the caller started keeps the caller's console.
     """
+    from raytrain_cpu.data import materialize_tokenizer, prepare, read_meta
+    from raytrain_cpu.model import check_causal_lm, check_context_length
+    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+
     done = finished_run(cfg)
     if done is not None:
         return done
+    t0 = time.perf_counter()
+    run_dir = cfg.run.run_dir
+    # What comes from the hub first, before Ray starts: a hub this machine can't reach (or a token
+    # that may not read the model) stops the job before anything else runs.
+    model_dir = cfg.model.name_or_path
+    if is_hub_id(model_dir):
+        print(
+            f"[raytrain] fetching {model_dir} from the hub into {cfg.run.hub_cache} (kept for later runs)", flush=True
+        )
+        model_dir = download_model(model_dir, cfg.run.hub_cache)
+        # What validate_before_ray checks of a local model, now that this one is local too.
+        check_causal_lm(model_dir)
+        check_context_length(model_dir, cfg.data.seq_len)
+        check_lora_before_ray(cfg, model_dir)
+    tokenizer = resolve_tokenizer_path(cfg.model.tokenizer, cfg.model.name_or_path)
+    if is_hub_id(tokenizer):  # saved once under the data cache, where prepare and the workers read it
+        materialize_tokenizer(tokenizer, cfg)
     quiet = quiet_ray_console(cfg)  # before `import ray`: Ray reads its console knobs on import
     import ray
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from raytrain_cpu.checkpoint import config_hash
-    from raytrain_cpu.data import prepare, read_meta
     from raytrain_cpu.metrics import count_events, read_metrics
-    from raytrain_cpu.model import check_causal_lm, check_context_length, count_parameters, write_tiny_model
-    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+    from raytrain_cpu.model import count_parameters, write_tiny_model
     from raytrain_cpu.train import train_loop
 
-    t0 = time.perf_counter()
-    run_dir = cfg.run.run_dir
     ray_env = {"TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
     os.environ.update(ray_env)
     restore_stderr = None
@@ -618,21 +649,7 @@ def run(cfg: Config) -> dict[str, Any]:
         model_dir = str(write_tiny_model(cfg, tok, run_dir / "base_model"))
         if quiet and bars:
             hf_logging.enable_progress_bar()
-    else:
-        model_dir = cfg.model.name_or_path
-        if "/" in model_dir and not Path(model_dir).exists():
-            from huggingface_hub import snapshot_download
-
-            # Download once to shared storage so every worker reads the same files.
-            model_dir = snapshot_download(
-                model_dir,
-                cache_dir=str(run_dir.parent / "hf_cache"),
-                allow_patterns=["*.json", "*.safetensors", "tokenizer*"],
-            )
     n_params = count_parameters(model_dir)
-    if not cfg.model.is_tiny:  # again for a hub id, now that it is downloaded
-        check_causal_lm(model_dir)
-        check_context_length(model_dir, cfg.data.seq_len)
     # Again for callers of run() (main() did it before Ray), now with the derived worker count,
     # before config.yaml is replaced.
     latest = check_resume(cfg, world)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_cpu.config import Config, ConfigError
+from raytrain_cpu.hub import is_hub_id
 
 
 def tiny_llama_config(cfg: Config, vocab_size: int, eos_token_id: int):
@@ -92,9 +93,8 @@ def check_tiny_model_fits(config) -> None:
 
 def check_model_path(name_or_path: str) -> None:
     """Fails early for a local-looking path that doesn't hold a model."""
-    looks_local = name_or_path.startswith((".", "/", "~")) or Path(name_or_path).expanduser().exists()
-    if not looks_local and name_or_path.count("/") == 1:
-        return  # a hub id: checked when the workers load it
+    if is_hub_id(name_or_path):
+        return  # fetched (and so checked) first thing in main.run
     p = Path(name_or_path).expanduser()
     if not p.is_dir():
         raise ConfigError(

@@ -6,7 +6,9 @@ sliding window aside) trains on 2 workers and is exported at the end, its logits
 against the trained model's. GPT-2, the layout furthest from Llama's, also resumes with more
 steps first: resuming restores DeepSpeed's partitions by parameter, whatever the
 architecture, so one resume covers what the others would (each leg costs a Ray Train start,
-~20 s on 2 cores). Qwen2's model is given as a relative path, as users type one. Tiny Llama, the default, is covered by tests/test_train_e2e.py.
+~20 s on 2 cores). Qwen2's model is given as a relative path, as users type one, and Phi-3's as
+a hub id that an earlier run fetched, trained with the hub offline. Tiny Llama, the default, is
+covered by tests/test_train_e2e.py.
 """
 
 from __future__ import annotations
@@ -99,6 +101,22 @@ TRAINED = ("qwen2", "gemma", "gpt2", "phi3")  # Llama in tests/test_train_e2e.py
 
 
 RELATIVE = ("qwen2",)  # given as a path relative to the directory the run starts in
+HUB = ("phi3",)  # given as a hub id that an earlier run fetched, with the hub offline
+
+
+def offline_hub_copy(model: Path, hub_cache: Path, monkeypatch) -> str:
+    """`model` as the hub id raytrain-test/<name>, in huggingface_hub's cache layout under
+    `hub_cache` (as an earlier run's download leaves it), with the hub offline (HF_HUB_OFFLINE)."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    repo = hub_cache / f"models--raytrain-test--{model.name}"
+    shutil.copytree(model, repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return f"raytrain-test/{model.name}"
 
 
 @pytest.mark.slow
@@ -111,6 +129,8 @@ def test_train_resume_and_export(arch, model_dirs, ray_session, make_config, mon
     if arch in RELATIVE:  # Ray Train's workers run elsewhere: the driver records it absolute
         monkeypatch.chdir(model.parent)
         model = f"./{arch}"
+    if arch in HUB:
+        model = offline_hub_copy(model, make_config().run.hub_cache, monkeypatch)
     common = [
         f"model.name_or_path={model}",
         "model.tokenizer=bundled",
@@ -134,3 +154,6 @@ def test_train_resume_and_export(arch, model_dirs, ray_session, make_config, mon
     assert summary["export"]["export_max_abs_logit_diff"] == 0.0  # the export computes as training did
     config = json.loads((Path(summary["export"]["export_dir"]) / "config.json").read_text())
     assert config["model_type"] == json.loads((model_dirs[arch] / "config.json").read_text())["model_type"]
+    if arch in HUB:  # the workers loaded the cached snapshot, and checkpoints name it
+        manifest = json.loads((Path(summary["checkpoint_path"]) / "manifest.json").read_text())
+        assert manifest["model_dir"] == str(last.run.hub_cache / "models--raytrain-test--phi3/snapshots/0123abcd")

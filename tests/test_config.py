@@ -146,6 +146,19 @@ def test_unwritable_storage_fails_and_writes_nothing(tmp_path):
     assert not (tmp_path / "new").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
+def test_a_storage_mount_that_is_not_there_is_named(tmp_path):
+    """/fsx/runs where /fsx is not mounted (the cluster config on a laptop, a node without FSx):
+    an error naming /fsx, not a run directory made on the root disk, where other nodes can't see it."""
+    missing = Path("/raytrain_no_such_mount")
+    cfg = load_config(None, [f"run.storage_path={missing}/runs", f"data.cache_dir={tmp_path}/cache"])
+    with pytest.raises(ConfigError, match=rf"^run.storage_path: {missing} does not exist. On a cluster it is"):
+        validate_before_ray(cfg)
+    cfg = load_config(None, [f"run.storage_path={tmp_path}/runs", f"data.cache_dir={missing}/data_cache"])
+    with pytest.raises(ConfigError, match=rf"^data.cache_dir: {missing} does not exist"):
+        validate_before_ray(cfg)
+    assert not missing.exists() and not any(tmp_path.iterdir())
+
+
 def test_help_lists_every_option():
     out = subprocess.run(
         [sys.executable, "-m", "raytrain_cpu.main", "--help"], capture_output=True, text=True, check=True

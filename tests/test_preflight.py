@@ -139,6 +139,42 @@ def test_rerunning_a_finished_run_prints_its_summary_and_changes_nothing(make_co
     assert not (run_dir / "summary.json").exists() and not ray.is_initialized()
 
 
+@pytest.mark.parametrize(
+    ("override", "key", "what"),
+    [
+        (
+            "model.name_or_path=meta-llama/Meta-Llama-3-8B",
+            "model.name_or_path",
+            "the model 'meta-llama/Meta-Llama-3-8B'",
+        ),
+        ("model.tokenizer=openai-community/gpt2", "model.tokenizer", "the tokenizer 'openai-community/gpt2'"),
+        ("data.source=hub", "data.hub_id", "the dataset 'wikitext'"),
+    ],
+)
+def test_a_hub_this_machine_cannot_reach_is_one_line_before_ray(make_config, override, key, what):
+    """Hub ids (the cluster configs') on a machine whose hub does not answer (HF_ENDPOINT at a
+    closed local port: a real refused connection, nothing downloads): exit 2 naming the setting
+    and the way round, before Ray starts, and nothing written. It used to be a network traceback
+    once Ray had started (and ~45 s of transformers' retries for a tokenizer)."""
+    from conftest import fast_overrides
+
+    cfg = make_config()
+    argv = fast_overrides(cfg.run.storage_path, cfg.run.storage_path + "/cache", override)
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"} | {"HF_ENDPOINT": "http://127.0.0.1:9"}
+    p = subprocess.run(
+        [sys.executable, "-m", "raytrain_cpu.main", *argv],
+        cwd=REPO,
+        env=env | {"RAY_ADDRESS": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.startswith(f"error: {key}: cannot reach the Hugging Face hub for {what} (ConnectError: "), p.stderr
+    assert "DIR" in p.stderr and len(p.stderr.splitlines()) == 1
+    assert "Ray's own logs" not in p.stdout and not Path(cfg.run.storage_path).exists()
+
+
 # ----------------------------------------------------------------------------- seq_len vs the model's context
 
 

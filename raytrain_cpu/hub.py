@@ -1,0 +1,99 @@
+"""Reaching the Hugging Face hub: a model, tokenizer or dataset named by hub id.
+
+Every call to the hub goes through `hub_errors`, so a machine without network, a gated model
+without HF_TOKEN or a misspelt id stops the job with one line naming the setting and the fix,
+not a network library's traceback. The driver makes these calls before Ray starts (the model's
+download, the dataset's file list) or while it prepares the data (a tokenizer of its own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from raytrain_cpu.config import ConfigError
+
+# What to do instead of reaching the hub, by what the id names.
+_MODEL_COPY = "download it where there is network (hf download {repo} --local-dir DIR) and set {key}=DIR"
+LOCAL_COPY = {
+    "model": _MODEL_COPY,
+    "tokenizer": _MODEL_COPY,
+    "dataset": "download its parquet files and set data.source=parquet data.path=DIR",
+}
+
+# A tokenizer needs none of these.
+WEIGHT_FILES = ["*.safetensors", "*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.ckpt", "*.onnx", "*.gguf"]
+
+
+def is_hub_id(name: str) -> bool:
+    """'owner/name' that is not a local path (the form transformers loads from the hub)."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).expanduser().exists()
+
+
+@contextmanager
+def hub_errors(key: str, repo: str, kind: str = "model") -> Iterator[None]:
+    """Turns huggingface_hub's failures for `repo` (set by config key `key`) into a ConfigError."""
+    import httpx2
+    from huggingface_hub.constants import is_offline_mode
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+    )
+
+    local = LOCAL_COPY[kind].format(repo=repo, key=key)
+    try:
+        yield
+    except GatedRepoError:  # before RepositoryNotFoundError, its base class
+        raise ConfigError(
+            f"{key}: the {kind} {repo!r} is gated on the hub and this machine's token may not read it. Accept its "
+            f"licence at https://huggingface.co/{'datasets/' * (kind == 'dataset')}{repo} and set HF_TOKEN "
+            "(a read token of that account) in the job's environment."
+        ) from None
+    except RepositoryNotFoundError:
+        raise ConfigError(
+            f"{key}: no {kind} {repo!r} on the hub (or it is private: set HF_TOKEN). Check the id's spelling."
+        ) from None
+    except (httpx2.TransportError, OfflineModeIsEnabled, LocalEntryNotFoundError) as e:
+        why = "HF_HUB_OFFLINE is set, and it is not in the cache" if is_offline_mode() else _reason(e)
+        raise ConfigError(
+            f"{key}: cannot reach the Hugging Face hub for the {kind} {repo!r} ({why}). Run where the hub is "
+            f"reachable (HF_ENDPOINT names a mirror), or {local}."
+        ) from None
+    except HfHubHTTPError as e:
+        raise ConfigError(f"{key}: the hub answered {_reason(e)} for the {kind} {repo!r}.") from None
+
+
+def _reason(e: BaseException) -> str:
+    """The first line of the root failure, with what it is: 'ConnectError: [Errno 111] Connection refused'."""
+    while e.__cause__ is not None:  # huggingface_hub wraps a failed connection in LocalEntryNotFoundError
+        e = e.__cause__
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def download_model(repo: str, cache_dir: Path) -> str:
+    """A hub model's config, weights and tokenizer, downloaded once into `cache_dir` (on the
+    shared storage, so every worker reads the same files); a later run finds them there, also
+    offline (huggingface_hub falls back to its cache when the hub does not answer). Returns the
+    snapshot's directory."""
+    from huggingface_hub import snapshot_download
+
+    with hub_errors("model.name_or_path", repo):
+        return snapshot_download(
+            repo, cache_dir=str(cache_dir), allow_patterns=["*.json", "*.safetensors", "tokenizer*"]
+        )
+
+
+def download_tokenizer(repo: str, cache_dir: Path) -> str:
+    """A hub tokenizer's files (the repo without its weights) in `cache_dir`; returns their
+    directory. A model's own tokenizer is already there once the model is (download_model), so
+    a run finds it offline too. Fetched here rather than by transformers, which retries an
+    unreachable hub for about 45 s and then raises an OSError of its own."""
+    from huggingface_hub import snapshot_download
+
+    with hub_errors("model.tokenizer", repo, "tokenizer"):
+        return snapshot_download(repo, cache_dir=str(cache_dir), ignore_patterns=WEIGHT_FILES)
