@@ -539,6 +539,20 @@ def build_datasets(cache: Path, meta: dict, cfg: Config, world: int, start: int)
     return out
 
 
+def no_evaluation(meta: dict[str, Any], world: int) -> str:
+    """Why a run with these packed blocks (the cache's meta.json) evaluates nothing, and the fix."""
+    source = meta["eval_source"]
+    fix = (
+        f"{source.capitalize()} of {meta['documents']}; raise data.eval_fraction or set data.eval_path"
+        if isinstance(source, str)  # held out from the training text
+        else "Give more evaluation text or lower data.seq_len"
+    )
+    return (
+        f"no evaluation: the eval data makes {meta['eval_blocks']} blocks of {meta['seq_len']} tokens, "
+        f"fewer than one per worker ({world}). {fix}."
+    )
+
+
 def run(cfg: Config) -> dict[str, Any]:
     """Runs (or resumes) the job; returns the summary written to summary.json.
 
@@ -636,6 +650,8 @@ def run(cfg: Config) -> dict[str, Any]:
             f"[raytrain] {needed} blocks needed, {meta['blocks']} in the data: {needed / meta['blocks']:.1f} epochs",
             flush=True,
         )
+    if meta["eval_blocks"] < world:  # else the summary's eval perplexity is n/a without a word why
+        print(f"[raytrain] {no_evaluation(meta, world)}", flush=True)
 
     # ---- model
     run_dir.mkdir(parents=True, exist_ok=True)

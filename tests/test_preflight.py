@@ -175,6 +175,23 @@ def test_a_hub_this_machine_cannot_reach_is_one_line_before_ray(make_config, ove
     assert "Ray's own logs" not in p.stdout and not Path(cfg.run.storage_path).exists()
 
 
+def test_a_run_without_evaluation_says_why():
+    """Too little held-out text for one eval block per worker (a corpus of 24 documents holds
+    out none at every 50th): the console says so and how to get one, rather than a summary
+    with eval perplexity n/a and no word why (cache meta.json as prepare writes it)."""
+    from raytrain_cpu.main import no_evaluation
+
+    held_out = {"eval_source": "held out: every 50th document", "documents": 24, "eval_blocks": 0, "seq_len": 256}
+    assert no_evaluation(held_out, 2) == (
+        "no evaluation: the eval data makes 0 blocks of 256 tokens, fewer than one per worker (2). "
+        "Held out: every 50th document of 24; raise data.eval_fraction or set data.eval_path."
+    )
+    given = {"eval_source": {"kind": "text", "paths": ["/d/eval.txt"]}, "eval_blocks": 1, "seq_len": 2048}
+    assert no_evaluation(given, 4).endswith(
+        "fewer than one per worker (4). Give more evaluation text or lower data.seq_len."
+    )
+
+
 # ----------------------------------------------------------------------------- seq_len vs the model's context
 
 
