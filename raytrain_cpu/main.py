@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import re
+import socket
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -559,17 +562,23 @@ def run(cfg: Config) -> dict[str, Any]:
     A Ray it starts prints raytrain's lines only, unless run.verbose (see "console" above); a
     Ray the caller started keeps the caller's console.
     """
-    from raytrain_cpu.data import materialize_tokenizer, prepare, read_meta
-    from raytrain_cpu.model import check_causal_lm, check_context_length
-    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
-
     done = finished_run(cfg)
     if done is not None:
         return done
     t0 = time.perf_counter()
-    run_dir = cfg.run.run_dir
-    # What comes from the hub first, before Ray starts: a hub this machine can't reach (or a token
-    # that may not read the model) stops the job before anything else runs.
+    model_dir = fetch_from_hub(cfg)
+    with hold_run_dir(cfg.run.run_dir):
+        return run_on_ray(cfg, model_dir, t0)
+
+
+def fetch_from_hub(cfg: Config) -> str:
+    """What comes from the hub, before Ray starts: a hub this machine can't reach (or a token
+    that may not read the model) stops the job before anything else runs. Returns the model's
+    local directory ('tiny' for the tiny model, written later)."""
+    from raytrain_cpu.data import materialize_tokenizer
+    from raytrain_cpu.model import check_causal_lm, check_context_length
+    from raytrain_cpu.tokenizer import resolve_tokenizer_path
+
     model_dir = cfg.model.name_or_path
     if is_hub_id(model_dir):
         print(
@@ -583,6 +592,53 @@ def run(cfg: Config) -> dict[str, Any]:
     tokenizer = resolve_tokenizer_path(cfg.model.tokenizer, cfg.model.name_or_path)
     if is_hub_id(tokenizer):  # saved once under the data cache, where prepare and the workers read it
         materialize_tokenizer(tokenizer, cfg)
+    return model_dir
+
+
+RUN_LOCK = ".raytrain.lock"  # in the run directory: "pid N on HOST, since T" of the job that holds it
+
+
+@contextlib.contextmanager
+def hold_run_dir(run_dir: Path) -> Iterator[None]:
+    """Holds the run directory for this job: a second job with the same run.name and storage
+    while this one runs (a job submitted again by mistake) stops with a ConfigError instead of
+    writing its checkpoints into the same directory. An flock, which the kernel drops when the
+    process ends, so a killed driver leaves nothing to clean up; on storage without flock (a
+    Lustre mount without the flock option) nothing is held. A run directory it made and the job
+    left empty (it stopped before writing anything) goes again."""
+    made = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # innermost first
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            raise ConfigError(
+                f"run.name: run {run_dir.name!r} is running already ({holder}). Wait for it to end or stop it, "
+                "or choose another run.name."
+            ) from None
+        except OSError:
+            pass  # this filesystem has no flock
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
+        if made and [p.name for p in run_dir.iterdir()] == [RUN_LOCK]:
+            (run_dir / RUN_LOCK).unlink()
+            with contextlib.suppress(OSError):  # a directory something else wrote into stays
+                for d in made:
+                    d.rmdir()
+
+
+def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
+    """The job once its files are here: Ray, the data, the model, the TorchTrainer, the summary."""
+    from raytrain_cpu.data import prepare, read_meta
+    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+
+    run_dir = cfg.run.run_dir
     quiet = quiet_ray_console(cfg)  # before `import ray`: Ray reads its console knobs on import
     import ray
     import ray.train

@@ -115,7 +115,6 @@ def test_rerunning_a_finished_run_prints_its_summary_and_changes_nothing(make_co
     lower train.max_steps: exit 0 with the run's summary, no Ray, config.yaml and summary.json
     untouched (it used to start Ray, train no step, overwrite summary.json with empty figures
     and fail printing them)."""
-    import ray
     from conftest import fast_overrides
 
     from raytrain_cpu.main import main
@@ -132,11 +131,12 @@ def test_rerunning_a_finished_run_prints_its_summary_and_changes_nothing(make_co
         out = capsys.readouterr().out
         assert f"run 'r' is already at step 2 ({run_dir / 'checkpoint_000002'}), train.max_steps={steps}" in out
         assert "final loss       6.5000" in out and "eval perplexity  600.00" in out
+        assert "workers x" not in out  # the line run_on_ray prints once it has Ray
     assert {f: (run_dir / f).read_bytes() for f in before} == before
     (run_dir / "summary.json").unlink()  # stopped after its last checkpoint, before the summary
     assert main([*argv, "train.max_steps=2"]) == 0
     assert "final loss       n/a" in capsys.readouterr().out
-    assert not (run_dir / "summary.json").exists() and not ray.is_initialized()
+    assert not (run_dir / "summary.json").exists()
 
 
 @pytest.mark.parametrize(
@@ -190,6 +190,28 @@ def test_a_run_without_evaluation_says_why():
     assert no_evaluation(given, 4).endswith(
         "fewer than one per worker (4). Give more evaluation text or lower data.seq_len."
     )
+
+
+def test_a_second_job_on_a_running_run_directory_stops(tmp_path):
+    """The same run.name and storage submitted again while the first job runs: a ConfigError
+    naming the job that holds it (a real flock), not two jobs writing the same checkpoints. Free
+    again once the first ends; a run directory made for a job that wrote nothing goes again."""
+    import os
+
+    from raytrain_cpu.main import RUN_LOCK, hold_run_dir
+
+    run_dir = tmp_path / "runs" / "r"
+    with hold_run_dir(run_dir):
+        (run_dir / "config.yaml").write_text("x")
+        busy = rf"^run.name: run 'r' is running already \(pid {os.getpid()} on "
+        with pytest.raises(ConfigError, match=busy), hold_run_dir(run_dir):
+            pass
+    with hold_run_dir(run_dir):  # released when the first job ended
+        pass
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(["config.yaml", RUN_LOCK])
+    with pytest.raises(RuntimeError), hold_run_dir(tmp_path / "new" / "r"):
+        raise RuntimeError("stopped before writing anything")
+    assert not (tmp_path / "new").exists()
 
 
 # ----------------------------------------------------------------------------- seq_len vs the model's context
