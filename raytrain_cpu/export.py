@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_cpu.checkpoint import DS_TAG, CheckpointError, verify_checkpoint
+from raytrain_cpu.hub import is_hub_id
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 RUN_INFO = "raytrain.json"  # how the run rendered its data (format, template) and its LoRA settings
@@ -122,6 +123,12 @@ def _write_tokenizer(out: Path, tokenizer: str, manifest: dict[str, Any]) -> Non
     (out / RUN_INFO).write_text(json.dumps(info, indent=2))
 
 
+def hub_model(manifest: dict[str, Any]) -> str:
+    """The hub id the run's model came from ('' for a local or tiny model)."""
+    name = ((manifest.get("settings") or {}).get("model") or {}).get("name_or_path", "")
+    return name if is_hub_id(name) else ""
+
+
 def _run_sources(ckpt_dir: Path, manifest: dict[str, Any], model_dir: str | None, tokenizer: str | None):
     """(config source, tokenizer): as given, else the run's own from the manifest.
 
@@ -140,6 +147,8 @@ def _run_sources(ckpt_dir: Path, manifest: dict[str, Any], model_dir: str | None
         beside = ckpt_dir.parent / "base_model"
         if missing(recorded) and Path(recorded).name == beside.name and beside.is_dir():
             model_dir = str(beside)
+        elif missing(recorded) and hub_model(manifest):
+            model_dir = hub_model(manifest)  # the run's download stayed behind: the hub has it
         elif missing(recorded):
             raise CheckpointError(
                 f"the run trained {recorded}, which is not on this machine: pass --model-dir with a copy of that "
@@ -236,7 +245,9 @@ def _write_lora(state, out: Path, dtype, manifest, model_dir: str, tokenizer: st
     )
     if written["files"] > 1:  # peft reads one adapter file; adapters are small, so this is a hard limit
         raise CheckpointError(f"the adapters need {written['files']} files; raise the shard size")
-    lora.peft_config(settings, base_model=str(model_dir)).save_pretrained(str(out))
+    # A hub model by its id, as peft names bases, so the adapter loads anywhere (load_exported
+    # still takes the run's own copy when it is on this machine); else the directory it exports against.
+    lora.peft_config(settings, base_model=hub_model(manifest) or str(model_dir)).save_pretrained(str(out))
     _write_tokenizer(out, tokenizer, manifest)
     written = {"adapter": written}
     if merge:
@@ -268,6 +279,9 @@ def load_exported(path: str | Path, dtype=None):
 
     base_dir = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
     info = json.loads((path / RUN_INFO).read_text()) if (path / RUN_INFO).is_file() else {}
+    local = info.get("model_dir")
+    if is_hub_id(base_dir) and local and Path(local).is_dir():
+        base_dir = local  # the run's download of that hub model, not a second one
     if dtype is None:  # the adapter's own dtype (the training dtype), for the base too
         dtype = _torch_dtype(info.get("dtype") or "fp32")
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)

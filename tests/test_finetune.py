@@ -5,6 +5,7 @@ LoRA with whole-layer gathers, and LoRA's bad input."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,10 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_lora_sft_two_workers_resume_export_generate(ray_session, make_config, tmp_path):
+    import torch
     from safetensors.torch import load_file
 
-    from raytrain_cpu.export import _consolidated, load_exported
+    from raytrain_cpu.export import _consolidated, export_checkpoint, load_exported
     from raytrain_cpu.generate import generate
     from raytrain_cpu.main import run
 
@@ -52,7 +54,22 @@ def test_lora_sft_two_workers_resume_export_generate(ray_session, make_config, t
     out = Path(export["export_dir"])
     assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
     assert (out / "merged" / "model.safetensors").is_file()
-    assert type(load_exported(out)).__name__.startswith("PeftModel")
+    adapter_on_base = load_exported(out)
+    assert type(adapter_on_base).__name__.startswith("PeftModel")
+
+    # ---- a hub model's adapter names its base by hub id (portable), and loads on the run's own copy
+    hub_run = tmp_path / "hub_run" / Path(straight["checkpoint_path"]).name
+    shutil.copytree(straight["checkpoint_path"], hub_run)
+    manifest = json.loads((hub_run / "manifest.json").read_text())
+    manifest["settings"]["model"]["name_or_path"] = "raytrain-test/tiny"  # as a hub model's run records it
+    (hub_run / "manifest.json").write_text(json.dumps(manifest))
+    export_checkpoint(hub_run, tmp_path / "hub_adapter")
+    config = json.loads((tmp_path / "hub_adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "raytrain-test/tiny"
+    ids = torch.randint(0, 2048, (1, 16))
+    with torch.no_grad():
+        same = load_exported(tmp_path / "hub_adapter")(ids).logits.equal(adapter_on_base(ids).logits)
+    assert same
 
     # ---- only the adapters changed: every base weight is the bf16 rounding of the initial model's
     state = _consolidated(Path(straight["checkpoint_path"]))
