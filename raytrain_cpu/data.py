@@ -99,14 +99,20 @@ def _expand_local(path: str, kind: str, key: str) -> tuple[str, ...]:
 def _expand_s3(path: str, kind: str, key: str) -> tuple[str, ...]:
     import pyarrow.fs as pafs
 
-    fs, root = pafs.FileSystem.from_uri(path)
-    info = fs.get_file_info(root)
-    if info.type == pafs.FileType.NotFound:
-        raise DataError(f"{key}: {path!r} does not exist (or is not readable with these credentials).")
-    if info.type == pafs.FileType.File:
-        return (path,)
-    sel = pafs.FileSelector(root, recursive=True)
-    files = sorted(f.path for f in fs.get_file_info(sel) if f.type == pafs.FileType.File)
+    try:
+        fs, root = pafs.FileSystem.from_uri(path)
+        info = fs.get_file_info(root)
+        if info.type == pafs.FileType.NotFound:
+            raise DataError(f"{key}: {path!r} does not exist (or is not readable with these credentials).")
+        if info.type == pafs.FileType.File:
+            return (path,)
+        sel = pafs.FileSelector(root, recursive=True)
+        files = sorted(f.path for f in fs.get_file_info(sel) if f.type == pafs.FileType.File)
+    except OSError as e:  # S3 unreachable, an unknown bucket, credentials refused: AWS's words, one line
+        raise DataError(
+            f"{key}: cannot list {path!r} ({' '.join(str(e).split())}). Check the bucket's name, this machine's "
+            "network and its AWS credentials (the instance role on the cluster; AWS_PROFILE or AWS_ACCESS_KEY_ID)."
+        ) from None
     if not files:
         raise DataError(f"{key}: {path!r} is empty.")
     return tuple(f"s3://{f}" for f in files)

@@ -214,6 +214,30 @@ def test_a_second_job_on_a_running_run_directory_stops(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def test_an_s3_path_this_machine_cannot_list_is_one_line_before_ray(make_config):
+    """data.path=s3://... where S3 does not answer (AWS_ENDPOINT_URL at a closed local port: a
+    real refused connection): exit 2 with AWS's reason and what to check, before Ray starts. It
+    used to be pyarrow's traceback."""
+    from conftest import fast_overrides
+
+    cfg = make_config()
+    argv = fast_overrides(cfg.run.storage_path, cfg.data.cache_dir, "data.source=parquet", "data.path=s3://b/wiki/")
+    aws = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    aws |= {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    p = subprocess.run(
+        [sys.executable, "-m", "raytrain_cpu.main", *argv],
+        cwd=REPO,
+        env=os.environ | aws | {"RAY_ADDRESS": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.startswith("error: data.path: cannot list 's3://b/wiki/' (") and "Could not connect" in p.stderr
+    assert "AWS credentials" in p.stderr and len(p.stderr.splitlines()) == 1
+    assert "Ray's own logs" not in p.stdout
+
+
 # ----------------------------------------------------------------------------- seq_len vs the model's context
 
 
