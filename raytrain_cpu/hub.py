@@ -2,8 +2,8 @@
 
 Every call to the hub goes through `hub_errors`, so a machine without network, a gated model
 without HF_TOKEN or a misspelt id stops the job with one line naming the setting and the fix,
-not a network library's traceback. The driver makes these calls before Ray starts (the model's
-download, the dataset's file list) or while it prepares the data (a tokenizer of its own).
+not a network library's traceback. The driver makes these calls before Ray starts: the model's
+and a tokenizer's download in main.fetch_from_hub, the dataset's file list in validate_before_ray.
 """
 
 from __future__ import annotations

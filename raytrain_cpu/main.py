@@ -1,7 +1,8 @@
 """`python -m raytrain_cpu.main [--config FILE] [key=value ...]`: the whole job, from the driver.
 
-validate (before Ray) -> ray.init -> size the workers -> prepare data -> write the model ->
-TorchTrainer(gloo) -> summary. Re-running the same command with the same run.name resumes.
+validate (before Ray) -> already finished? -> fetch hub files -> hold the run directory ->
+ray.init -> size the workers -> prepare data -> write the model -> TorchTrainer(gloo) -> summary.
+Re-running the same command with the same run.name resumes.
 """
 
 from __future__ import annotations
@@ -710,7 +711,6 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         print(f"[raytrain] {no_evaluation(meta, world)}", flush=True)
 
     # ---- model
-    run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.model.is_tiny:
         tok = load_tokenizer(resolve_tokenizer_path(cfg.model.tokenizer, "tiny"))
         from transformers.utils import logging as hf_logging
