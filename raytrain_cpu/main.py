@@ -62,6 +62,22 @@ def check_storage(path: Path, key: str = "run.storage_path") -> None:
         ) from None
 
 
+def check_not_in_job_copy(cfg: Config) -> None:
+    """Under `ray job submit --working-dir`, the driver runs in Ray's unpacked copy of that
+    directory (<session>/runtime_resources/working_dir_files/...), which Ray deletes: a relative
+    storage path would put the run's checkpoints there, to be lost with it."""
+    cwd = Path.cwd()
+    if "working_dir_files" not in cwd.parts:
+        return
+    for key, where in (("run.storage_path", cfg.run.storage_path), ("data.cache_dir", cfg.data.cache_dir)):
+        if where and not Path(where).expanduser().is_absolute():
+            raise ConfigError(
+                f"{key}: {where!r} is relative, and this job runs in Ray's copy of its --working-dir ({cwd}), "
+                f"which Ray deletes: what the run writes there would go with it. Give {key} an absolute path on "
+                "storage every node shares (e.g. /fsx/runs; on one machine $PWD/runs)."
+            )
+
+
 def validate_before_ray(cfg: Config) -> None:
     from raytrain_cpu.data import DataError, source_specs
     from raytrain_cpu.model import check_causal_lm, check_context_length, check_model_path
@@ -78,6 +94,7 @@ def validate_before_ray(cfg: Config) -> None:
             raise ConfigError(
                 f"model.tokenizer: {cfg.model.tokenizer!r} does not exist; use 'bundled', '' or a tokenizer directory."
             )
+    check_not_in_job_copy(cfg)
     check_storage(cfg.run.run_dir)
     caches = {"data.cache_dir": cfg.data.cache_dir, "model.compile_cache_dir": cfg.model.compile_cache_dir}
     for key, where in caches.items():

@@ -297,3 +297,20 @@ def test_training_workers_land_on_the_non_head_node(cluster, job):
     )  # fmt: skip
     assert len(workers) == 2, workers
     assert {w["node_id"] for w in workers} == trainer_nodes, "training workers must run on the trainer node only"
+
+
+def test_a_relative_storage_path_in_a_working_dir_job_is_refused(cluster, tmp_path):
+    """`ray job submit --working-dir` runs the driver in Ray's unpacked copy of that directory,
+    which Ray deletes: a relative run.storage_path (the default ./runs) would put the run's
+    checkpoints there. The job fails at once naming it, before Ray Train starts."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("a working directory as a user ships one")
+    p = _ray(
+        cluster, "job", "submit", f"--working-dir={work}", "--", "python", "-m", "raytrain_cpu.main",
+        "run.storage_path=runs", timeout=180,
+    )  # fmt: skip
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert "error: run.storage_path: 'runs' is relative, and this job runs in Ray's copy of its --working-dir" in out
+    assert "working_dir_files" in out and "[raytrain] Ray's own logs" not in out
