@@ -80,8 +80,15 @@ class SourceSpec:
         }
 
 
+# Compressed text and JSON lines, as corpora ship: Ray Data's reader (pyarrow) decompresses
+# these by their suffix, so they are read as the plain files are.
+COMPRESSED = (".gz", ".bz2", ".zst")
+
+
 def _expand_local(path: str, kind: str, key: str) -> tuple[str, ...]:
     suffix = {"text": (".txt", ".raw", ".tokens"), "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}[kind]
+    if kind != "parquet":  # parquet compresses inside the file
+        suffix += tuple(s + z for s in suffix for z in COMPRESSED)
     p = Path(path).expanduser()
     if any(ch in path for ch in "*?["):
         files = sorted(str(f) for f in Path(p.anchor or ".").glob(str(p.relative_to(p.anchor)) if p.anchor else path))
@@ -559,6 +566,24 @@ def _console_errors_held() -> Iterator[list]:
             h.handle(record)
 
 
+def _damaged_file(spec: SourceSpec) -> DataError | None:
+    """The first compressed local file of `spec` that does not decompress whole (a download cut
+    short), named; else None. Asked only once a read has failed: the reader's own error (pyarrow's
+    "Truncated compressed stream") names no file."""
+    import pyarrow as pa
+
+    if spec.filesystem != "local":
+        return None
+    for path in (p for p in spec.paths if p.endswith(COMPRESSED)):
+        try:
+            with pa.input_stream(path, compression="detect") as f:
+                while f.read(1 << 24):
+                    pass
+        except OSError as e:
+            return DataError(f"{path}: cannot decompress it ({e}). Replace the file, or remove it from data.path.")
+    return None
+
+
 def _unwrap(e: BaseException) -> DataError | None:
     """The DataError inside a Ray task failure, so the user sees our message, not a traceback."""
     chain: list[BaseException] = []
@@ -871,7 +896,7 @@ def _pack(
                     else:
                         w.add(ids)
         except Exception as e:
-            failure = _unwrap(e) or e  # ours as one line; anything else as it came
+            failure = _unwrap(e) or _damaged_file(spec) or e  # ours as one line; anything else as it came
         if isinstance(failure, DataError):
             held.clear()  # ours: the one line it raises says it all (Ray Data's log file keeps the rest)
     if failure is not None:

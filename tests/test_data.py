@@ -173,6 +173,22 @@ def test_prepare_cache_keyed_reused_and_bad_sources(ray_session, tmp_path, make_
     empty.write_text("\n\n   \n")
     with pytest.raises(DataError, match="holds no text"):
         prepare(make_config(f"data.cache_dir={tmp_path / 'cache'}", "data.source=text", f"data.path={empty}"))
+    # Compressed, as corpora ship: a directory's .txt.gz reads as the plain file; one cut short
+    # (an interrupted download) is named in one line.
+    import gzip
+
+    (tmp_path / "packed").mkdir()
+    packed = tmp_path / "packed" / "corpus.txt.gz"
+    packed.write_bytes(gzip.compress(text.read_bytes()))
+    gz = [*base[:2], f"data.path={packed.parent}", *base[3:], "data.bad_rows=skip"]
+    assert {k: read_meta(prepare(make_config(*gz)))[k] for k in ("tokens", "blocks")} == {
+        k: meta[k] for k in ("tokens", "blocks")
+    }
+    packed.write_bytes(gzip.compress(text.read_bytes())[:-100])
+    capfd.readouterr()
+    with pytest.raises(DataError, match=r"corpus.txt.gz: cannot decompress it \(.*\). Replace the file"):
+        prepare(make_config(*gz))
+    assert "Traceback" not in capfd.readouterr().err
     jl = tmp_path / "docs.jsonl"
     jl.write_text("\n".join(json.dumps({"body": "hello world " * 20}) for _ in range(30)))
     with pytest.raises(DataError, match=r"docs.jsonl, line 1: no 'text' field") as failed:
