@@ -455,6 +455,15 @@ def latest_reported(run_dir: Path) -> Path | None:
     return Path(run_dir) / latest["checkpoint_dir_name"]
 
 
+def checkpoint_of(path: str | Path) -> Path:
+    """`path` when it is a checkpoint; for a run directory, its latest reported checkpoint (the
+    one a resume loads); else `path` as given, for read_manifest to say what it lacks."""
+    p = Path(path)
+    if (p / MANIFEST).is_file() or not p.is_dir():
+        return p
+    return latest_reported(p) or p
+
+
 def _siblings(ckpt_dir: Path) -> str:
     """'; <run dir> holds checkpoint_000100, ...' for a mistyped checkpoint path, else ''."""
     run_dir = ckpt_dir.parent

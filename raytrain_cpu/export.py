@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.checkpoint import DS_TAG, CheckpointError, verify_checkpoint
+from raytrain_cpu.checkpoint import DS_TAG, CheckpointError, checkpoint_of, verify_checkpoint
 from raytrain_cpu.hub import is_hub_id
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -195,7 +195,7 @@ def export_checkpoint(
     adapter_config.json naming the base model, and the tokenizer) in `out_dir`; with `merge`
     also as an ordinary model with the adapters folded in, in `out_dir/merged`.
     """
-    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    ckpt_dir, out_dir = checkpoint_of(ckpt_dir), Path(out_dir)
     manifest = verify_checkpoint(ckpt_dir, hash_ranks=checksums)
     dtype = manifest.get("dtype", "fp32") if dtype == "auto" else dtype
     if dtype not in DTYPES:
@@ -358,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Write an ordinary Hugging Face model (safetensors, config, tokenizer) from a raytrain_cpu "
         "ZeRO checkpoint directory (e.g. runs/tiny-local/checkpoint_000200).",
     )
-    ap.add_argument("checkpoint", help="a checkpoint directory (holds manifest.json and ds/)")
+    ap.add_argument(
+        "checkpoint", help="a checkpoint directory (holds manifest.json and ds/), or a run directory: its latest one"
+    )
     ap.add_argument("out_dir", help="where the model goes (created; must be empty unless --overwrite)")
     ap.add_argument(
         "--dtype", default="auto", choices=["auto", *DTYPES], help="weights dtype; auto = the training dtype"

@@ -19,11 +19,13 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.checkpoint import MANIFEST, CheckpointError
+from raytrain_cpu.checkpoint import MANIFEST, CheckpointError, checkpoint_of
 
 
 def _export_dir(path: Path, stack: ExitStack) -> Path:
-    """An export directory for `path`: itself, or a temporary export of a checkpoint."""
+    """An export directory for `path`: itself, or a temporary export of a checkpoint (a run
+    directory's latest)."""
+    path = checkpoint_of(path)
     if not (path / MANIFEST).is_file():
         return path
     from raytrain_cpu.export import MERGED, export_checkpoint
@@ -112,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m raytrain_cpu.generate",
         description="Complete a prompt with a trained checkpoint or an export (one process, no Ray).",
     )
-    ap.add_argument("model", help="a checkpoint directory (manifest.json) or an export directory")
+    ap.add_argument(
+        "model", help="a checkpoint directory (manifest.json), a run directory (its latest checkpoint) or an export"
+    )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt (for chat/instruction runs: the user's message)")
     src.add_argument("--chat", metavar="FILE", help="a JSON file with a list of {role, content} messages")

@@ -92,7 +92,11 @@ def test_lora_sft_two_workers_resume_export_generate(ray_session, make_config, t
     # ---- generate: from the export and from the checkpoint itself, greedy, on one process
     text = generate(out, prompt="What is the article Robert Boulter about?", max_new_tokens=12)
     assert isinstance(text, str) and text.strip()
-    assert generate(straight["checkpoint_path"], prompt="Hello", max_new_tokens=4) is not None
+    from_checkpoint = generate(straight["checkpoint_path"], prompt="Hello", max_new_tokens=4)
+    assert from_checkpoint is not None
+    # A run directory stands for its latest checkpoint, as a resume takes it.
+    assert export_checkpoint(run_dir, tmp_path / "from_run")["checkpoint"] == straight["checkpoint_path"]
+    assert generate(run_dir, prompt="Hello", max_new_tokens=4) == from_checkpoint
 
 
 @pytest.mark.slow
