@@ -750,6 +750,12 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         (run_dir / "block_ids").mkdir(exist_ok=True)
     start_step = latest["step"] if latest else 0
     start = start_step * global_batch
+    if latest and latest.get("data_key", meta["key"]) != meta["key"]:  # its files changed since (more text?)
+        print(
+            f"[raytrain] the training data changed since {Path(latest['path']).name} (packed blocks "
+            f"{latest['data_key']} then, {meta['key']} now): the run goes on at block {start:,} of the new data",
+            flush=True,
+        )
     datasets = build_datasets(cache, meta, cfg, world, start)
 
     # ---- trainer
@@ -761,6 +767,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         "threads_per_worker": sizing["threads_per_worker"],
         "has_eval": meta["eval_blocks"] >= world,
         "start_position": start,
+        "data_key": meta["key"],  # recorded in the checkpoints: a resume notices data that changed
         "record_block_ids": cfg.train.record_block_ids,
         "n_params": n_params,
     }

@@ -837,6 +837,7 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
         "tokenizer": resolve_tokenizer_path(cfg.model.tokenizer, w.loop_config["model_dir"]),
         "lora": loaded.lora,  # export writes an adapter (and merges it) when set
         "data": cfg.to_dict()["data"],  # format and template: how export and generate render prompts
+        "data_key": w.loop_config["data_key"],  # the packed blocks trained on (their files' fingerprints)
         "time": time.time(),
     }
     report = {

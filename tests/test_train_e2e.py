@@ -16,7 +16,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_path):
+def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_path, capsys):
     from raytrain_cpu.data import global_order, read_meta
     from raytrain_cpu.main import run
     from raytrain_cpu.train import lr_factor
@@ -74,12 +74,17 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
     manifest = json.loads(manifest_path.read_text())
     assert manifest["attention"] == summary["attention"] in ("sdpa", "causal_blocks")
     other = "sdpa" if manifest["attention"] == "causal_blocks" else "causal_blocks"
-    manifest_path.write_text(json.dumps({**manifest, "attention": other}))
+    # ... and the data it trained on: made to differ, as if the files had changed since (more text).
+    assert manifest["data_key"] == read_meta(Path(summary["data_cache"]))["key"]
+    manifest_path.write_text(json.dumps({**manifest, "attention": other, "data_key": "0123456789abcdef"}))
+    capsys.readouterr()
 
     # ---- resume: the same command with more steps continues at step 7; how a step runs may
     # change on the way (activation checkpointing on, as to fit in memory): the workers accept it
     second = run(make_config(*overrides, "train.max_steps=12", "model.activation_checkpointing=true"))
     assert second["attention"] == other
+    changed = "[raytrain] the training data changed since checkpoint_000006 (packed blocks 0123456789abcdef then"
+    assert changed in capsys.readouterr().out
     assert second["resumed_from_step"] == 6 and second["steps"] == 12
     assert second["optimizer_step_at_resume"] == 6  # Adam's state came back, not a fresh optimizer
     steps = [m for m in _metrics(run_dir) if "loss" in m]
