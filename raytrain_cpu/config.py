@@ -452,6 +452,10 @@ class ScalingConfig:
     """torch intra-op threads per worker; 0 uses the physical cores behind the worker's CPUs."""
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     """Extra Ray resources each worker needs, e.g. {c7i_worker: 1}, to land on given nodes."""
+    node_wait_s: int = 1800
+    """On a cluster that has no node for the workers yet (an autoscaler starts them on demand,
+    as cluster/aws-c7i.yaml's worker types start at 0), how long the driver asks for them and
+    waits before it stops; 0 stops at once. Needs scaling.num_workers."""
     pin_cores: bool = False
     """Pin each worker's threads to its own physical cores (split by local rank; one socket
     per rank on multi-socket nodes). Pays on a dedicated node; hurts on a shared one."""
@@ -491,6 +495,7 @@ class ScalingConfig:
         _require(self.cpus_per_worker >= 0, "scaling.cpus_per_worker", "must be >= 0 (0 = auto).")
         _require(self.data_cpus >= 0, "scaling.data_cpus", "must be >= 0 (0 = auto).")
         _require(self.threads_per_worker >= 0, "scaling.threads_per_worker", "must be >= 0 (0 = auto).")
+        _require(self.node_wait_s >= 0, "scaling.node_wait_s", "must be >= 0 (0 = don't wait).")
         for k, v in self.resources_per_worker.items():
             _require(
                 isinstance(v, (int, float)) and v > 0,

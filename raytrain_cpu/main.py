@@ -221,6 +221,77 @@ def check_data_cpus(cluster_cpus: float, workers: int, cpus_per_worker: float) -
         )
 
 
+def worker_nodes(cfg: Config) -> list[dict[str, Any]]:
+    """The alive nodes a training worker can run on: CPUs and scaling.resources_per_worker.
+
+    A cluster may have none yet: an autoscaler starts worker nodes on demand (the AWS config's
+    head has no CPUs and its worker types start at 0). Then the driver asks the autoscaler for
+    the workers' bundles and waits until they fit, up to scaling.node_wait_s. A local Ray never
+    grows: there, and without scaling.num_workers to size the request, it stops at once.
+    """
+    import ray
+    from ray.autoscaler.sdk import request_resources
+
+    s = cfg.scaling
+    bundle = {"CPU": s.cpus_per_worker or 1, **s.resources_per_worker}
+
+    def usable() -> list[dict[str, Any]]:
+        return [
+            n
+            for n in ray.nodes()
+            if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
+            and all(n["Resources"].get(k, 0) >= v for k, v in s.resources_per_worker.items())
+        ]  # fmt: skip
+
+    def fits(nodes: list[dict[str, Any]]) -> bool:  # room for every worker (the CPUs when they are given)
+        need = dict(s.resources_per_worker) | ({"CPU": s.cpus_per_worker} if s.cpus_per_worker else {})
+        if not need:
+            return bool(nodes)
+        room = sum(min(int(n["Resources"].get(k, 0) // v) for k, v in need.items()) for n in nodes)
+        return room >= (s.num_workers or len(nodes) or 1)
+
+    nodes = usable()
+    if fits(nodes):
+        return nodes
+    have = sorted({k for n in ray.nodes() if n.get("Alive") for k in n["Resources"] if not k.startswith("node:")})
+    # A Ray this process started (a local run, a notebook's, the tests') has no autoscaler; a
+    # cluster joined (`ray job submit`) may have one: only the cluster knows, so it is asked.
+    node = getattr(ray._private.worker, "_global_node", None)
+    if getattr(node, "head", False):
+        why = "this process's own Ray has no autoscaler to start more"
+    elif not s.num_workers:
+        why = "set scaling.num_workers, so the autoscaler knows how many to start"
+    elif not s.node_wait_s:
+        why = "scaling.node_wait_s=0 does not wait for more"
+    else:
+        why = ""
+    if why:
+        raise ConfigError(
+            f"scaling: no node offers {s.num_workers or 1} workers {bundle} (the cluster's nodes have {have}); "
+            f"{why}. On one machine drop scaling.resources_per_worker and let the CPUs be derived."
+        )
+    request_resources(bundles=[bundle] * s.num_workers)
+    print(
+        f"[raytrain] waiting for nodes to hold {s.num_workers} workers {bundle}: the cluster's autoscaler starts "
+        f"them (up to {s.node_wait_s}s, scaling.node_wait_s)",
+        flush=True,
+    )
+    deadline = time.monotonic() + s.node_wait_s
+    try:
+        while not fits(nodes := usable()):
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"scaling: after {s.node_wait_s}s the cluster still has no room for {s.num_workers} workers "
+                    f"{bundle} (its nodes have {have}). Check the autoscaler (ray status, its monitor log) and "
+                    "the node types' resources, or raise scaling.node_wait_s."
+                )
+            time.sleep(2)
+    finally:
+        request_resources(bundles=[])  # a request outlives the job: it would keep the nodes up for good
+    print(f"[raytrain] {len(nodes)} node(s) ready for the workers", flush=True)
+    return nodes
+
+
 def derive_scaling(cfg: Config) -> dict[str, Any]:
     """Worker count, CPUs and threads per worker from what Ray reports (config wins when set).
 
@@ -231,7 +302,7 @@ def derive_scaling(cfg: Config) -> dict[str, Any]:
 
     from raytrain_cpu.cpu import default_workers_per_node, threads_per_worker
 
-    nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0]
+    nodes = worker_nodes(cfg)
     cpus_per_node = min(n["Resources"]["CPU"] for n in nodes)
     feats = worker_node_cpu(nodes)
     s = cfg.scaling
@@ -255,7 +326,7 @@ def derive_scaling(cfg: Config) -> dict[str, Any]:
             f"scaling.cpus_per_worker: {workers_per_node} workers x {cpus} CPUs don't fit a node with "
             f"{cpus_per_node:g} CPUs; lower scaling.cpus_per_worker or scaling.num_workers."
         )
-    check_data_cpus(sum(n["Resources"]["CPU"] for n in nodes), workers, cpus)
+    check_data_cpus(sum(n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")), workers, cpus)
     threads = s.threads_per_worker or threads_per_worker(
         cpus, feats.threads_per_core, feats.usable_cores, workers_per_node
     )

@@ -1,11 +1,13 @@
 """`ray job submit` on a real two-node Ray cluster on this machine, as the README runs it.
 
 One module fixture starts the cluster with the `ray` CLI: a head (`ray start --head --block`:
-token auth, dashboard on 127.0.0.1, no CPUs, so nothing trains there, as on AWS) and a second
-node carrying the CPUs and a `trainer` resource, like a c7i worker. Every port is picked free
-and each node has its own --temp-dir, so the cluster neither clashes with nor joins other Rays
-on the machine and never writes /tmp/ray/ray_current_cluster. One short training job is
-submitted and followed with the CLI; both tests read that one job.
+token auth, dashboard on 127.0.0.1, no CPUs, so nothing trains there, as on AWS). One short
+training job is submitted to it, with no node yet to train on, as on AWS before the autoscaler
+starts the worker types (they start at 0): once the job says it waits for nodes, the test
+starts a second node carrying the CPUs and a `trainer` resource, like a c7i worker, as the
+autoscaler would. Every port is picked free and each node has its own --temp-dir, so the
+cluster neither clashes with nor joins other Rays on the machine and never writes
+/tmp/ray/ray_current_cluster. The job is followed with the CLI; two tests read that one job.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ def _listening(port: int) -> bool:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A head and a `trainer` node, token auth on; yields how to talk to them."""
+    """A head without CPUs, token auth on; yields how to talk to it and how to add the `trainer` node."""
     # Short and fresh: Ray's unix sockets live under the temp dir (108-byte path limit).
     root = Path(tempfile.mkdtemp(prefix="rtjob-", dir="/tmp"))
     token = root / "auth_token"
@@ -169,12 +171,21 @@ def cluster():
         # `ray start` writes its address file once its node is up. The second node starts after
         # the whole head, so the two don't race for the ports each picked free beforehand.
         _wait_for("the head node", (root / "head" / "ray_current_cluster").exists, procs, root)
-        procs.insert(0, _start_trainer_node(root, gcs_address, env, outs))
         _wait_for("the dashboard", lambda: _dashboard_answers(url), procs, root)
         print(f"\ncluster up in {time.time() - t0:.1f}s")
+
+        def add_trainer_node() -> None:  # stopped with the head, first
+            procs.insert(0, _start_trainer_node(root, gcs_address, env, outs))
+
         # Clients find the job API as the README says (RAY_API_SERVER_ADDRESS); the token comes
         # from RAY_AUTH_TOKEN_PATH above.
-        yield {"env": env | {"RAY_API_SERVER_ADDRESS": url}, "url": url, "gcs_address": gcs_address, "root": root}
+        yield {
+            "env": env | {"RAY_API_SERVER_ADDRESS": url},
+            "url": url,
+            "gcs_address": gcs_address,
+            "root": root,
+            "add_trainer_node": add_trainer_node,
+        }
     finally:
         t1 = time.time()
         _stop(procs)
@@ -235,6 +246,12 @@ def job(cluster, tmp_path_factory, shared_cache):
         *overrides,
     )  # fmt: skip
     assert submit.returncode == 0, submit.stdout + submit.stderr
+    # No node can hold a worker yet: the job asks the autoscaler and waits; this test is the autoscaler.
+    waiting = "[raytrain] waiting for nodes to hold 2 workers"
+    if not _until(lambda: waiting in _ray(cluster, "job", "logs", sid).stdout, [], timeout=120):
+        _ray(cluster, "job", "stop", sid)
+        pytest.fail(f"job {sid} did not wait for nodes:\n{_ray(cluster, 'job', 'logs', sid).stdout[-5000:]}")
+    cluster["add_trainer_node"]()
     try:
         follow = _ray(cluster, "job", "logs", "--follow", sid, timeout=600)
     except subprocess.TimeoutExpired:
@@ -259,6 +276,7 @@ def test_job_submit_runs_main(cluster, job):
     assert "succeeded" in job["status_cli"]
     logs = job["logs"]
     assert f"step {STEPS}/{STEPS}" in logs and "== raytrain_cpu summary ==" in logs
+    assert "[raytrain] 1 node(s) ready for the workers" in logs  # the one that came while it waited
     # Ray Train's helpers (the placement-group cleaner) found this cluster, not one of the other
     # Rays on the machine: their errors land in the nodes' Ray logs, not in the job's.
     for log in cluster["root"].glob("*/session_2*/logs/**/*"):
