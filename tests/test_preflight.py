@@ -1,6 +1,7 @@
 """Checks the driver makes before Ray starts, against files already on disk (no training):
-a resume whose model/data/batch settings differ from its checkpoint's (named key by key), and a
-data.seq_len longer than the model's context."""
+a resume whose model/data/batch settings differ from its checkpoint's (named key by key), a run
+already finished, a run directory another job holds, a hub or S3 source that does not answer,
+worker resources no node has, and a data.seq_len longer than the model's context."""
 
 from __future__ import annotations
 
@@ -89,6 +90,18 @@ def test_explicit_worker_count_must_match_the_checkpoint(make_config):
         validate_before_ray(make_config("run.name=r", "scaling.num_workers=1"))
 
 
+def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m raytrain_cpu.main *argv` in a child; a Ray it started would be a new local one."""
+    return subprocess.run(
+        [sys.executable, "-m", "raytrain_cpu.main", *argv],
+        cwd=REPO,
+        env=(env or dict(os.environ)) | {"RAY_ADDRESS": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_cli_exits_2_before_ray(make_config):
     """`python -m raytrain_cpu.main` with a changed setting: exit 2, the old → new values, no Ray."""
     from conftest import fast_overrides
@@ -96,15 +109,7 @@ def test_cli_exits_2_before_ray(make_config):
     old = make_config("run.name=r")
     fake_run_dir(old)
     argv = fast_overrides(old.run.storage_path, old.data.cache_dir, "run.name=r")
-    env = {**os.environ, "RAY_ADDRESS": ""}  # would Ray start, it would be a new local one
-    p = subprocess.run(
-        [sys.executable, "-m", "raytrain_cpu.main", *argv, "data.seq_len=128"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = cli(*argv, "data.seq_len=128")
     assert p.returncode == 2, p.stderr[-2000:]
     assert "error: run.name: run 'r' resumes from" in p.stderr and "data.seq_len: 64 → 128" in p.stderr
     assert "Traceback" not in p.stderr and "[raytrain]" not in p.stdout  # stopped before ray.init
@@ -161,14 +166,7 @@ def test_a_hub_this_machine_cannot_reach_is_one_line_before_ray(make_config, ove
     cfg = make_config()
     argv = fast_overrides(cfg.run.storage_path, cfg.run.storage_path + "/cache", override)
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"} | {"HF_ENDPOINT": "http://127.0.0.1:9"}
-    p = subprocess.run(
-        [sys.executable, "-m", "raytrain_cpu.main", *argv],
-        cwd=REPO,
-        env=env | {"RAY_ADDRESS": ""},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = cli(*argv, env=env)
     assert p.returncode == 2, p.stderr[-2000:]
     assert p.stderr.startswith(f"error: {key}: cannot reach the Hugging Face hub for {what} (ConnectError: "), p.stderr
     assert "DIR" in p.stderr and len(p.stderr.splitlines()) == 1
@@ -196,8 +194,6 @@ def test_a_second_job_on_a_running_run_directory_stops(tmp_path):
     """The same run.name and storage submitted again while the first job runs: a ConfigError
     naming the job that holds it (a real flock), not two jobs writing the same checkpoints. Free
     again once the first ends; a run directory made for a job that wrote nothing goes again."""
-    import os
-
     from raytrain_cpu.main import RUN_LOCK, hold_run_dir
 
     run_dir = tmp_path / "runs" / "r"
@@ -224,14 +220,7 @@ def test_an_s3_path_this_machine_cannot_list_is_one_line_before_ray(make_config)
     argv = fast_overrides(cfg.run.storage_path, cfg.data.cache_dir, "data.source=parquet", "data.path=s3://b/wiki/")
     aws = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
     aws |= {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
-    p = subprocess.run(
-        [sys.executable, "-m", "raytrain_cpu.main", *argv],
-        cwd=REPO,
-        env=os.environ | aws | {"RAY_ADDRESS": ""},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = cli(*argv, env=dict(os.environ) | aws)
     assert p.returncode == 2, p.stderr[-2000:]
     assert p.stderr.startswith("error: data.path: cannot list 's3://b/wiki/' (") and "Could not connect" in p.stderr
     assert "AWS credentials" in p.stderr and len(p.stderr.splitlines()) == 1
