@@ -628,7 +628,7 @@ class RunSettings:
     @property
     def hub_cache(self) -> Path:
         """What the driver fetches from the hub (models, tokenizers), kept for later runs."""
-        return Path(self.storage_path).expanduser().absolute() / "hf_cache"
+        return self.run_dir.parent / "hf_cache"
 
     @property
     def ray_init_address(self) -> str:

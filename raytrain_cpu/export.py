@@ -145,10 +145,11 @@ def _run_sources(ckpt_dir: Path, manifest: dict[str, Any], model_dir: str | None
     if model_dir is None:
         model_dir = recorded
         beside = ckpt_dir.parent / "base_model"
+        hub = hub_model(manifest)
         if missing(recorded) and Path(recorded).name == beside.name and beside.is_dir():
             model_dir = str(beside)
-        elif missing(recorded) and hub_model(manifest):
-            model_dir = hub_model(manifest)  # the run's download stayed behind: the hub has it
+        elif missing(recorded) and hub:
+            model_dir = hub  # the run's download stayed behind: the hub has it
         elif missing(recorded):
             raise CheckpointError(
                 f"the run trained {recorded}, which is not on this machine: pass --model-dir with a copy of that "

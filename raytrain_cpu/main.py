@@ -79,7 +79,7 @@ def check_not_in_job_copy(cfg: Config) -> None:
 
 
 def validate_before_ray(cfg: Config) -> None:
-    from raytrain_cpu.data import DataError, source_specs
+    from raytrain_cpu.data import DataError, cache_root, source_specs
     from raytrain_cpu.model import check_causal_lm, check_context_length, check_model_path
 
     if not cfg.model.is_tiny:
@@ -96,10 +96,10 @@ def validate_before_ray(cfg: Config) -> None:
             )
     check_not_in_job_copy(cfg)
     check_storage(cfg.run.run_dir)
-    caches = {"data.cache_dir": cfg.data.cache_dir, "model.compile_cache_dir": cfg.model.compile_cache_dir}
-    for key, where in caches.items():
-        if where:
-            check_storage(Path(where).expanduser().absolute(), key)
+    if cfg.data.cache_dir:  # else it lies under run.storage_path, just checked
+        check_storage(cache_root(cfg), "data.cache_dir")
+    if cfg.model.compile_cache_dir:  # made absolute when the config loaded
+        check_storage(Path(cfg.model.compile_cache_dir), "model.compile_cache_dir")
     try:
         source_specs(cfg.data)  # a hub dataset's file list: the hub answers before Ray starts
     except DataError as e:
