@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.checkpoint import DS_TAG, CheckpointError, checkpoint_of, verify_checkpoint
+from raytrain_cpu.checkpoint import DS_TAG, MANIFEST, SNAPSHOT, CheckpointError, checkpoint_of, verify_checkpoint
 from raytrain_cpu.hub import is_hub_id
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -201,8 +201,7 @@ def export_checkpoint(
     dtype = manifest.get("dtype", "fp32") if dtype == "auto" else dtype
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: got {dtype!r}; choose auto, bf16 or fp32.")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty; pass --overwrite or choose another directory.")
+    _check_out_dir(ckpt_dir, out_dir, overwrite)
     model_dir, tokenizer = _run_sources(ckpt_dir, manifest, model_dir, tokenizer)
 
     t0 = time.perf_counter()
@@ -229,6 +228,29 @@ def export_checkpoint(
         **written,
         "export_s": time.perf_counter() - t0,
     }
+
+
+def _check_out_dir(ckpt_dir: Path, out_dir: Path, overwrite: bool) -> None:
+    """Refuses an out_dir whose replacement would lose training state, --overwrite or not: the
+    export replaces out_dir whole, so out_dir must not be, hold or lie in a checkpoint or run."""
+    ckpt, out = ckpt_dir.resolve(), out_dir.resolve()
+    if out == ckpt or out in ckpt.parents or ckpt in out.parents:
+        where = "is" if out == ckpt else "is inside" if ckpt in out.parents else "holds"
+        raise FileExistsError(
+            f"{out_dir} {where} the checkpoint {ckpt_dir}; choose an out_dir outside it (e.g. {ckpt.parent / 'export'})."
+        )
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass --overwrite or choose another directory.")
+    # A checkpoint, a run directory or a storage path of runs: --overwrite never replaces training state.
+    patterns = [f"{depth}{name}" for name in (MANIFEST, SNAPSHOT) for depth in ("", "*/", "*/*/")]
+    held = next((p for pattern in patterns for p in out.glob(pattern)), None)
+    if held:
+        raise FileExistsError(
+            f"{out_dir} holds raytrain checkpoints ({held.parent}); --overwrite never replaces them: "
+            "choose another directory."
+        )
 
 
 def _write_lora(state, out: Path, dtype, manifest, model_dir: str, tokenizer: str, merge: bool, max_shard_bytes: int):

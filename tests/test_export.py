@@ -183,6 +183,24 @@ def test_a_run_copied_to_another_machine_still_exports(zero3, tmp_path, capsys):
     assert main([str(ckpt), str(tmp_path / "out2")]) == 2 and "/fsx/t.j2" in capsys.readouterr().err
 
 
+def test_overwrite_never_replaces_a_checkpoint_or_a_run(zero3, tmp_path, capsys):
+    """--overwrite replaces an earlier export whole, so it refuses training state: the checkpoint
+    itself, its run directory, a directory inside it, the storage path or another run."""
+    from raytrain_cpu.export import main
+
+    ckpt = tmp_path / "runs" / "a" / zero3["checkpoint"].name
+    other = tmp_path / "runs" / "b"
+    shutil.copytree(zero3["checkpoint"], ckpt)
+    shutil.copytree(zero3["checkpoint"], other / ckpt.name)
+    before = sorted(tmp_path.rglob("*"))
+    for out in (ckpt, ckpt.parent, ckpt / "hf", tmp_path / "runs", other):
+        assert main([str(ckpt), str(out), "--overwrite"]) == 2
+        assert "choose" in capsys.readouterr().err
+    assert sorted(tmp_path.rglob("*")) == before
+    assert main([str(ckpt), str(tmp_path / "hf")]) == 0
+    assert main([str(ckpt), str(tmp_path / "hf"), "--overwrite"]) == 0  # an earlier export it does replace
+
+
 def test_export_of_a_mistyped_checkpoint_names_the_runs_checkpoints(zero3, tmp_path, capsys):
     from raytrain_cpu.export import main
 
