@@ -77,6 +77,7 @@ def generate(
         tokenizer = AutoTokenizer.from_pretrained(str(export_dir))
         ids = prompt_ids(tokenizer, _run_info(export_dir), prompt, messages)
         model = load_exported(export_dir)
+        _check_fits(model.config.to_dict(), len(ids), max_new_tokens)
         torch.manual_seed(seed)
         eos = tokenizer.eos_token_id
         out = model.generate(
@@ -91,6 +92,22 @@ def generate(
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
         )
     return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+
+def _check_fits(config: dict[str, Any], prompt_len: int, max_new_tokens: int) -> None:
+    """Prompt and completion must fit the model's positions: past them a learned-position model
+    (GPT-2) fails deep in its forward and a rotary one writes on positions it never saw."""
+    from raytrain_cpu.model import context_length
+
+    found = context_length(config)
+    if found is None or prompt_len + max_new_tokens <= found[1]:
+        return
+    key, limit = found
+    room = limit - prompt_len
+    raise ValueError(
+        f"--max-new-tokens: the prompt's {prompt_len} tokens and {max_new_tokens} new ones exceed the model's "
+        f"context ({key}={limit}); " + (f"use --max-new-tokens {room} or less." if room > 0 else "shorten the prompt.")
+    )
 
 
 def _read_messages(path: str) -> list[dict]:

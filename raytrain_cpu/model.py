@@ -205,10 +205,16 @@ def check_causal_lm(model_dir: str) -> None:
         )
 
 
+def context_length(config: dict[str, Any]) -> tuple[str, int] | None:
+    """(key, positions) of the context a config.json dict sets (a multimodal one's text_config
+    first), else None."""
+    return config_value({**config, **(config.get("text_config") or {})}, _CONTEXT)
+
+
 def check_context_length(model_dir: str, seq_len: int) -> None:
     """data.seq_len must fit the positions the model has: a learned-position model (GPT-2)
     would crash mid-run past them, a rotary one trains on positions it never saw."""
-    found = config_value(read_model_config(model_dir), _CONTEXT)
+    found = context_length(_config_json(model_dir))
     if found is not None and seq_len > found[1]:
         key, limit = found
         raise ConfigError(
