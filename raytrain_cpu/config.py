@@ -795,9 +795,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return str(value)
         raise ConfigError(f"{key}: expected a string, got {value!r}.")
     if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list like [0.9, 0.95], got {value!r}.")
         (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str) and item_tp is str:  # key=q_proj,v_proj on the command line
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            example = "[q_proj, v_proj]" if item_tp is str else "[0.9, 0.95]"
+            raise ConfigError(f"{key}: expected a list like {example}, got {value!r}.")
         return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):

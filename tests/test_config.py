@@ -35,8 +35,10 @@ def test_overrides_are_typed():
             "train.betas=[0.8, 0.9]",
             "model.activation_checkpointing=true",
             "deepspeed.sub_group_size=1e9",  # YAML 1.1 reads this as a string; an integer field takes it
+            "lora.target_modules=q_proj, v_proj",  # a list of names, comma-separated as shells pass it
         ],
     )
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
     assert cfg.train.max_steps == 20 and cfg.scaling.num_workers == 1
     assert cfg.deepspeed.sub_group_size == 10**9 and isinstance(cfg.deepspeed.sub_group_size, int)
     assert cfg.train.lr == pytest.approx(1e-3) and cfg.train.betas == [0.8, 0.9]
@@ -102,6 +104,8 @@ def test_round_trip_through_plain_dict():
         (["deepspeed.config_file=/nope.json"], "deepspeed.config_file", "does not exist"),
         (["run.name=a/b"], "run.name", "plain directory"),
         (["train.betas=[0.9]"], "train.betas", "two numbers"),
+        (["train.betas=0.9"], "train.betas", "[0.9, 0.95]"),
+        (["lora.target_modules={a: 1}"], "lora.target_modules", "[q_proj, v_proj]"),
         (["train"], "train", "section.key=value"),
         (["train=3"], "train", "section"),
     ],
