@@ -21,6 +21,7 @@ The flow, top to bottom:
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
 import functools
@@ -198,7 +199,10 @@ def _filesystem(name: str):
 
 
 def _decode_lines(raw: bytes, path: str, bad_rows: str) -> tuple[list[str], int]:
-    """UTF-8 lines of a file; undecodable lines fail (naming file and line) or are skipped."""
+    """UTF-8 lines of a file; undecodable lines fail (naming file and line) or are skipped.
+    Files saved on Windows read as the same lines: a leading byte-order mark and CRLF endings are
+    dropped (a kept '\r' hides wikitext headings, and a BOM is not JSON)."""
+    raw = raw.removeprefix(codecs.BOM_UTF8).replace(b"\r\n", b"\n")
     try:
         return raw.decode("utf-8").split("\n"), 0
     except UnicodeDecodeError as e:

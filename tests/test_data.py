@@ -41,6 +41,16 @@ def test_non_utf8_names_file_line_and_fix(tmp_path):
     assert skipped == 1 and "third" in docs[0] and "bad" not in docs[0]
 
 
+def test_windows_files_read_as_unix_ones():
+    """A byte-order mark and CRLF line ends (UTF-8 as Windows editors save it) give the same
+    documents: the '\r' hid every heading (one document per file), and the BOM broke line 1's JSON."""
+    windows = b"\xef\xbb\xbf" + WIKI.replace("\n", "\r\n").encode()
+    docs, _ = file_documents("w.txt", windows, spec())
+    assert len(docs) == 2 and (docs, 0) == file_documents("u.txt", WIKI.encode(), spec())
+    jsonl = b'\xef\xbb\xbf{"text": "a b"}\r\n{"text": "c"}\r\n'
+    assert file_documents("w.jsonl", jsonl, spec("jsonl", wikitext=False)) == (["a b", "c"], 0)
+
+
 def test_jsonl_missing_field_and_bad_json():
     raw = b'{"text": "a b"}\n{"body": "c"}\n'
     with pytest.raises(DataError, match=r"d.jsonl, line 2: no 'text' field.*data.text_column"):
