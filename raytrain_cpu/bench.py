@@ -1,4 +1,4 @@
-"""`python -m raytrain_cpu.bench [gemm|train|load|scaling|placement|options|reference|all]`: CPU benchmarks.
+"""`python -m raytrain_cpu.bench [gemm|train|load|scaling|placement|options|seed|lora|reference|all]`: CPU benchmarks.
 
 Every comparison is measured side by side in one invocation (the machines this runs on are
 often shared, so absolute figures drift; ratios taken minutes apart hold). Results go to
@@ -17,6 +17,8 @@ benchmarks/results/<machine>/<suite>.json and a markdown table next to it (or --
 * options   torch.compile (per layer or the whole model), per-module ZeRO-3 gathers,
             activation checkpointing, bf16, the per-tensor AdamW loop and glibc malloc
             (fixed or dynamic mmap threshold) against the defaults.
+* seed      this project against the seed recipe (HF Trainer + DeepSpeed ZeRO-3 with CPU
+            offload, padded batches), interleaved ours, seed, ours: useful and raw tokens/s.
 * lora      LoRA (r=16, every projection) against full fine-tuning: tokens/s, peak RSS per
             rank, optimizer state bytes per rank, trainable parameters.
 * reference the 2-worker ZeRO-3 run against plain single-process PyTorch (no DeepSpeed, no
