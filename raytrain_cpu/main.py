@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -765,6 +766,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
             restore_stderr = hide_core_log_lines()
         verbose_hint = "" if cfg.run.verbose else "; run.verbose=true prints them here too"
         print(f"[raytrain] Ray's own logs: {logs_dir} (on each node){verbose_hint}", flush=True)
+    stop_on_sigterm()
     # Helper processes (e.g. Ray Train's placement-group cleaner) find this cluster, not another.
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     # One progress line from rank 0 instead of Ray Data's bars and per-operator logs (which it
@@ -918,6 +920,26 @@ def print_summary(s: dict[str, Any]) -> None:
         print(f"error: the run stopped early at step {s['steps']}: {s['guard_stop']}", file=sys.stderr, flush=True)
 
 
+STOP_SIGNAL = [signal.SIGINT]  # the signal that stopped the run: the exit code is 128 + it
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (`ray job stop`, a Kubernetes pod stop, `timeout`) stops the run as Ctrl-C does:
+    through Ray Train's SIGINT handler, a graceful abort of the workers. Ray's own handler, set by
+    ray.init, exits mid-call instead: its crash handler prints a stack and the driver aborts (134)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_sigterm(signum, frame) -> None:
+        STOP_SIGNAL[0] = signal.SIGTERM
+        on_sigint = signal.getsignal(signal.SIGINT)  # Ray Train's inside fit()
+        if not callable(on_sigint):  # a job started with `&` ignores SIGINT: SIGTERM must still stop it
+            raise KeyboardInterrupt
+        on_sigint(signal.SIGINT, frame)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def print_interrupted(cfg: Config) -> None:
     """What a stopped run left and how to go on: the checkpoints Ray Train recorded stay."""
     from raytrain_cpu.checkpoint import CheckpointError, latest_reported
@@ -985,7 +1007,7 @@ def main(argv: list[str] | None = None) -> int:
         # Ray Train turns Ctrl-C into an abort of the run, then exits this process with
         # SystemExit(1) and only a log record (which the quiet console keeps in Ray's log files).
         print_interrupted(cfg)
-        return 130
+        return 128 + STOP_SIGNAL[0]
     print_summary(summary)
     return 3 if summary.get("guard_stop") else 0
 

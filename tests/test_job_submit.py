@@ -332,3 +332,36 @@ def test_a_relative_storage_path_in_a_working_dir_job_is_refused(cluster, tmp_pa
     assert p.returncode != 0, out[-3000:]
     assert "error: run.storage_path: 'runs' is relative, and this job runs in Ray's copy of its --working-dir" in out
     assert "working_dir_files" in out and "[raytrain] Ray's own logs" not in out
+
+
+def test_ray_job_stop_stops_the_run_where_it_can_resume(cluster, job, tmp_path, shared_cache):
+    """`ray job stop` sends the driver SIGTERM (SIGKILL after RAY_JOB_STOP_WAIT_TIME_S): the run
+    stops as on Ctrl-C, the workers aborted by Ray Train, and the job's log says where it resumes.
+    Ray's own SIGTERM handler used to exit mid-call with a stack dump and an abort (exit 134)."""
+    from raytrain_cpu.checkpoint import latest_reported, verify_checkpoint
+
+    sid = f"raytrain-stop-{secrets.token_hex(4)}"
+    overrides = fast_overrides(
+        tmp_path, shared_cache, "train.max_steps=100000", "train.checkpoint_every=2", "run.name=stopped",
+        "scaling.num_workers=2", "scaling.cpus_per_worker=0.5", "scaling.threads_per_worker=1",
+        "scaling.resources_per_worker={trainer: 1}",
+    )  # fmt: skip
+    stop_wait = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}})  # the job supervisor's grace
+    submit = _ray(
+        cluster, "job", "submit", "--no-wait", f"--submission-id={sid}", f"--runtime-env-json={stop_wait}",
+        "--", "python", "-m", "raytrain_cpu.main", *overrides,
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+    run_dir = tmp_path / "stopped"
+    if not _until(lambda: latest_reported(run_dir) is not None, [], timeout=240):
+        _ray(cluster, "job", "stop", sid)
+        pytest.fail(f"job {sid} saved no checkpoint:\n{_ray(cluster, 'job', 'logs', sid).stdout[-5000:]}")
+    stop = _ray(cluster, "job", "stop", sid, timeout=120)
+    logs = _ray(cluster, "job", "logs", sid).stdout
+    assert "was stopped" in stop.stdout + stop.stderr, stop.stdout + stop.stderr + logs[-5000:]
+    latest = latest_reported(run_dir)
+    assert f"[raytrain] interrupted: run 'stopped' stopped before step 100000; its latest checkpoint is {latest}" in (
+        logs
+    ), logs[-5000:]
+    assert "SIGTERM received" not in logs
+    assert verify_checkpoint(latest)["step"] % 2 == 0  # whole: a resume starts there
