@@ -104,9 +104,10 @@ class ModelConfig:
     meta-llama/Meta-Llama-3-8B (cluster only: needs network and, for gated models, HF_TOKEN)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the 'tiny' model."""
-    tokenizer: str = "bundled"
-    """'bundled' (a 2048-token BPE trained on wikitext, shipped with the package), '' (the
-    model's own tokenizer), a local directory or a hub id."""
+    tokenizer: str = "auto"
+    """'auto' (the tiny model: 'bundled'; any other model: its own), 'bundled' (a 2048-token BPE
+    trained on wikitext, shipped with the package), '' (the model's own tokenizer), a local
+    directory or a hub id."""
     dtype: str = "auto"
     """Training precision: 'bf16' (DeepSpeed bf16, fp32 master weights), 'fp32', or 'auto':
     the workers time bf16 and fp32 GEMMs at the model's shapes at start-up and take bf16 only
@@ -179,6 +180,8 @@ class ModelConfig:
         # A hub id stays as it is; a local directory (what model.check_model_path treats as one) goes absolute.
         if not self.is_tiny and Path(self.name_or_path).expanduser().exists():
             self.name_or_path = _absolute(self.name_or_path)
+        if self.tokenizer == "auto":  # resolved here, so checkpoints record what the run used
+            self.tokenizer = "bundled" if self.is_tiny else ""
         if self.tokenizer not in ("bundled", "") and Path(self.tokenizer).expanduser().exists():
             self.tokenizer = _absolute(self.tokenizer)
         if self.compile_cache_dir:

@@ -657,6 +657,7 @@ def run(cfg: Config) -> dict[str, Any]:
         return done
     t0 = time.perf_counter()
     model_dir = fetch_from_hub(cfg)
+    check_tokenizer_fits(cfg, model_dir)
     with hold_run_dir(cfg.run.run_dir):
         return run_on_ray(cfg, model_dir, t0)
 
@@ -683,6 +684,29 @@ def fetch_from_hub(cfg: Config) -> str:
     if is_hub_id(tokenizer):  # saved once under the data cache, where prepare and the workers read it
         materialize_tokenizer(tokenizer, cfg)
     return model_dir
+
+
+def check_tokenizer_fits(cfg: Config, model_dir: str) -> None:
+    """A tokenizer of its own (model.tokenizer) must not outgrow a given model's embedding; the
+    tiny model is built for its tokenizer."""
+    if cfg.model.is_tiny:
+        return
+    from raytrain_cpu.data import DataError, materialize_tokenizer
+    from raytrain_cpu.model import check_vocab
+    from raytrain_cpu.tokenizer import resolve_tokenizer_path
+
+    tokenizer = resolve_tokenizer_path(cfg.model.tokenizer, model_dir)
+    fix = "Set model.tokenizer to a tokenizer directory or hub id, or 'bundled'."
+    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if Path(tokenizer).is_dir() and not any((Path(tokenizer) / f).is_file() for f in files):
+        raise ConfigError(f"model.tokenizer: {tokenizer} holds no tokenizer ({', '.join(files)}). {fix}")
+    try:
+        tokenizer_json, _ = materialize_tokenizer(tokenizer, cfg)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    except (OSError, ValueError) as e:  # files transformers cannot make a fast tokenizer of
+        raise ConfigError(f"model.tokenizer: {tokenizer}: {str(e).strip().splitlines()[0]} {fix}") from None
+    check_vocab(model_dir, tokenizer_json, cfg.model.tokenizer)
 
 
 RUN_LOCK = ".raytrain.lock"  # in the run directory: "pid N on HOST, since T" of the job that holds it

@@ -223,6 +223,27 @@ def check_context_length(model_dir: str, seq_len: int) -> None:
         )
 
 
+def check_vocab(model_dir: str, tokenizer_json: str, tokenizer: str) -> None:
+    """Every id the tokenizer gives needs a row in the model's embedding: past them the workers
+    fail on their first batch with an IndexError (and restart into it again)."""
+    from tokenizers import Tokenizer
+
+    rows = read_model_config(model_dir).get("vocab_size")
+    if not isinstance(rows, int):
+        return
+    top = max(Tokenizer.from_file(tokenizer_json).get_vocab(with_added_tokens=True).values())
+    if top >= rows:
+        fix = (
+            "Its tokenizer files and config.json disagree: fix the model directory."
+            if tokenizer == ""
+            else "Train with the model's own tokenizer (model.tokenizer=''), or a model made for this tokenizer."
+        )
+        raise ConfigError(
+            f"model.tokenizer: {tokenizer or 'the model’s own'!r} gives token ids up to {top}, but the model's "
+            f"embedding has {rows} rows (vocab_size in {model_dir}/config.json). {fix}"
+        )
+
+
 def _tensor_numels(model_dir: str) -> dict[str, int]:
     """Tensor name -> element count: from the safetensors headers (no weights read), else from
     a meta-device copy of the model (.bin checkpoints). Both hold a tied weight once."""

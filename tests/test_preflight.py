@@ -1,7 +1,8 @@
 """Checks the driver makes before Ray starts, against files already on disk (no training):
 a resume whose model/data/batch settings differ from its checkpoint's (named key by key), a run
 already finished, a run directory another job holds, a hub or S3 source that does not answer,
-worker resources no node has, and a data.seq_len longer than the model's context."""
+worker resources no node has, a data.seq_len longer than the model's context and a tokenizer
+that outgrows the model's embedding."""
 
 from __future__ import annotations
 
@@ -269,6 +270,35 @@ def test_seq_len_above_the_models_context(tmp_path, make_config, config, key):
         f"data.seq_len: 2048 exceeds the model's context: {d}/config.json has {key}=1024. "
         "Set data.seq_len=1024 or lower, or train a model with a longer context."
     )
+
+
+def test_a_tokenizer_must_fit_the_models_embedding(tmp_path, make_config):
+    """A model other than the tiny one trains with its own tokenizer unless told otherwise; a
+    tokenizer whose ids outgrow the embedding (a worker's IndexError on its first batch) and a
+    model without tokenizer files stop before Ray, naming the setting."""
+    import shutil
+
+    from raytrain_cpu.main import check_tokenizer_fits
+    from raytrain_cpu.tokenizer import BUNDLED_TOKENIZER
+
+    d = model_dir(tmp_path, model_type="llama", vocab_size=100)
+    assert make_config(f"model.name_or_path={d}").model.tokenizer == ""  # 'auto': the model's own
+    assert make_config().model.tokenizer == "bundled"  # ... and the bundled one for the tiny model
+    with pytest.raises(ConfigError, match=r"^model.tokenizer: .*/llama holds no tokenizer \(tokenizer.json"):
+        check_tokenizer_fits(make_config(f"model.name_or_path={d}"), str(d))
+    with pytest.raises(ConfigError) as e:
+        check_tokenizer_fits(make_config(f"model.name_or_path={d}", "model.tokenizer=bundled"), str(d))
+    assert str(e.value) == (
+        f"model.tokenizer: 'bundled' gives token ids up to 2047, but the model's embedding has 100 rows (vocab_size "
+        f"in {d}/config.json). Train with the model's own tokenizer (model.tokenizer=''), or a model made for this "
+        "tokenizer."
+    )
+    for f in BUNDLED_TOKENIZER.iterdir():  # the model's own tokenizer, as an export carries it
+        shutil.copy(f, d)
+    with pytest.raises(ConfigError, match="tokenizer files and config.json disagree"):
+        check_tokenizer_fits(make_config(f"model.name_or_path={d}"), str(d))
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 2048}))
+    check_tokenizer_fits(make_config(f"model.name_or_path={d}"), str(d))
 
 
 def test_a_model_type_without_a_causal_lm_class(tmp_path, make_config):
