@@ -121,7 +121,7 @@ def offline_hub_copy(model: Path, hub_cache: Path, monkeypatch) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", TRAINED)
-def test_train_resume_and_export(arch, model_dirs, ray_session, make_config, monkeypatch, capsys):
+def test_train_resume_and_export(arch, model_dirs, ray_session, make_config, monkeypatch):
     """2 workers train 2 steps (RESUMED: then resume to 3), exporting at the end with the logits check."""
     from raytrain_cpu.main import run, validate_before_ray
 
@@ -155,12 +155,12 @@ def test_train_resume_and_export(arch, model_dirs, ray_session, make_config, mon
     config = json.loads((Path(summary["export"]["export_dir"]) / "config.json").read_text())
     assert config["model_type"] == json.loads((model_dirs[arch] / "config.json").read_text())["model_type"]
     if arch == "gpt2":  # learned positions: a completion past them is refused up front, not an IndexError
-        from raytrain_cpu.generate import main as generate
+        from raytrain_cpu.generate import generate
 
         export_dir = summary["export"]["export_dir"]
-        assert generate([export_dir, "--prompt", "Hello", "--max-new-tokens", str(CONTEXT)]) == 2
-        assert f"n_positions={CONTEXT}" in capsys.readouterr().err
-        assert generate([export_dir, "--prompt", "Hello", "--max-new-tokens", "4"]) == 0
+        with pytest.raises(ValueError, match=f"--max-new-tokens: .*context \\(n_positions={CONTEXT}\\); use"):
+            generate(export_dir, prompt="Hello", max_new_tokens=CONTEXT)
+        assert isinstance(generate(export_dir, prompt="Hello", max_new_tokens=4), str)  # within it: generates
     if arch in HUB:  # the workers loaded the cached snapshot, and checkpoints name it
         manifest = json.loads((Path(summary["checkpoint_path"]) / "manifest.json").read_text())
         assert manifest["model_dir"] == str(last.run.hub_cache / "models--raytrain-test--phi3/snapshots/0123abcd")
