@@ -11,6 +11,7 @@ import ast
 import contextlib
 import dataclasses
 import inspect
+import itertools
 import os
 import re
 import textwrap
@@ -195,14 +196,37 @@ class ModelConfig:
 # ----------------------------------------------------------------------------- data
 
 
+# The files each data.source reads, by suffix. Text and JSON lines may come compressed, as corpora
+# ship: Ray Data's reader (pyarrow) decompresses these by their suffix; parquet compresses inside.
+DATA_SUFFIXES = {"text": (".txt", ".raw", ".tokens"), "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
+COMPRESSED = (".gz", ".bz2", ".zst")
+
+
+def data_suffixes(kind: str) -> tuple[str, ...]:
+    plain = DATA_SUFFIXES[kind]
+    return plain if kind == "parquet" else plain + tuple(s + z for s in plain for z in COMPRESSED)
+
+
+def source_of(path: str) -> str | None:
+    """The data.source a path names by its files' suffixes: a file or a glob by its own, a local
+    directory by those of the files it holds (the first thousand); None unless exactly one kind."""
+    p = Path(path).expanduser()
+    local_dir = "://" not in path and not any(ch in path for ch in "*?[") and p.is_dir()
+    names = [f.name for f in itertools.islice(p.rglob("*"), 1000)] if local_dir else [path]
+    kinds = {kind for kind in DATA_SUFFIXES for name in names if name.endswith(data_suffixes(kind))}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
 @dataclass
 class DataConfig:
     """Where the text comes from and how it becomes packed training blocks."""
 
-    source: str = "bundled"
-    """'bundled' (wikitext-2 shipped with the package: trains on its test split, evaluates on
-    its validation split), 'text' (wikitext-style text files), 'parquet', 'jsonl' (local,
-    /fsx/... or s3://...), or 'hub' (a dataset on the Hugging Face hub, cluster only)."""
+    source: str = "auto"
+    """'auto' ('bundled' without data.path, else what data.path's file names say: .txt -> text,
+    .jsonl -> jsonl, .parquet -> parquet), 'bundled' (wikitext-2 shipped with the package:
+    trains on its test split, evaluates on its validation split), 'text' (wikitext-style text
+    files), 'parquet', 'jsonl' (local, /fsx/... or s3://...), or 'hub' (a dataset on the Hugging
+    Face hub, cluster only)."""
     path: str = ""
     """Training data for source text/parquet/jsonl: a file, a directory or a glob."""
     eval_path: str = ""
@@ -258,7 +282,27 @@ class DataConfig:
     """Chat/instruction: also train on system, user and prompt tokens (padding never is)."""
 
     def __post_init__(self) -> None:
-        _choice(self.source, "data.source", ("bundled", "text", "parquet", "jsonl", "hub"))
+        _choice(self.source, "data.source", ("auto", "bundled", "text", "parquet", "jsonl", "hub"))
+        if self.source == "auto":  # resolved here, so checkpoints record what the run read
+            self.source = source_of(self.path) if self.path else "bundled"
+            local = "://" not in self.path and not any(ch in self.path for ch in "*?[")
+            _require(
+                self.source is not None or not local or Path(self.path).expanduser().exists(),
+                "data.path",
+                f"{self.path!r} does not exist. Point it at a text, jsonl or parquet file, a directory or a glob.",
+            )
+            _require(
+                self.source is not None,
+                "data.source",
+                f"cannot tell from data.path={self.path!r} whether it holds text, jsonl or parquet files; "
+                "set data.source=text, jsonl or parquet.",
+            )
+        _require(
+            not (self.source == "bundled" and self.path),
+            "data.path",
+            "is set, but data.source=bundled reads the bundled text: set data.source=auto (or text, jsonl, "
+            "parquet) to train on data.path, or leave data.path out.",
+        )
         _choice(self.format, "data.format", ("text", "chat", "instruction"))
         if self.format != "text":
             _require(

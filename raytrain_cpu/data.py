@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from raytrain_cpu.config import Config, ConfigError, DataConfig, load_config
+from raytrain_cpu.config import COMPRESSED, Config, ConfigError, DataConfig, data_suffixes, load_config
 from raytrain_cpu.hub import download_tokenizer, hub_errors, is_hub_id
 from raytrain_cpu.tokenizer import BUNDLED_SFT, BUNDLED_WIKITEXT, load_tokenizer, resolve_tokenizer_path
 
@@ -81,15 +81,8 @@ class SourceSpec:
         }
 
 
-# Compressed text and JSON lines, as corpora ship: Ray Data's reader (pyarrow) decompresses
-# these by their suffix, so they are read as the plain files are.
-COMPRESSED = (".gz", ".bz2", ".zst")
-
-
 def _expand_local(path: str, kind: str, key: str) -> tuple[str, ...]:
-    suffix = {"text": (".txt", ".raw", ".tokens"), "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}[kind]
-    if kind != "parquet":  # parquet compresses inside the file
-        suffix += tuple(s + z for s in suffix for z in COMPRESSED)
+    suffix = data_suffixes(kind)
     p = Path(path).expanduser()
     if any(ch in path for ch in "*?["):
         files = sorted(str(f) for f in Path(p.anchor or ".").glob(str(p.relative_to(p.anchor)) if p.anchor else path))

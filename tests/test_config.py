@@ -189,3 +189,26 @@ def test_cli_bad_input_exits_before_ray(args, needle, tmp_path):
     assert needle in r.stderr and "error:" in r.stderr
     assert "Started a local Ray instance" not in r.stderr + r.stdout
     assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def test_data_source_follows_data_path(tmp_path):
+    """data.source=auto (the default): the bundled text without data.path, else what data.path's
+    file names say; a data.path beside data.source=bundled is refused, not silently ignored."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.jsonl.gz").write_bytes(b"")
+    (tmp_path / "t.txt").write_text("x")
+    cases = {
+        "": "bundled",
+        str(tmp_path / "t.txt"): "text",
+        str(tmp_path / "d"): "jsonl",
+        "s3://b/*.parquet": "parquet",
+    }
+    for path, source in cases.items():
+        assert load_config(None, [f"data.path={path}"] if path else []).data.source == source, path
+    with pytest.raises(ConfigError, match="^data.path: is set, but data.source=bundled reads the bundled text"):
+        load_config(None, [f"data.path={tmp_path / 't.txt'}", "data.source=bundled"])
+    with pytest.raises(ConfigError, match="^data.path: '/no/such/corpus' does not exist"):
+        load_config(None, ["data.path=/no/such/corpus"])
+    (tmp_path / "d" / "b.txt").write_text("x")
+    with pytest.raises(ConfigError, match="^data.source: cannot tell .* set data.source=text, jsonl or parquet"):
+        load_config(None, [f"data.path={tmp_path / 'd'}"])
