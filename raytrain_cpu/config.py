@@ -503,6 +503,10 @@ class ScalingConfig:
     """On a cluster that has no node for the workers yet (an autoscaler starts them on demand,
     as cluster/aws-c7i.yaml's worker types start at 0), how long the driver asks for them and
     waits before it stops; 0 stops at once. Needs scaling.num_workers."""
+    check_memory: bool = True
+    """Before data preparation, compare the planner's training peak per rank (times the ranks
+    on a node) with the worker nodes' memory, and stop a run that cannot fit: Ray's memory
+    monitor would kill its workers after loading, and again on every restart. false skips it."""
     pin_cores: bool = False
     """Pin each worker's threads to its own physical cores (split by local rank; one socket
     per rank on multi-socket nodes). Pays on a dedicated node; hurts on a shared one."""

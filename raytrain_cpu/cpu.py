@@ -24,6 +24,7 @@ Why each piece exists:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import os
@@ -62,6 +63,8 @@ class CpuFeatures:
     """Each physical core as [socket, core id, vCPU ids...], ordered by socket then core."""
     allowed_cpus: list[int] = field(default_factory=list)
     """vCPUs this process may run on (sched_getaffinity)."""
+    memory_bytes: int = 0
+    """The node's memory: MemTotal, or a container's cgroup limit when lower (0: unknown)."""
 
     @property
     def usable_cores(self) -> int:
@@ -227,7 +230,21 @@ def cpu_features(
         feats.allowed_cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         feats.allowed_cpus = [c for c, _, _ in topo]
+    feats.memory_bytes = memory_bytes()
     return feats
+
+
+def memory_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int:
+    """This machine's memory as its processes get it: MemTotal, or the cgroup's limit when lower
+    (a Kubernetes pod's, v2 memory.max or v1 limit_in_bytes); 0 when neither can be read."""
+    sizes = []
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        line = next(line for line in Path(meminfo).read_text().splitlines() if line.startswith("MemTotal:"))
+        sizes.append(int(line.split()[1]) * 1024)
+    for limit in ("memory.max", "memory/memory.limit_in_bytes"):
+        with contextlib.suppress(OSError, ValueError):
+            sizes.append(int((Path(cgroup) / limit).read_text().strip()))  # "max": no limit
+    return min(sizes, default=0)
 
 
 # ----------------------------------------------------------------------------- GEMM shapes

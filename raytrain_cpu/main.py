@@ -343,6 +343,44 @@ def derive_scaling(cfg: Config) -> dict[str, Any]:
     }
 
 
+def check_memory(cfg: Config, model_dir: str, sizing: dict[str, Any]) -> None:
+    """The planner's training peak per rank, times the ranks on a node, against the worker
+    node's memory: a run that cannot fit is killed by Ray's memory monitor after its load, and
+    again on every restart. Above the node's memory it stops; above what the planner leaves a
+    node (Ray's 95% kill line, less what the node runs besides) it warns."""
+    from raytrain_cpu import plan
+
+    node_bytes = sizing["node_cpu"].get("memory_bytes") or 0
+    try:
+        inputs = plan.inputs_from_config(cfg, model_dir, sizing["num_workers"])
+    except (KeyError, ValueError, TypeError, OSError):  # a config.json the planner has no shape for
+        return
+    per_node = inputs["ranks_per_node"] = sizing["workers_per_node"]
+    peak = plan.plan(**inputs)["memory_gib"]["peak"]
+    need, node_gib = peak * per_node, node_bytes / plan.GIB
+    if not node_bytes or need <= plan.usable_bytes(node_gib) / plan.GIB:
+        return
+    ranks = f" x {per_node} ranks a node = {need:.1f} GiB" if per_node > 1 else ""
+    fixes = ", ".join(
+        [*(["model.activation_checkpointing=true"] if not cfg.model.activation_checkpointing else [])]
+        + ["a lower train.micro_batch_size (a higher train.grad_accum_steps keeps the batch)", "more nodes"]
+        + (["lora.rank=16"] if not cfg.lora.rank else [])
+    )
+    estimate = f"the planner estimates a training peak of {peak:.1f} GiB per rank{ranks}"
+    if need > node_gib:
+        raise ConfigError(
+            f"scaling: {estimate}, more than a worker node's {node_gib:.1f} GiB: Ray would kill the workers once "
+            f"the model is loaded, and again on each restart. Try {fixes}; `python -m raytrain_cpu.plan` compares "
+            "them. scaling.check_memory=false starts it anyway."
+        )
+    print(
+        f"[raytrain] memory is tight: {estimate} of a worker node's {node_gib:.1f} GiB, above the "
+        f"{plan.NODE_USABLE_FRACTION:.0%} less {plan.NODE_RESERVE_BYTES / plan.GIB:.0f} GiB the planner leaves a node. "
+        f"If Ray's memory monitor kills a worker: {fixes}.",
+        flush=True,
+    )
+
+
 def worker_env(cfg: Config, workers_per_node: int) -> dict[str, str]:
     """Env vars the training workers must have at process start (set by Ray's runtime env).
 
@@ -805,6 +843,8 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     sizing = derive_scaling(cfg)
     world = sizing["num_workers"]
     global_batch = cfg.train.derive_global_batch(world)  # ConfigError names the fix
+    if cfg.scaling.check_memory:
+        check_memory(cfg, model_dir, sizing)
     print(
         f"[raytrain] {world} workers x {sizing['cpus_per_worker']} CPUs ({sizing['threads_per_worker']} threads), "
         f"global batch {global_batch} blocks, run dir {run_dir}; nodes: {sizing['node_cpu']['model_name']} "

@@ -1008,17 +1008,22 @@ def inputs_from_run_config(path: str) -> dict[str, Any]:
     """Planner inputs from a raytrain run config (YAML): model, world size, stage, batch, seq_len."""
     from raytrain_cpu.config import load_config
 
-    cfg = load_config(path)
+    return inputs_from_config(load_config(path))
+
+
+def inputs_from_config(cfg: Any, model: str = "", world_size: int = 0) -> dict[str, Any]:
+    """Planner inputs from a run's Config; `model` is where its model's config.json lies (default
+    model.name_or_path), `world_size` the workers (default scaling.num_workers, or 2 for auto)."""
     m = cfg.model
     if m.is_tiny:
         t = m.tiny
         shape = ModelShape("tiny", 2048, t.hidden_size, t.intermediate_size, t.num_layers, t.num_heads, t.num_kv_heads)
         shape = ModelShape(**{**asdict(shape), "tie_word_embeddings": t.tie_word_embeddings})
     else:
-        shape = resolve_shape(m.name_or_path)
+        shape = resolve_shape(model or m.name_or_path)
     return dict(
         model_shape=shape,
-        world_size=cfg.scaling.num_workers or 2,  # 0 = auto: 2 on one machine
+        world_size=world_size or cfg.scaling.num_workers or 2,  # 0 = auto: 2 on one machine
         zero_stage=cfg.deepspeed.zero_stage,
         micro_batch=cfg.train.micro_batch_size,
         seq_len=cfg.data.seq_len,

@@ -1,8 +1,8 @@
 """Checks the driver makes before Ray starts, against files already on disk (no training):
 a resume whose model/data/batch settings differ from its checkpoint's (named key by key), a run
 already finished, a run directory another job holds, a hub or S3 source that does not answer,
-worker resources no node has, a data.seq_len longer than the model's context and a tokenizer
-that outgrows the model's embedding."""
+worker resources no node has, a data.seq_len longer than the model's context, a tokenizer that
+outgrows the model's embedding and a run whose planned memory does not fit its nodes."""
 
 from __future__ import annotations
 
@@ -389,3 +389,49 @@ def test_local_ray_offers_the_mask_but_at_least_two_cpus(one_vcpu):
     from raytrain_cpu.main import local_ray_cpus
 
     assert affinity_cpus() == 1 and local_ray_cpus() == 2
+
+
+def test_a_run_that_cannot_fit_a_node_stops_before_it_loads(tmp_path, make_config, capsys):
+    """Llama-3-8B's shape at world size 4 with the planner's peak per rank against a node's
+    memory: it stops above the node's memory (Ray's monitor would kill each restart after its
+    load), warns above what the planner leaves a node, and says nothing when it fits."""
+    from raytrain_cpu import plan
+    from raytrain_cpu.main import check_memory
+
+    s = plan.resolve_shape("meta-llama/Meta-Llama-3-8B")
+    d = model_dir(
+        tmp_path, model_type="llama", vocab_size=s.vocab_size, hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size, num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads,
+    )  # fmt: skip
+    cfg = make_config(f"model.name_or_path={d}", "model.tokenizer=bundled", "data.seq_len=1024")
+
+    def node(gib: float, workers: int = 4, per_node: int = 1) -> dict:
+        return {"num_workers": workers, "workers_per_node": per_node, "node_cpu": {"memory_bytes": int(gib * 2**30)}}
+
+    peak = plan.plan(**plan.inputs_from_config(cfg, str(d), 4))["memory_gib"]["peak"]
+    with pytest.raises(ConfigError) as e:
+        check_memory(cfg, str(d), node(peak * 0.9))
+    assert str(e.value).startswith(f"scaling: the planner estimates a training peak of {peak:.1f} GiB per rank, more")
+    assert "model.activation_checkpointing=true" in str(e.value) and "scaling.check_memory=false" in str(e.value)
+    with pytest.raises(ConfigError, match=r"per rank x 2 ranks a node = "):
+        check_memory(cfg, str(d), node(peak * 1.5, per_node=2))
+    capsys.readouterr()
+    check_memory(cfg, str(d), node(peak * 1.05))
+    assert "[raytrain] memory is tight" in capsys.readouterr().out
+    check_memory(cfg, str(d), node(384))  # a c7i.48xlarge
+    check_memory(cfg, str(d), node(0))  # memory unknown: no check
+    assert capsys.readouterr().out == ""
+
+
+def test_node_memory_is_the_smaller_of_memtotal_and_the_cgroup_limit(tmp_path):
+    from raytrain_cpu.cpu import memory_bytes
+
+    (tmp_path / "meminfo").write_text("MemTotal:       65536000 kB\nMemFree:        1000 kB\n")
+    (tmp_path / "cg").mkdir()
+    assert memory_bytes(str(tmp_path / "meminfo"), str(tmp_path / "cg")) == 65536000 * 1024
+    (tmp_path / "cg" / "memory.max").write_text("max\n")  # cgroup v2 without a limit
+    assert memory_bytes(str(tmp_path / "meminfo"), str(tmp_path / "cg")) == 65536000 * 1024
+    (tmp_path / "cg" / "memory.max").write_text(f"{24 * 2**30}\n")  # a pod's limit
+    assert memory_bytes(str(tmp_path / "meminfo"), str(tmp_path / "cg")) == 24 * 2**30
+    assert memory_bytes(str(tmp_path / "none"), str(tmp_path / "none")) == 0
