@@ -254,7 +254,10 @@ def worker_nodes(cfg: Config) -> list[dict[str, Any]]:
     nodes = usable()
     if fits(nodes):
         return nodes
-    have = sorted({k for n in ray.nodes() if n.get("Alive") for k in n["Resources"] if not k.startswith("node:")})
+
+    def have() -> list[str]:  # the resources the cluster's nodes offer, by name
+        return sorted({k for n in ray.nodes() if n.get("Alive") for k in n["Resources"] if not k.startswith("node:")})
+
     # A Ray this process started (a local run, a notebook's, the tests') has no autoscaler; a
     # cluster joined (`ray job submit`) may have one: only the cluster knows, so it is asked.
     node = getattr(ray._private.worker, "_global_node", None)
@@ -268,7 +271,7 @@ def worker_nodes(cfg: Config) -> list[dict[str, Any]]:
         why = ""
     if why:
         raise ConfigError(
-            f"scaling: no node offers {s.num_workers or 1} workers {bundle} (the cluster's nodes have {have}); "
+            f"scaling: no node offers {s.num_workers or 1} workers {bundle} (the cluster's nodes have {have()}); "
             f"{why}. On one machine drop scaling.resources_per_worker and let the CPUs be derived."
         )
     request_resources(bundles=[bundle] * s.num_workers)
@@ -283,7 +286,7 @@ def worker_nodes(cfg: Config) -> list[dict[str, Any]]:
             if time.monotonic() > deadline:
                 raise ConfigError(
                     f"scaling: after {s.node_wait_s}s the cluster still has no room for {s.num_workers} workers "
-                    f"{bundle} (its nodes have {have}). Check the autoscaler (ray status, its monitor log) and "
+                    f"{bundle} (its nodes have {have()}). Check the autoscaler (ray status, its monitor log) and "
                     "the node types' resources, or raise scaling.node_wait_s."
                 )
             time.sleep(2)
