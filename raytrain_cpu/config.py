@@ -58,6 +58,17 @@ def _absolute(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+def _require_filesystem(path: str, key: str) -> None:
+    """Runs, caches and checkpoints live on a filesystem every node mounts: an s3:// (or other
+    URL) would otherwise be taken as a relative directory named 's3:'."""
+    _require(
+        "://" not in path,
+        key,
+        f"{path!r} is a URL; runs, caches and checkpoints go on a filesystem every node mounts (on AWS "
+        "FSx for Lustre at /fsx, which can link an S3 bucket). Give a path such as /fsx/runs.",
+    )
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -186,6 +197,7 @@ class ModelConfig:
         if self.tokenizer not in ("bundled", "") and Path(self.tokenizer).expanduser().exists():
             self.tokenizer = _absolute(self.tokenizer)
         if self.compile_cache_dir:
+            _require_filesystem(self.compile_cache_dir, "model.compile_cache_dir")
             self.compile_cache_dir = _absolute(self.compile_cache_dir)
 
     @property
@@ -319,6 +331,7 @@ class DataConfig:
             self.chat_template = _absolute(self.chat_template)
         if self.source in ("text", "parquet", "jsonl"):
             _require(bool(self.path), "data.path", f"source {self.source!r} needs data.path=<file|dir|glob>.")
+        _require_filesystem(self.cache_dir, "data.cache_dir")
         _require(self.seq_len >= 8, "data.seq_len", f"got {self.seq_len}; use at least 8 tokens.")
         _require(0.0 <= self.eval_fraction < 0.5, "data.eval_fraction", "must be in [0, 0.5).")
         _choice(self.bad_rows, "data.bad_rows", ("error", "skip"))
@@ -667,6 +680,7 @@ class RunSettings:
             f"{self.name!r} must be a plain directory name (no '/').",
         )
         _require(bool(self.storage_path), "run.storage_path", "must not be empty; e.g. ./runs or /fsx/runs.")
+        _require_filesystem(self.storage_path, "run.storage_path")
         _require(self.num_to_keep >= 1, "run.num_to_keep", "must be >= 1.")
         _require(self.max_failures >= -1, "run.max_failures", "must be >= -1 (-1 = retry forever).")
         _require(self.gloo_timeout_s >= 10, "run.gloo_timeout_s", "must be at least 10 seconds.")
