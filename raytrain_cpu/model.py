@@ -102,7 +102,19 @@ def check_model_path(name_or_path: str) -> None:
             "*.safetensors, a hub id such as meta-llama/Meta-Llama-3-8B, or 'tiny'."
         )
     if not (p / "config.json").is_file():
-        raise ConfigError(f"model.name_or_path: {p} has no config.json; it is not a Hugging Face model directory.")
+        if (p / "adapter_config.json").is_file():  # a LoRA export: the adapter, not a model
+            why = (
+                "it holds a LoRA adapter. To train on, export its checkpoint with the adapter merged in: "
+                "python -m raytrain_cpu.export <checkpoint> <dir> --merge, then model.name_or_path=<dir>/merged"
+            )
+        elif (p / "manifest.json").is_file() or any(p.glob("checkpoint_*/manifest.json")):
+            why = (
+                "it is a raytrain checkpoint or run. Export it first (python -m raytrain_cpu.export "
+                f"{name_or_path} <dir>), then model.name_or_path=<dir>; to continue the run itself, rerun it"
+            )
+        else:
+            why = "it is not a Hugging Face model directory"
+        raise ConfigError(f"model.name_or_path: {p} has no config.json; {why}.")
     if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
         raise ConfigError(f"model.name_or_path: {p} has config.json but no *.safetensors weights.")
 

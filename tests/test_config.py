@@ -137,8 +137,17 @@ def test_missing_model_path_fails_before_ray(tmp_path):
         validate_before_ray(cfg)
     (tmp_path / "empty").mkdir()
     cfg = load_config(None, [f"model.name_or_path={tmp_path}/empty", f"run.storage_path={tmp_path}/runs"])
-    with pytest.raises(ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match="no config.json; it is not a Hugging Face model directory"):
         validate_before_ray(cfg)
+    # What a user may point at instead of a model: an adapter export, a checkpoint, a run.
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    (tmp_path / "run" / "checkpoint_000010").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint_000010" / "manifest.json").write_text("{}")
+    for model, why in [("adapter", "LoRA adapter.*--merge"), ("run", "raytrain checkpoint or run. Export it first")]:
+        cfg = load_config(None, [f"model.name_or_path={tmp_path / model}", f"run.storage_path={tmp_path}/runs"])
+        with pytest.raises(ConfigError, match=f"no config.json; it holds a {why}|no config.json; it is a {why}"):
+            validate_before_ray(cfg)
 
 
 def test_unwritable_storage_fails_and_writes_nothing(tmp_path):
