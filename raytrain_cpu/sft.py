@@ -49,6 +49,9 @@ from raytrain_cpu.config import DataConfig
 
 IGNORE = -100  # the label of a token without loss (PyTorch's cross-entropy ignore_index)
 PLAIN_ROLES = ("system", "user", "assistant")
+# ShareGPT rows (`conversations` of {from, value} turns, as many public SFT sets ship): their
+# speakers as chat roles.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
 # Newlines as {{ '\n' }}: transformers renders with trim_blocks, which eats a literal newline
 # right after a {% ... %} tag.
 PLAIN_TEMPLATE = (
@@ -71,14 +74,21 @@ def row_messages(row: dict[str, Any], cfg: DataConfig) -> list[dict[str, str]]:
     """The example's messages; RowError names what the row lacks."""
     if cfg.format == "chat":
         msgs = row.get(cfg.messages_column)
+        if msgs is None and cfg.messages_column == "messages":  # ShareGPT, recognised as it is
+            msgs = row.get("conversations")
         if msgs is None:
-            raise RowError(f"no {cfg.messages_column!r} field (has {sorted(row)}); set data.messages_column")
+            raise RowError(
+                f"no {cfg.messages_column!r} field (has {sorted(row)}); set data.messages_column "
+                "(ShareGPT's 'conversations' is recognised as it is)"
+            )
         if isinstance(msgs, str):
             msgs = json.loads(msgs)
         if not isinstance(msgs, list) or not msgs:
             raise RowError(f"{cfg.messages_column!r} must be a non-empty list of {{role, content}}")
         out = []
         for i, m in enumerate(msgs):
+            if isinstance(m, dict) and "role" not in m and isinstance(m.get("from"), str):  # a ShareGPT turn
+                m = {"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m.get("value")}
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise RowError(f"message {i} is not a {{role, content}} object with text content")
             out.append({"role": m["role"], "content": m["content"]})

@@ -133,6 +133,20 @@ def test_instruction_rows_mask_all_but_the_response(tok, eos_id, row, system, pr
     ]
 
 
+def test_sharegpt_rows_are_chat_rows():
+    """ShareGPT's `conversations` of {from, value} (human / gpt) read as {role, content} messages,
+    with no column setting; a speaker it does not know keeps its name for the template to refuse."""
+    row = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi?"},
+                             {"from": "gpt", "value": "Hello."}]}  # fmt: skip
+    assert row_messages(row, cfg()) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "Hello."},
+    ]
+    odd = {"conversations": [{"from": "tool", "value": "42"}, {"from": "gpt", "value": "42."}]}
+    assert row_messages(odd, cfg())[0]["role"] == "tool"
+
+
 def test_own_chat_template_masks_its_assistant_turns_and_matches_transformers(tok, eos_id, tmp_path):
     from transformers import AutoTokenizer
 
