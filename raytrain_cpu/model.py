@@ -250,9 +250,10 @@ def check_vocab(model_dir: str, tokenizer_json: str, tokenizer: str) -> None:
             if tokenizer == ""
             else "Train with the model's own tokenizer (model.tokenizer=''), or a model made for this tokenizer."
         )
+        named = repr(tokenizer) if tokenizer else "the model's own tokenizer"
         raise ConfigError(
-            f"model.tokenizer: {tokenizer or 'the model’s own'!r} gives token ids up to {top}, but the model's "
-            f"embedding has {rows} rows (vocab_size in {model_dir}/config.json). {fix}"
+            f"model.tokenizer: {named} gives token ids up to {top}, but the model's embedding has {rows} rows "
+            f"(vocab_size in {model_dir}/config.json). {fix}"
         )
 
 
