@@ -309,12 +309,15 @@ class DataConfig:
                 f"cannot tell from data.path={self.path!r} whether it holds text, jsonl or parquet files; "
                 "set data.source=text, jsonl or parquet.",
             )
-        _require(
-            not (self.source == "bundled" and self.path),
-            "data.path",
-            "is set, but data.source=bundled reads the bundled text: set data.source=auto (or text, jsonl, "
-            "parquet) to train on data.path, or leave data.path out.",
-        )
+        # Paths a source would not read are refused, not silently ignored.
+        reads = {"bundled": "the bundled text and its validation split", "hub": "data.hub_id's splits"}
+        for key, value in (("data.path", self.path), ("data.eval_path", self.eval_path)):
+            _require(
+                not (self.source in reads and value),
+                key,
+                f"is set, but data.source={self.source} reads {reads.get(self.source)}: set data.source=auto (or "
+                f"text, jsonl, parquet) to read {key}, or leave it out.",
+            )
         _choice(self.format, "data.format", ("text", "chat", "instruction"))
         if self.format != "text":
             _require(

@@ -218,6 +218,10 @@ def test_data_source_follows_data_path(tmp_path):
         assert load_config(None, [f"data.path={path}"] if path else []).data.source == source, path
     with pytest.raises(ConfigError, match="^data.path: is set, but data.source=bundled reads the bundled text"):
         load_config(None, [f"data.path={tmp_path / 't.txt'}", "data.source=bundled"])
+    with pytest.raises(ConfigError, match="^data.eval_path: is set, but data.source=bundled reads the bundled"):
+        load_config(None, [f"data.eval_path={tmp_path / 't.txt'}"])
+    with pytest.raises(ConfigError, match="^data.path: is set, but data.source=hub reads data.hub_id's splits"):
+        load_config(None, [f"data.path={tmp_path / 't.txt'}", "data.source=hub"])
     with pytest.raises(ConfigError, match="^data.path: '/no/such/corpus' does not exist"):
         load_config(None, ["data.path=/no/such/corpus"])
     (tmp_path / "d" / "b.txt").write_text("x")
