@@ -932,7 +932,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     if path:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"--config: {str(path)!r} does not exist; pass a YAML file such as configs/local.yaml.")
+            what = "is a directory" if p.is_dir() else "does not exist"
+            raise ConfigError(f"--config: {str(path)!r} {what}; pass a YAML file such as configs/local.yaml.")
         try:
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
