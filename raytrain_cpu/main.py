@@ -849,7 +849,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     if cfg.scaling.check_memory:
         check_memory(cfg, model_dir, sizing)
     print(
-        f"[raytrain] {world} workers x {sizing['cpus_per_worker']} CPUs ({sizing['threads_per_worker']} threads), "
+        f"[raytrain] {world} worker{'s' * (world != 1)} x {sizing['cpus_per_worker']} CPUs ({sizing['threads_per_worker']} threads), "
         f"global batch {global_batch} blocks, run dir {run_dir}; nodes: {sizing['node_cpu']['model_name']} "
         f"({sizing['node_cpu']['best_isa']})",
         flush=True,
