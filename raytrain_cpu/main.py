@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import dataclasses
 import fcntl
 import json
 import logging
@@ -420,6 +421,16 @@ def newest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
             f"run.name: {e}. Ray Train would resume run {run_dir.name!r} from it; restore the files, or start a "
             "new run.name (python -m raytrain_cpu.export turns an older, complete checkpoint into a model to start from)."
         ) from None
+
+
+def resume_world(cfg: Config) -> Config:
+    """scaling.num_workers=0 (auto) on a run that has a checkpoint takes the checkpoint's worker
+    count: its ZeRO shards are laid out for it, and a cluster's node count (which auto follows)
+    may have changed since the run started: an autoscaler still starting nodes, a lost one."""
+    latest = None if cfg.scaling.num_workers else newest_checkpoint(cfg.run.run_dir)
+    if latest is None:
+        return cfg
+    return dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, num_workers=latest["world_size"]))
 
 
 # ----------------------------------------------------------------------------- console
@@ -843,6 +854,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     data_ctx.enable_progress_bars = False
     data_ctx.print_on_execution_start = False
     data_ctx.execution_options.preserve_order = True  # each rank's blocks arrive in plan order
+    cfg = resume_world(cfg)
     sizing = derive_scaling(cfg)
     world = sizing["num_workers"]
     global_batch = cfg.train.derive_global_batch(world)  # ConfigError names the fix

@@ -435,3 +435,16 @@ def test_node_memory_is_the_smaller_of_memtotal_and_the_cgroup_limit(tmp_path):
     (tmp_path / "cg" / "memory.max").write_text(f"{24 * 2**30}\n")  # a pod's limit
     assert memory_bytes(str(tmp_path / "meminfo"), str(tmp_path / "cg")) == 24 * 2**30
     assert memory_bytes(str(tmp_path / "none"), str(tmp_path / "none")) == 0
+
+
+def test_auto_workers_resume_with_the_checkpoints_count(make_config):
+    """scaling.num_workers=0 follows the cluster's nodes, which may differ by the time a run
+    resumes (an autoscaler still starting them, a lost node): a resume takes the checkpoint's
+    worker count instead, as its shards need; an explicit count stays and is checked."""
+    from raytrain_cpu.main import resume_world
+
+    cfg = make_config("run.name=r")
+    assert resume_world(cfg) is cfg  # no checkpoint yet
+    fake_run_dir(cfg, world=3)
+    assert resume_world(cfg).scaling.num_workers == 3
+    assert resume_world(make_config("run.name=r", "scaling.num_workers=2")).scaling.num_workers == 2
