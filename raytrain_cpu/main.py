@@ -710,7 +710,7 @@ def run(cfg: Config) -> dict[str, Any]:
     t0 = time.perf_counter()
     model_dir = fetch_from_hub(cfg)
     check_tokenizer_fits(cfg, model_dir)
-    with hold_run_dir(cfg.run.run_dir):
+    with hold_run_dir(cfg.run.run_dir), sigterm_kept():
         return run_on_ray(cfg, model_dir, t0)
 
 
@@ -1017,6 +1017,18 @@ def stop_on_sigterm() -> None:
         on_sigint(signal.SIGINT, frame)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+@contextlib.contextmanager
+def sigterm_kept() -> Iterator[None]:
+    """The caller's SIGTERM handler again once the run is over: a notebook or a test process
+    that goes on would otherwise keep stop_on_sigterm's (and ray.init's) for good."""
+    before = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    try:
+        yield
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
 
 
 def print_interrupted(cfg: Config) -> None:

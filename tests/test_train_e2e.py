@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,9 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
         "model.attention=auto",  # the default, which the suite's FAST settings pin
     ]
     cfg = make_config(*overrides, "train.max_steps=12")
+    sigterm = signal.getsignal(signal.SIGTERM)
     first = run(make_config(*overrides, "train.max_steps=6"))
+    assert signal.getsignal(signal.SIGTERM) is sigterm  # the run's own handler goes with it
 
     # ---- the first leg: loss falls, outputs written, both ranks' shards in the checkpoint
     run_dir = cfg.run.run_dir
