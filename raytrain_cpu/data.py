@@ -24,6 +24,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import dataclasses
+import errno
 import functools
 import gc
 import hashlib
@@ -983,6 +984,13 @@ def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)  # the cache appears whole or not at all
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise DataError(
+            f"data.cache_dir: no space left in {final.parent} for the packed blocks ({e.strerror or e}); nothing was "
+            "kept. Free space there, or set data.cache_dir to a filesystem with room (about 4 bytes a token)."
+        ) from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -219,3 +219,22 @@ def _alive_tokenizer_actors(timeout: float) -> list[int]:
         if not alive or time.time() > deadline:
             return alive
         time.sleep(0.2)
+
+
+def test_a_full_cache_filesystem_is_named_and_leaves_nothing(ray_session, tmp_path, make_config, monkeypatch):
+    """ENOSPC (or a quota) while the blocks are written: one line naming data.cache_dir, and no
+    half-written cache (pyarrow's OSError traceback before)."""
+    import errno
+
+    from raytrain_cpu import data
+
+    def full(spec, data_cfg, tokenizer, actors, out, *rest):
+        out.mkdir(parents=True)
+        (out / "part-00000.parquet").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(data, "_pack", full)
+    cfg = make_config(f"data.cache_dir={tmp_path / 'cache'}")
+    with pytest.raises(DataError, match=r"^data.cache_dir: no space left in .*cache for the packed blocks"):
+        data.prepare(cfg, log=lambda m: None)
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]  # the .tmp copy is gone
