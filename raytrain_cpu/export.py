@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import shutil
 import sys
@@ -218,6 +219,13 @@ def export_checkpoint(
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
+    except Exception as e:  # OSError, or safetensors' own error around one
+        if not _out_of_space(e):
+            raise
+        raise CheckpointError(
+            f"{out_dir}: no space left on its filesystem for the export ({e}); nothing was kept. Free space there, "
+            "or choose another out_dir."
+        ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {
@@ -228,6 +236,13 @@ def export_checkpoint(
         **written,
         "export_s": time.perf_counter() - t0,
     }
+
+
+def _out_of_space(e: BaseException) -> bool:
+    """A full filesystem or quota: OSError's errno, or its words inside safetensors' SafetensorError."""
+    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+        words in str(e) for words in ("No space left on device", "Disk quota exceeded")
+    )
 
 
 def _check_out_dir(ckpt_dir: Path, out_dir: Path, overwrite: bool) -> None:

@@ -201,6 +201,22 @@ def test_overwrite_never_replaces_a_checkpoint_or_a_run(zero3, tmp_path, capsys)
     assert main([str(ckpt), str(tmp_path / "hf"), "--overwrite"]) == 0  # an earlier export it does replace
 
 
+def test_a_full_filesystem_is_named_and_leaves_nothing(zero3, tmp_path, capsys, monkeypatch):
+    """No space left while the weights are written (safetensors wraps the OSError in its own
+    error): one line naming out_dir, exit 2, and no partial export left beside it."""
+    from safetensors import SafetensorError
+
+    from raytrain_cpu import export
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(export, "_write_safetensors", full)
+    assert export.main([str(zero3["checkpoint"]), str(tmp_path / "out")]) == 2
+    assert "out: no space left on its filesystem for the export" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_export_of_a_mistyped_checkpoint_names_the_runs_checkpoints(zero3, tmp_path, capsys):
     from raytrain_cpu.export import main
 
