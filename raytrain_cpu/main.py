@@ -594,7 +594,8 @@ def failure_reason(errors: dict[int, BaseException]) -> tuple[str, bool]:
     others = sorted(set(errors) - {rank})
     also = f"; rank {', '.join(map(str, others))} failed too" if others else ""
     preempted = any(getattr(cause(x), "preempted", False) for x in errors.values())
-    return f"{where}: {message[:300]}{also}", preempted
+    message = message if len(message) <= 500 else message[:499] + "…"
+    return f"{where}: {message}{also}", preempted
 
 
 def restart_notice(max_failures: int, start_checkpoint: str | None) -> Any:
@@ -1031,21 +1032,39 @@ def sigterm_kept() -> Iterator[None]:
             signal.signal(signal.SIGTERM, before)
 
 
-def print_interrupted(cfg: Config) -> None:
+def where_it_resumes(cfg: Config) -> str:
     """What a stopped run left and how to go on: the checkpoints Ray Train recorded stay."""
     from raytrain_cpu.checkpoint import CheckpointError, latest_reported
 
     try:
         latest = latest_reported(cfg.run.run_dir)
     except CheckpointError as e:
-        kept = f"{e}."
-    else:
-        if latest:
-            kept = f"its latest checkpoint is {latest}. Run the same command again to resume from it."
-        else:
-            kept = "it had saved no checkpoint yet. Run the same command again to start it."
+        return f"{e}."
+    if latest:
+        return f"its latest checkpoint is {latest}. Run the same command again to resume from it."
+    return "it had saved no checkpoint yet. Run the same command again to start it."
+
+
+def print_interrupted(cfg: Config) -> None:
     print(
-        f"\n[raytrain] interrupted: run {cfg.run.name!r} stopped before step {cfg.train.max_steps}; {kept}",
+        f"\n[raytrain] interrupted: run {cfg.run.name!r} stopped before step {cfg.train.max_steps}; "
+        f"{where_it_resumes(cfg)}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def print_failed(cfg: Config, error: Exception) -> None:
+    """The end of a run whose workers failed past run.max_failures: the cause in one line (every
+    rank's traceback stays in Ray's logs, or on the console with run.verbose) and where it resumes."""
+    failures = getattr(error, "worker_failures", None)
+    if failures:
+        reason, _ = failure_reason(failures)
+    else:  # the controller's own error
+        reason = next((line for line in str(error).splitlines()[1:] if line.strip()), str(error)).strip()
+    print(
+        f"\nerror: run {cfg.run.name!r} failed ({reason}); {where_it_resumes(cfg)} Ray's logs (named at the top, "
+        "on each node) hold every rank's traceback; run.verbose=true prints them here too.",
         file=sys.stderr,
         flush=True,
     )
@@ -1099,6 +1118,13 @@ def main(argv: list[str] | None = None) -> int:
         # SystemExit(1) and only a log record (which the quiet console keeps in Ray's log files).
         print_interrupted(cfg)
         return 128 + STOP_SIGNAL[0]
+    except Exception as e:
+        import ray.train
+
+        if cfg.run.verbose or not isinstance(e, ray.train.TrainingFailedError):
+            raise
+        print_failed(cfg, e)
+        return 1
     print_summary(summary)
     return 3 if summary.get("guard_stop") else 0
 

@@ -291,3 +291,35 @@ def test_ctrl_c_stops_the_run_and_says_where_it_can_resume(tmp_path, shared_cach
     latest = latest_reported(run_dir)
     assert f"[raytrain] interrupted: run 'stopped' stopped before step 100000; its latest checkpoint is {latest}" in err
     assert verify_checkpoint(latest)["step"] % 4 == 0  # whole, as Ray Train recorded it: a resume starts there
+
+
+@pytest.mark.slow
+def test_a_failed_run_ends_with_its_cause_in_one_line(tmp_path, shared_cache):
+    """Workers that fail past run.max_failures (here: a model config.json that passes the driver's
+    checks, with an activation transformers does not have) end the CLI with exit 1 and one line:
+    the failed rank's error and where the run resumes, not Ray's WorkerGroupError traceback."""
+    import json
+
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.model import write_tiny_model
+    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+
+    model = tmp_path / "model"
+    write_tiny_model(load_config(None, []), load_tokenizer(resolve_tokenizer_path("bundled", "tiny")), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"hidden_act": "no_such_activation"}))
+    args = [f"model.name_or_path={model}", f"run.storage_path={tmp_path}", "run.name=broken"]
+    args += [f"data.cache_dir={shared_cache}", "train.max_steps=2", "data.tokenize_actors=1"]
+    p = subprocess.run(
+        [sys.executable, "-m", "raytrain_cpu.main", *args],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 1, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: run 'broken' failed (rank "), p.stderr[-3000:]
+    assert "no_such_activation" in last and "it had saved no checkpoint yet" in last
+    assert "Traceback" not in p.stderr and "WorkerGroupError" not in p.stderr
