@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -62,6 +63,48 @@ def check_storage(path: Path, key: str = "run.storage_path") -> None:
             f"{key}: cannot write under {probe_dir} ({e.strerror}). "
             f"Point {key} at a writable directory (on a cluster: the shared /fsx mount)."
         ) from None
+
+
+CHECKPOINT_BYTES_PER_PARAM = 12  # a ZeRO checkpoint: fp32 master weights and Adam's two moments
+
+
+def check_checkpoint_room(cfg: Config, model_dir: str) -> None:
+    """The run's storage must hold its checkpoints: with too little room the first save fails
+    after all the steps before it. Stops when not even one fits; warns below run.num_to_keep + 1
+    (the one being written beside those kept). LoRA checkpoints hold the adapters only: small."""
+    if cfg.lora.rank:
+        return
+    if cfg.model.is_tiny:  # not written yet: counted from its shape
+        from raytrain_cpu.plan import inputs_from_config
+
+        n_params = inputs_from_config(cfg)["model_shape"].num_params
+    else:
+        from raytrain_cpu.model import count_parameters
+
+        n_params = count_parameters(model_dir)["total"]
+    one = CHECKPOINT_BYTES_PER_PARAM * n_params
+    free = shutil.disk_usage(cfg.run.run_dir).free
+    needed = one * (cfg.run.num_to_keep + 1)
+    what = (
+        f"a checkpoint of this model takes about {_size(one)} ({n_params:,} parameters x "
+        f"{CHECKPOINT_BYTES_PER_PARAM} bytes: fp32 master weights and Adam's two moments)"
+    )
+    if free < one:
+        raise ConfigError(
+            f"run.storage_path: {cfg.run.run_dir} has {_size(free)} free, and {what}: the first save would fail. "
+            "Free space there, or choose a storage path with room."
+        )
+    if free < needed:
+        print(
+            f"[raytrain] storage: {_size(free)} free in {cfg.run.run_dir}, and {what}; run.num_to_keep="
+            f"{cfg.run.num_to_keep} keeps that many beside the one being written: {_size(needed)}. Free space, or "
+            "lower run.num_to_keep.",
+            flush=True,
+        )
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def check_not_in_job_copy(cfg: Config) -> None:
@@ -861,6 +904,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     global_batch = cfg.train.derive_global_batch(world)  # ConfigError names the fix
     if cfg.scaling.check_memory:
         check_memory(cfg, model_dir, sizing)
+    check_checkpoint_room(cfg, model_dir)
     print(
         f"[raytrain] {world} worker{'s' * (world != 1)} x {sizing['cpus_per_worker']} CPUs ({sizing['threads_per_worker']} threads), "
         f"global batch {global_batch} blocks, run dir {run_dir}; nodes: {sizing['node_cpu']['model_name']} "

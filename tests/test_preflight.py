@@ -2,7 +2,8 @@
 a resume whose model/data/batch settings differ from its checkpoint's (named key by key), a run
 already finished, a run directory another job holds, a hub or S3 source that does not answer,
 worker resources no node has, a data.seq_len longer than the model's context, a tokenizer that
-outgrows the model's embedding and a run whose planned memory does not fit its nodes."""
+outgrows the model's embedding, and a run whose planned memory does not fit its nodes or whose
+checkpoints do not fit its storage."""
 
 from __future__ import annotations
 
@@ -448,3 +449,26 @@ def test_auto_workers_resume_with_the_checkpoints_count(make_config):
     fake_run_dir(cfg, world=3)
     assert resume_world(cfg).scaling.num_workers == 3
     assert resume_world(make_config("run.name=r", "scaling.num_workers=2")).scaling.num_workers == 2
+
+
+def test_storage_without_room_for_a_checkpoint_stops_before_training(make_config, monkeypatch, capsys):
+    """A checkpoint holds 12 bytes a parameter (fp32 master weights, Adam's moments): storage that
+    can't hold one stops the run before it trains; room for fewer than run.num_to_keep + 1 warns."""
+    import collections
+    import shutil
+
+    from raytrain_cpu.main import check_checkpoint_room
+
+    cfg = make_config("run.name=r")
+    cfg.run.run_dir.mkdir(parents=True)
+    n = 12 * 354_624  # the tiny model's checkpoint, counted from its shape
+    usage = collections.namedtuple("usage", "total used free")
+    for free, stops, warns in [(n - 1, True, False), (2 * n, False, True), (3 * n, False, False)]:
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: usage(10 * n, 0, free))
+        if stops:
+            with pytest.raises(ConfigError, match=r"^run.storage_path: .* free, and a checkpoint of this model takes"):
+                check_checkpoint_room(cfg, "tiny")
+        else:
+            check_checkpoint_room(cfg, "tiny")
+        assert ("[raytrain] storage:" in capsys.readouterr().out) == warns
+    check_checkpoint_room(make_config("run.name=r", "lora.rank=4"), "tiny")  # adapters only: not checked
