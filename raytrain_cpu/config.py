@@ -194,6 +194,12 @@ class ModelConfig:
             self.name_or_path = _absolute(self.name_or_path)
         if self.tokenizer == "auto":  # resolved here, so checkpoints record what the run used
             self.tokenizer = "bundled" if self.is_tiny else ""
+        _require(
+            not (self.is_tiny and self.tokenizer == ""),
+            "model.tokenizer",
+            "'' is the model's own tokenizer, and the tiny model has none: use auto or bundled, a tokenizer "
+            "directory or a hub id.",
+        )
         if self.tokenizer not in ("bundled", "") and Path(self.tokenizer).expanduser().exists():
             self.tokenizer = _absolute(self.tokenizer)
         if self.compile_cache_dir:
