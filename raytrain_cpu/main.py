@@ -783,10 +783,8 @@ def fetch_from_hub(cfg: Config) -> str:
 
 
 def check_tokenizer_fits(cfg: Config, model_dir: str) -> None:
-    """A tokenizer of its own (model.tokenizer) must not outgrow a given model's embedding; the
-    tiny model is built for its tokenizer."""
-    if cfg.model.is_tiny:
-        return
+    """The tokenizer must load, and its ids must fit a given model's embedding (the tiny model is
+    built for its tokenizer)."""
     from raytrain_cpu.data import DataError, materialize_tokenizer
     from raytrain_cpu.model import check_vocab
     from raytrain_cpu.tokenizer import resolve_tokenizer_path
@@ -802,7 +800,8 @@ def check_tokenizer_fits(cfg: Config, model_dir: str) -> None:
         raise ConfigError(str(e)) from None
     except (OSError, ValueError) as e:  # files transformers cannot make a fast tokenizer of
         raise ConfigError(f"model.tokenizer: {tokenizer}: {str(e).strip().splitlines()[0]} {fix}") from None
-    check_vocab(model_dir, tokenizer_json, cfg.model.tokenizer)
+    if not cfg.model.is_tiny:
+        check_vocab(model_dir, tokenizer_json, cfg.model.tokenizer)
 
 
 RUN_LOCK = ".raytrain.lock"  # in the run directory: "pid N on HOST, since T" of the job that holds it

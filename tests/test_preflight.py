@@ -300,6 +300,9 @@ def test_a_tokenizer_must_fit_the_models_embedding(tmp_path, make_config):
         check_tokenizer_fits(make_config(f"model.name_or_path={d}"), str(d))
     (d / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 2048}))
     check_tokenizer_fits(make_config(f"model.name_or_path={d}"), str(d))
+    with pytest.raises(ConfigError, match=r"^model.tokenizer: .* holds no tokenizer"):  # the tiny model's too
+        check_tokenizer_fits(make_config(f"model.tokenizer={tmp_path}"), "tiny")
+    check_tokenizer_fits(make_config(), "tiny")
 
 
 def test_a_model_type_without_a_causal_lm_class(tmp_path, make_config):
