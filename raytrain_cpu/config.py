@@ -435,6 +435,8 @@ class TrainConfig:
             "must be two numbers in [0, 1), e.g. [0.9, 0.95].",
         )
         _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping).")
+        _require(self.weight_decay >= 0, "train.weight_decay", f"got {self.weight_decay}; must be >= 0 (0: none).")
+        _require(self.eps > 0, "train.eps", f"got {self.eps}; must be > 0 (AdamW divides by sqrt(v) + eps), e.g. 1e-8.")
         _require(
             self.profile_step <= self.max_steps,
             "train.profile_step",

@@ -105,6 +105,8 @@ def test_round_trip_through_plain_dict():
         (["run.name=a/b"], "run.name", "plain directory"),
         (["run.storage_path=s3://bucket/runs"], "run.storage_path", "is a URL"),
         (["model.tokenizer="], "model.tokenizer", "the tiny model has none"),
+        (["train.eps=0"], "train.eps", "> 0"),
+        (["train.weight_decay=-0.1"], "train.weight_decay", ">= 0"),
         (["data.cache_dir=s3://bucket/cache"], "data.cache_dir", "/fsx"),
         (["train.betas=[0.9]"], "train.betas", "two numbers"),
         (["train.betas=0.9"], "train.betas", "[0.9, 0.95]"),
