@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import dataclasses
 import fcntl
+import importlib.util
 import json
 import logging
 import os
@@ -139,6 +140,11 @@ def validate_before_ray(cfg: Config) -> None:
             raise ConfigError(
                 f"model.tokenizer: {cfg.model.tokenizer!r} does not exist; use 'bundled', '' or a tokenizer directory."
             )
+    if cfg.metrics.mlflow_tracking_uri and importlib.util.find_spec("mlflow") is None:
+        raise ConfigError(
+            "metrics.mlflow_tracking_uri: set, but mlflow is not installed: pip install -e '.[mlflow]' (on a cluster, "
+            "in the nodes' image too), or leave it out."
+        )
     check_not_in_job_copy(cfg)
     check_storage(cfg.run.run_dir)
     if cfg.data.cache_dir:  # else it lies under run.storage_path, just checked

@@ -475,3 +475,15 @@ def test_storage_without_room_for_a_checkpoint_stops_before_training(make_config
             check_checkpoint_room(cfg, "tiny")
         assert ("[raytrain] storage:" in capsys.readouterr().out) == warns
     check_checkpoint_room(make_config("run.name=r", "lora.rank=4"), "tiny")  # adapters only: not checked
+
+
+def test_mlflow_asked_for_but_not_installed(make_config, monkeypatch):
+    """metrics.mlflow_tracking_uri without mlflow stops before Ray (rank 0 warned and trained on)."""
+    import importlib.util
+
+    from raytrain_cpu.main import validate_before_ray
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"^metrics.mlflow_tracking_uri: set, but mlflow is not installed"):
+        validate_before_ray(make_config("metrics.mlflow_tracking_uri=http://mlflow:5000"))
