@@ -125,6 +125,7 @@ def check_not_in_job_copy(cfg: Config) -> None:
 
 
 def validate_before_ray(cfg: Config) -> None:
+    from raytrain_cpu.cpu import find_allocator
     from raytrain_cpu.data import DataError, cache_root, source_specs
     from raytrain_cpu.model import check_causal_lm, check_context_length, check_model_path
 
@@ -140,6 +141,12 @@ def validate_before_ray(cfg: Config) -> None:
             raise ConfigError(
                 f"model.tokenizer: {cfg.model.tokenizer!r} does not exist; use 'bundled', '' or a tokenizer directory."
             )
+    if cfg.scaling.allocator in ("jemalloc", "tcmalloc") and find_allocator(cfg.scaling.allocator)[0] == "system":
+        raise ConfigError(
+            f"scaling.allocator: {cfg.scaling.allocator} is not installed here (apt-get install "
+            f"{'libtcmalloc-minimal4' if cfg.scaling.allocator == 'tcmalloc' else 'libjemalloc2'}); the workers would "
+            "run on glibc's malloc. Install it, or use auto (jemalloc, else tcmalloc, else glibc) or system."
+        )
     if cfg.metrics.mlflow_tracking_uri and importlib.util.find_spec("mlflow") is None:
         raise ConfigError(
             "metrics.mlflow_tracking_uri: set, but mlflow is not installed: pip install -e '.[mlflow]' (on a cluster, "

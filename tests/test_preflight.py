@@ -487,3 +487,15 @@ def test_mlflow_asked_for_but_not_installed(make_config, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else find_spec(name, *a))
     with pytest.raises(ConfigError, match=r"^metrics.mlflow_tracking_uri: set, but mlflow is not installed"):
         validate_before_ray(make_config("metrics.mlflow_tracking_uri=http://mlflow:5000"))
+
+
+def test_an_allocator_asked_for_but_not_installed(make_config, monkeypatch):
+    """An explicit scaling.allocator the machine lacks stops before Ray (the workers ran on glibc's
+    malloc, and only their start-up line said so); auto falls back as it always has."""
+    from raytrain_cpu import cpu
+    from raytrain_cpu.main import validate_before_ray
+
+    monkeypatch.setattr(cpu, "find_allocator", lambda choice="auto", search_dirs=(): ("system", ""))
+    with pytest.raises(ConfigError, match=r"^scaling.allocator: tcmalloc is not installed here"):
+        validate_before_ray(make_config("scaling.allocator=tcmalloc"))
+    validate_before_ray(make_config("scaling.allocator=auto"))
