@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import inspect
 import itertools
+import json
 import os
 import re
 import textwrap
@@ -591,7 +592,8 @@ class DeepSpeedSettings:
     1 and 2 shard only optimizer states (and gradients)."""
     config_file: str = ""
     """Optional DeepSpeed JSON merged over the generated config (batch sizes, precision and
-    optimizer are always set from this config)."""
+    optimizer are always set from this config; a ZeRO key or gradient_clipping that a
+    deepspeed.* or train.* key also sets must agree with it, or be "auto")."""
     overlap_comm: bool = False
     """Overlap gradient reduction with backward (helps with real networks, not on one host)."""
     param_persistence_threshold: int = 10000
@@ -826,12 +828,51 @@ class Config:
                 "or stop, or guards.max_grad_norm=0.",
             )
 
+        if self.deepspeed.config_file:
+            _check_deepspeed_file(self)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Config:
         return _build(cls, d, prefix="")
+
+
+def _check_deepspeed_file(cfg: Config) -> None:
+    """deepspeed.config_file must be a JSON object, and must not set what a raytrain key sets to
+    another value: the run would train with the file's value while the manifest, the resume
+    checks and the planner read the key's (a file's stage 2 under deepspeed.zero_stage=3)."""
+    path = cfg.deepspeed.config_file
+    try:
+        extra = json.loads(Path(path).read_text())
+    except ValueError as e:
+        raise ConfigError(f"deepspeed.config_file: {path} is not valid JSON ({e}).") from None
+    _require(isinstance(extra, dict), "deepspeed.config_file", f"{path} must hold a JSON object of DeepSpeed keys.")
+    ds, zero = cfg.deepspeed, extra.get("zero_optimization") or {}
+    owned = {
+        "zero_optimization.stage": (zero.get("stage"), "deepspeed.zero_stage", ds.zero_stage),
+        "zero_optimization.sub_group_size": (zero.get("sub_group_size"), "deepspeed.sub_group_size", ds.sub_group_size),
+        "zero_optimization.overlap_comm": (zero.get("overlap_comm"), "deepspeed.overlap_comm", ds.overlap_comm),
+        "zero_optimization.stage3_param_persistence_threshold": (
+            zero.get("stage3_param_persistence_threshold"),
+            "deepspeed.param_persistence_threshold",
+            ds.param_persistence_threshold,
+        ),
+        "zero_optimization.stage3_max_live_parameters": (
+            zero.get("stage3_max_live_parameters"),
+            "deepspeed.max_live_parameters",
+            ds.max_live_parameters,
+        ),
+        "gradient_clipping": (extra.get("gradient_clipping"), "train.grad_clip", cfg.train.grad_clip),
+    }
+    for name, (value, key, ours) in owned.items():
+        _require(
+            value in (None, "auto") or value == ours,
+            "deepspeed.config_file",
+            f"{path} sets {name}={value!r}, and {key}={ours!r} sets it too: set {key}={value} instead (the manifest, "
+            "resume checks and planner read that) and leave it out of the file.",
+        )
 
 
 # ----------------------------------------------------------------------------- building

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -230,3 +231,19 @@ def test_data_source_follows_data_path(tmp_path):
     (tmp_path / "d" / "b.txt").write_text("x")
     with pytest.raises(ConfigError, match="^data.source: cannot tell .* set data.source=text, jsonl or parquet"):
         load_config(None, [f"data.path={tmp_path / 'd'}"])
+
+
+def test_a_deepspeed_file_may_not_contradict_the_config(tmp_path):
+    """The file's raw keys merge over the generated config; one a raytrain key also sets must
+    agree with it (else the run trains ZeRO-2 while the manifest and resume checks say 3)."""
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1e8}}))
+    with pytest.raises(ConfigError, match=r"sets zero_optimization.stage=2, and deepspeed.zero_stage=3 sets it too"):
+        load_config(None, [f"deepspeed.config_file={f}"])
+    assert load_config(None, [f"deepspeed.config_file={f}", "deepspeed.zero_stage=2"]).deepspeed.zero_stage == 2
+    f.write_text(json.dumps({"gradient_clipping": "auto", "train_batch_size": "auto"}))  # HF-style files pass
+    load_config(None, [f"deepspeed.config_file={f}"])
+    load_config(None, [f"deepspeed.config_file={ROOT / 'configs/ds_zero3_cpu.json'}"])  # the shipped example
+    f.write_text("{not json")
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        load_config(None, [f"deepspeed.config_file={f}"])
