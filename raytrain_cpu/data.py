@@ -246,15 +246,24 @@ def _records_text(
     return texts, skipped
 
 
-def _jsonl_rows(raw: bytes, path: str, bad_rows: str) -> tuple[list[tuple[int, Any]], int]:
-    """(line number, parsed object) of every non-blank line; bad JSON fails or is skipped."""
+def _jsonl_rows(raw: bytes, path: str, bad_rows: str) -> tuple[list[tuple[str, int, Any]], int]:
+    """("line", number, parsed object) of every non-blank line; bad JSON fails or is skipped. A
+    file holding one JSON array instead (as Alpaca's alpaca_data.json and many exports ship)
+    gives ("item", index, object) of its items."""
     lines, skipped = _decode_lines(raw, path, bad_rows)
+    if next((ln.lstrip()[:1] for ln in lines if ln.strip()), "") == "[":
+        try:
+            items = json.loads("\n".join(lines))
+        except json.JSONDecodeError as e:  # one document: no row to skip
+            raise DataError(f"{path}, line {e.lineno}: not valid JSON ({e.msg}). Fix it.") from None
+        if isinstance(items, list):
+            return [("item", i, obj) for i, obj in enumerate(items)], skipped
     rows = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            rows.append((n, json.loads(line)))
+            rows.append(("line", n, json.loads(line)))
         except json.JSONDecodeError as e:
             if bad_rows == "skip":
                 skipped += 1
@@ -270,8 +279,8 @@ def file_examples(path: str, raw: bytes, spec: SourceSpec, data: DataConfig) -> 
 
     if spec.kind == "jsonl":
         rows, skipped = _jsonl_rows(raw, path, spec.bad_rows)
-        refs = [f"{path}, line {n}" for n, _ in rows]
-        objs = [o for _, o in rows]
+        refs = [f"{path}, {what} {n}" for what, n, _ in rows]
+        objs = [o for _, _, o in rows]
     else:
         import io
 
@@ -302,33 +311,19 @@ def file_documents(path: str, raw: bytes, spec: SourceSpec, data: DataConfig | N
         docs = _group_wikitext(lines) if spec.wikitext else ["\n".join(ln for ln in lines if ln.strip())]
         return [d for d in docs if d.strip()], skipped
     if spec.kind == "jsonl":
-        lines, skipped = _decode_lines(raw, path, spec.bad_rows)
-        values = []
-        for n, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                if spec.bad_rows == "skip":
-                    skipped += 1
-                    continue
-                raise DataError(
-                    f"{path}, line {n}: not valid JSON ({e.msg}). Fix it, or set data.bad_rows=skip."
-                ) from None
+        rows, skipped = _jsonl_rows(raw, path, spec.bad_rows)
+        texts = []
+        for what, n, obj in rows:
             if not isinstance(obj, dict) or spec.text_column not in obj:
                 if spec.bad_rows == "skip":
                     skipped += 1
                     continue
                 keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
                 raise DataError(
-                    f"{path}, line {n}: no {spec.text_column!r} field (has {keys}). "
+                    f"{path}, {what} {n}: no {spec.text_column!r} field (has {keys}). "
                     "Set data.text_column to the field holding the text."
                 )
-            values.append((n, obj[spec.text_column]))
-        texts = []
-        for n, v in values:
-            t, s = _records_text([v], spec.text_column, path, n, spec.bad_rows, "line")
+            t, s = _records_text([obj[spec.text_column]], spec.text_column, path, n, spec.bad_rows, what)
             texts += t
             skipped += s
         return _docs_from_texts(texts, spec), skipped

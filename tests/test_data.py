@@ -61,6 +61,19 @@ def test_jsonl_missing_field_and_bad_json():
     assert docs == ["a b"] and skipped == 2
 
 
+def test_a_json_array_file_reads_as_its_items():
+    """One JSON array instead of JSON lines (Alpaca's alpaca_data.json, many exports): its items
+    are the rows, and a bad item is named by its index."""
+    docs, skipped = file_documents(
+        "a.json", b'[\n {"text": "a b"},\n {"text": "c"}\n]\n', spec("jsonl", wikitext=False)
+    )
+    assert (docs, skipped) == (["a b", "c"], 0)
+    with pytest.raises(DataError, match=r"a.json, item 1: no 'text' field"):
+        file_documents("a.json", b'[{"text": "a"}, {"body": "b"}]', spec("jsonl", wikitext=False))
+    with pytest.raises(DataError, match=r"a.json, line 2: not valid JSON"):
+        file_documents("a.json", b'[{"text": "a"},\n {oops}]', spec("jsonl", wikitext=False))
+
+
 def test_parquet_missing_column_and_null_row(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -147,6 +147,22 @@ def test_sharegpt_rows_are_chat_rows():
     assert row_messages(odd, cfg())[0]["role"] == "tool"
 
 
+def test_an_alpaca_json_array_file_gives_its_examples():
+    """alpaca_data.json as Stanford ships it: one JSON array of instruction/input/output rows."""
+    import json
+
+    from raytrain_cpu.data import SourceSpec, file_documents
+
+    rows = [
+        {"instruction": "Name a poet.", "input": "", "output": "Du Fu."},
+        {"instruction": "Say hi.", "output": "Hi."},
+    ]
+    spec = SourceSpec("jsonl", ("a.json",), "", False, "error", format="instruction")
+    payloads, skipped = file_documents("a.json", json.dumps(rows, indent=2).encode(), spec, cfg("instruction"))
+    assert skipped == 0 and [json.loads(x)["ref"] for x in payloads] == ["a.json, item 0", "a.json, item 1"]
+    assert json.loads(payloads[0])["messages"][-1] == {"role": "assistant", "content": "Du Fu."}
+
+
 def test_own_chat_template_masks_its_assistant_turns_and_matches_transformers(tok, eos_id, tmp_path):
     from transformers import AutoTokenizer
 
