@@ -59,11 +59,19 @@ def _absolute(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+def is_glob(path: str) -> bool:
+    return any(ch in path for ch in "*?[")
+
+
 def _require_filesystem(path: str, key: str) -> None:
     """Runs, caches and checkpoints live on a filesystem every node mounts: an s3:// (or other
     URL) would otherwise be taken as a relative directory named 's3:'."""
     _require(
-        "://" not in path,
+        not is_url(path),
         key,
         f"{path!r} is a URL; runs, caches and checkpoints go on a filesystem every node mounts (on AWS "
         "FSx for Lustre at /fsx, which can link an S3 bucket). Give a path such as /fsx/runs.",
@@ -230,7 +238,7 @@ def source_of(path: str) -> str | None:
     """The data.source a path names by its files' suffixes: a file or a glob by its own, a local
     directory by those of the files it holds (the first thousand); None unless exactly one kind."""
     p = Path(path).expanduser()
-    local_dir = "://" not in path and not any(ch in path for ch in "*?[") and p.is_dir()
+    local_dir = not is_url(path) and not is_glob(path) and p.is_dir()
     names = [f.name for f in itertools.islice(p.rglob("*"), 1000)] if local_dir else [path]
     kinds = {kind for kind in DATA_SUFFIXES for name in names if name.endswith(data_suffixes(kind))}
     return kinds.pop() if len(kinds) == 1 else None
@@ -304,9 +312,11 @@ class DataConfig:
         _choice(self.source, "data.source", ("auto", "bundled", "text", "parquet", "jsonl", "hub"))
         if self.source == "auto":  # resolved here, so checkpoints record what the run read
             self.source = source_of(self.path) if self.path else "bundled"
-            local = "://" not in self.path and not any(ch in self.path for ch in "*?[")
             _require(
-                self.source is not None or not local or Path(self.path).expanduser().exists(),
+                self.source is not None
+                or is_url(self.path)
+                or is_glob(self.path)
+                or Path(self.path).expanduser().exists(),
                 "data.path",
                 f"{self.path!r} does not exist. Point it at a text, jsonl or parquet file, a directory or a glob.",
             )

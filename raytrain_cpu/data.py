@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from raytrain_cpu.config import COMPRESSED, Config, ConfigError, DataConfig, data_suffixes, load_config
+from raytrain_cpu.config import COMPRESSED, Config, ConfigError, DataConfig, data_suffixes, is_glob, load_config
 from raytrain_cpu.hub import download_tokenizer, hub_errors, is_hub_id
 from raytrain_cpu.tokenizer import BUNDLED_SFT, BUNDLED_WIKITEXT, load_tokenizer, resolve_tokenizer_path
 
@@ -85,7 +85,7 @@ class SourceSpec:
 def _expand_local(path: str, kind: str, key: str) -> tuple[str, ...]:
     suffix = data_suffixes(kind)
     p = Path(path).expanduser()
-    if any(ch in path for ch in "*?["):
+    if is_glob(path):
         files = sorted(str(f) for f in Path(p.anchor or ".").glob(str(p.relative_to(p.anchor)) if p.anchor else path))
     elif p.is_dir():
         files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.name.endswith(suffix))

@@ -108,6 +108,24 @@ def _size(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def check_installed(cfg: Config) -> None:
+    """What a setting asks for explicitly must be installed, else the workers quietly run without it."""
+    from raytrain_cpu.cpu import find_allocator
+
+    allocator = cfg.scaling.allocator
+    if allocator in ("jemalloc", "tcmalloc") and find_allocator(allocator)[0] == "system":
+        raise ConfigError(
+            f"scaling.allocator: {allocator} is not installed here (apt-get install "
+            f"{'libtcmalloc-minimal4' if allocator == 'tcmalloc' else 'libjemalloc2'}); the workers would "
+            "run on glibc's malloc. Install it, or use auto (jemalloc, else tcmalloc, else glibc) or system."
+        )
+    if cfg.metrics.mlflow_tracking_uri and importlib.util.find_spec("mlflow") is None:
+        raise ConfigError(
+            "metrics.mlflow_tracking_uri: set, but mlflow is not installed: pip install -e '.[mlflow]' (on a cluster, "
+            "in the nodes' image too), or leave it out."
+        )
+
+
 def check_not_in_job_copy(cfg: Config) -> None:
     """Under `ray job submit --working-dir`, the driver runs in Ray's unpacked copy of that
     directory (<session>/runtime_resources/working_dir_files/...), which Ray deletes: a relative
@@ -125,7 +143,6 @@ def check_not_in_job_copy(cfg: Config) -> None:
 
 
 def validate_before_ray(cfg: Config) -> None:
-    from raytrain_cpu.cpu import find_allocator
     from raytrain_cpu.data import DataError, cache_root, source_specs
     from raytrain_cpu.model import check_causal_lm, check_context_length, check_model_path
 
@@ -141,17 +158,7 @@ def validate_before_ray(cfg: Config) -> None:
             raise ConfigError(
                 f"model.tokenizer: {cfg.model.tokenizer!r} does not exist; use 'bundled', '' or a tokenizer directory."
             )
-    if cfg.scaling.allocator in ("jemalloc", "tcmalloc") and find_allocator(cfg.scaling.allocator)[0] == "system":
-        raise ConfigError(
-            f"scaling.allocator: {cfg.scaling.allocator} is not installed here (apt-get install "
-            f"{'libtcmalloc-minimal4' if cfg.scaling.allocator == 'tcmalloc' else 'libjemalloc2'}); the workers would "
-            "run on glibc's malloc. Install it, or use auto (jemalloc, else tcmalloc, else glibc) or system."
-        )
-    if cfg.metrics.mlflow_tracking_uri and importlib.util.find_spec("mlflow") is None:
-        raise ConfigError(
-            "metrics.mlflow_tracking_uri: set, but mlflow is not installed: pip install -e '.[mlflow]' (on a cluster, "
-            "in the nodes' image too), or leave it out."
-        )
+    check_installed(cfg)
     check_not_in_job_copy(cfg)
     check_storage(cfg.run.run_dir)
     if cfg.data.cache_dir:  # else it lies under run.storage_path, just checked
