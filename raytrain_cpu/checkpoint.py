@@ -26,6 +26,11 @@ full or read-only) raises at once with the reason; Ray then ends the attempt.
 
 Loading (`load_into`) takes the directory Ray hands back, checks it against its manifest, and
 loads it with an explicit DeepSpeed tag: DeepSpeed's `latest` file is never written or read.
+
+Resuming on another number of workers (a lost node, a bigger cluster) keeps the global batch
+(`batch_conflict`): the driver first converts the checkpoint, once, into DeepSpeed's universal
+format (`to_universal`: `universal/` beside `ds/`, one file per parameter and state, no
+partitioning), which every rank of the new layout then slices its own partition from.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 DS_TAG = "ds"
+UNIVERSAL = "universal"  # the same state in DeepSpeed's universal format, made for a resume on another world size
 MANIFEST = "manifest.json"
 STAGING = ".staging"
 SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of the reported checkpoints
@@ -103,15 +109,22 @@ EXECUTION_SETTINGS = frozenset(
 )
 
 
+# How each step's global batch splits over the workers: a resume may change it (more or fewer
+# workers), as long as the global batch stays (batch_conflict). Each step then trains on the same
+# blocks (data.StreamPlan), and only the order of the sums differs.
+BATCH_SPLIT_SETTINGS = frozenset({"train.micro_batch_size", "train.grad_accum_steps"})
+
+
 def changed_settings(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """'key: old → new' for each hashed setting that differs between two resolved configs, other
-    than EXECUTION_SETTINGS. A key only one side has is a field an upgrade added or removed
-    since the checkpoint (its default keeps the old behaviour), except LoRA's, which are hashed
-    only while LoRA is on: there one side lacking them means LoRA was turned on or off."""
+    than EXECUTION_SETTINGS and BATCH_SPLIT_SETTINGS. A key only one side has is a field an
+    upgrade added or removed since the checkpoint (its default keeps the old behaviour), except
+    LoRA's, which are hashed only while LoRA is on: there one side lacking them means LoRA was
+    turned on or off."""
     a, b = _flatten(hashed_settings(old)), _flatten(hashed_settings(new))
 
     def differs(k: str) -> bool:
-        if k in EXECUTION_SETTINGS:
+        if k in EXECUTION_SETTINGS or k in BATCH_SPLIT_SETTINGS:
             return False
         return a[k] != b[k] if k in a and k in b else k.startswith("lora.")
 
@@ -190,14 +203,90 @@ def checkpoint_dir_name(step: int) -> str:
     return f"checkpoint_{step:06d}"
 
 
-def world_size_remedy(path: str | Path, saved: int, now: int) -> str:
-    """The error text for resuming a ZeRO checkpoint on a different number of workers."""
-    return (
-        f"checkpoint {path} holds ZeRO shards for {saved} workers but this run has {now}. Resume with "
-        f"scaling.num_workers={saved} (and the same micro_batch_size / grad_accum_steps), or export it to a "
-        f"Hugging Face model (python -m raytrain_cpu.export {path} <dir>) and start a new run.name with "
-        "model.name_or_path=<dir> (the optimizer state then starts fresh)."
+def workers(n: int) -> str:
+    return f"{n} worker{'s' * (n != 1)}"
+
+
+def batch_conflict(manifest: dict[str, Any], path: str | Path, config_dict: dict[str, Any], world: int) -> str | None:
+    """Why `world` workers with `config_dict`'s micro batch and accumulation can't resume from the
+    checkpoint at `path`: their global batch differs from the one it trained with (the LR schedule
+    and the data position count steps of it). None when it is the same; the text names the
+    micro_batch_size or grad_accum_steps that keeps it, or the worker counts that can."""
+    t = config_dict["train"]
+    micro, accum = t["micro_batch_size"], t["grad_accum_steps"]
+    saved = manifest["global_batch"]
+    if micro * accum * world == saved:
+        return None
+    fixes = []
+    if saved % (world * micro) == 0:
+        fixes.append(f"train.grad_accum_steps={saved // (world * micro)}")
+    if saved % (world * accum) == 0 and saved // (world * accum) != micro:
+        fixes.append(f"train.micro_batch_size={saved // (world * accum)}")
+    counts = [n for n in range(1, saved + 1) if saved % n == 0]
+    fix = (
+        f"Keep it with {' or '.join(fixes)}"
+        if fixes
+        else f"{saved} blocks do not split over {world} workers; use a worker count that divides it ({', '.join(map(str, counts))})"
     )
+    return (
+        f"checkpoint {path} (step {manifest['step']}) trained with a global batch of {saved} blocks "
+        f"({workers(manifest['world_size'])}); {workers(world)} x micro_batch_size {micro} x "
+        f"grad_accum_steps {accum} make {micro * accum * world}. {fix}. Or export it (python -m raytrain_cpu.export "
+        f"{path} <dir>) and start a new run.name with model.name_or_path=<dir> (the optimizer state then starts fresh)."
+    )
+
+
+def universal_ready(ckpt_dir: str | Path) -> bool:
+    """Whether `to_universal` has already converted this checkpoint (the directory exists only whole)."""
+    return (Path(ckpt_dir) / UNIVERSAL / "zero" / "optimizer_state.pt").is_file()
+
+
+def to_universal(ckpt_dir: str | Path) -> str:
+    """Converts checkpoint `ckpt_dir`'s ZeRO shards into DeepSpeed's universal format, once, in
+    `<ckpt_dir>/universal/`, so any number of ranks can load it; returns what it did.
+
+    The conversion runs in a child process (DeepSpeed's ds_to_universal) that reads one rank's
+    optimizer shard at a time: its memory peak is about one shard, not the model. It writes into
+    `universal.partial/` and renames it when done, so an interrupted conversion leaves no
+    directory that looks finished. The checkpoint's own files are only read.
+    """
+    import subprocess
+    import sys
+    import time
+
+    ckpt_dir = Path(ckpt_dir)
+    out, partial = ckpt_dir / UNIVERSAL, ckpt_dir / f"{UNIVERSAL}.partial"
+    if universal_ready(ckpt_dir):
+        return f"{out} (converted before)"
+    verify_checkpoint(ckpt_dir, hash_ranks=True)  # no rank of the new layout hashes the old shards
+    shutil.rmtree(partial, ignore_errors=True)
+    need = sum(f.stat().st_size for f in (ckpt_dir / DS_TAG).iterdir())
+    free = shutil.disk_usage(ckpt_dir).free
+    if free < need * 1.1:
+        raise CheckpointError(
+            f"converting {ckpt_dir} for the new worker count needs about {need / 2**30:.2f} GiB on its "
+            f"filesystem and {free / 2**30:.2f} GiB are free; free some space (run.num_to_keep keeps fewer "
+            "checkpoints) and run again."
+        )
+    t0 = time.perf_counter()
+    args = ["--input_folder", str(ckpt_dir / DS_TAG), "--output_folder", str(partial)]
+    # inject_missing_state: ZeRO-1/2 shards lack the layout notes Megatron adds; plain data parallelism needs none.
+    args += ["--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
+    done = subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", *args], capture_output=True, text=True
+    )
+    if done.returncode != 0 or not (partial / "zero" / "optimizer_state.pt").is_file():
+        shutil.rmtree(partial, ignore_errors=True)
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise CheckpointError(
+            f"DeepSpeed could not convert {ckpt_dir} to its universal format (exit {done.returncode}): "
+            + " / ".join(tail)
+        )
+    (ckpt_dir / "latest_universal").unlink(missing_ok=True)  # DeepSpeed's pointer: tags here are explicit
+    _fsync_dir(partial)
+    partial.rename(out)
+    _fsync_dir(ckpt_dir)
+    return f"{out} ({need / 2**20:,.1f} MiB of shards in {time.perf_counter() - t0:.1f}s)"
 
 
 # ----------------------------------------------------------------------------- file helpers
@@ -489,9 +578,7 @@ def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_checkpoint(
-    ckpt_dir: str | Path, *, world_size: int | None = None, hash_ranks: Collection[int] | bool = ()
-) -> dict[str, Any]:
+def verify_checkpoint(ckpt_dir: str | Path, *, hash_ranks: Collection[int] | bool = ()) -> dict[str, Any]:
     """Checks a checkpoint against its manifest and returns the manifest.
 
     Every listed file must exist with its recorded size; the sha256 of the files of `hash_ranks`
@@ -499,8 +586,6 @@ def verify_checkpoint(
     """
     ckpt_dir = Path(ckpt_dir)
     manifest = read_manifest(ckpt_dir)
-    if world_size is not None and manifest["world_size"] != world_size:
-        raise CheckpointError(world_size_remedy(ckpt_dir, manifest["world_size"], world_size))
     for rel, meta in manifest["files"].items():
         p = ckpt_dir / rel
         if not p.is_file():
@@ -520,28 +605,53 @@ def verify_checkpoint(
 def load_into(engine, ckpt_dir: str | Path, rank: int, world: int, config_dict: dict[str, Any]) -> dict[str, Any]:
     """Restores model, optimizer, LR scheduler and this rank's RNG state; returns the manifest.
 
-    Fails loudly (CheckpointError) when the checkpoint is incomplete, damaged, written for a
-    different world size or with settings `config_dict` may not change (resume_conflict), or
-    unreadable by DeepSpeed; it never starts from scratch.
+    Fails loudly (CheckpointError) when the checkpoint is incomplete, damaged, made with settings
+    `config_dict` may not change (resume_conflict) or another global batch (batch_conflict), or
+    unreadable by DeepSpeed; it never starts from scratch. Saved for another number of workers,
+    it loads from its universal form, which the engine must have been built to read
+    (train.deepspeed_config) and the driver to have made (to_universal).
     """
     ckpt_dir = Path(ckpt_dir)
-    manifest = verify_checkpoint(ckpt_dir, world_size=world, hash_ranks=[rank])
-    conflict = resume_conflict(manifest, ckpt_dir, config_dict)
+    manifest = verify_checkpoint(ckpt_dir, hash_ranks=[rank])
+    conflict = resume_conflict(manifest, ckpt_dir, config_dict) or batch_conflict(
+        manifest, ckpt_dir, config_dict, world
+    )
     if conflict:
         raise CheckpointError(conflict)
+    rescaled = manifest["world_size"] != world
+    if rescaled and not universal_ready(ckpt_dir):
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} holds ZeRO shards for {workers(manifest['world_size'])} and this run has "
+            f"{world}, but it has no {UNIVERSAL}/ conversion; run again from the driver (python -m "
+            "raytrain_cpu.main), which makes it."
+        )
+    tag = UNIVERSAL if rescaled else DS_TAG
     try:
         path, _ = engine.load_checkpoint(
-            str(ckpt_dir), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
         )
     except Exception as e:
-        raise CheckpointError(f"DeepSpeed could not load {ckpt_dir}/{DS_TAG}: {type(e).__name__}: {e}") from e
+        raise CheckpointError(f"DeepSpeed could not load {ckpt_dir}/{tag}: {type(e).__name__}: {e}") from e
     if path is None:
-        raise CheckpointError(
-            f"DeepSpeed could not load the shards in {ckpt_dir}/{DS_TAG}; the checkpoint is unreadable."
-        )
-    with open(_rng_file(ckpt_dir, rank), "rb") as f:
-        set_rng_state(pickle.load(f))  # our own file, verified against its sha256 above
+        raise CheckpointError(f"DeepSpeed could not load the shards in {ckpt_dir}/{tag}; the checkpoint is unreadable.")
+    if rescaled:
+        # Each rank's RNG state belongs to its place in the old layout; on a new one every rank
+        # keeps the seed it started with (train.seed + rank). The data order does not depend on it.
+        _unshare_step_counters(engine)
+    else:
+        with open(_rng_file(ckpt_dir, rank), "rb") as f:
+            set_rng_state(pickle.load(f))  # our own file, verified against its sha256 above
     return manifest
+
+
+def _unshare_step_counters(engine) -> None:
+    """DeepSpeed's universal load gives every parameter group one shared Adam step tensor, which
+    the fused AdamW then advances once per group each step (2 groups: the step count runs at
+    twice the rate, and the bias correction with it). Each group gets its own copy."""
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in inner.state.values():
+        if "step" in state and hasattr(state["step"], "clone"):
+            state["step"] = state["step"].clone()
 
 
 def batches_to_skip(start_position: int, step: int, global_batch: int, accum: int) -> int:

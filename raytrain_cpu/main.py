@@ -173,12 +173,13 @@ def validate_before_ray(cfg: Config) -> None:
 
 
 def check_resume(cfg: Config, world: int | None = None) -> dict[str, Any] | None:
-    """A run.name that already has a checkpoint resumes from it: its model/data/batch settings
-    and worker count (`world`, else an explicit scaling.num_workers) must match, else the
-    workers would fail on it after start-up. Returns that checkpoint (newest_checkpoint), None
-    for a new run. Reads only files (Ray's checkpoint snapshot, the manifest, config.yaml), so
-    it runs before Ray."""
-    from raytrain_cpu.checkpoint import resume_conflict, world_size_remedy
+    """A run.name that already has a checkpoint resumes from it: its model/data settings and
+    global batch must match, else the workers would fail on it after start-up. The worker count
+    may change (`world`, else an explicit scaling.num_workers; auto keeps the checkpoint's,
+    resume_world) when micro batch x accumulation keep the global batch. Returns that checkpoint
+    (newest_checkpoint), None for a new run. Reads only files (Ray's checkpoint snapshot, the
+    manifest, config.yaml), so it runs before Ray."""
+    from raytrain_cpu.checkpoint import batch_conflict, resume_conflict
 
     latest = newest_checkpoint(cfg.run.run_dir)
     if latest is None:
@@ -186,10 +187,35 @@ def check_resume(cfg: Config, world: int | None = None) -> dict[str, Any] | None
     conflict = resume_conflict(latest, latest["path"], cfg.to_dict())
     if conflict:
         raise ConfigError(f"run.name: {conflict}")
-    world = world or cfg.scaling.num_workers
-    if world and world != latest["world_size"]:
-        raise ConfigError(f"scaling.num_workers: {world_size_remedy(latest['path'], latest['world_size'], world)}")
+    world = world or cfg.scaling.num_workers or latest["world_size"]
+    conflict = batch_conflict(latest, latest["path"], cfg.to_dict(), world)
+    if conflict:
+        key = "scaling.num_workers" if world != latest["world_size"] else "train.micro_batch_size"
+        raise ConfigError(f"{key}: {conflict}")
     return latest
+
+
+def rescale_checkpoint(latest: dict[str, Any], world: int) -> None:
+    """A checkpoint saved for another number of workers is converted to DeepSpeed's universal
+    format before the workers start (checkpoint.to_universal). It runs as a Ray task with one
+    CPU: on a cluster that is a worker node, which has the memory for a shard and the shared
+    storage, while the head may have neither to spare."""
+    import ray
+
+    from raytrain_cpu.checkpoint import CheckpointError, to_universal, workers
+
+    print(
+        f"[raytrain] {Path(latest['path']).name} holds ZeRO shards for {workers(latest['world_size'])}; this run "
+        f"has {world}: converting it to DeepSpeed's universal checkpoint format (once)",
+        flush=True,
+    )
+    try:
+        done = ray.get(ray.remote(num_cpus=1, max_retries=0)(to_universal).remote(latest["path"]))
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, CheckpointError):  # a full filesystem, a damaged shard: named, nothing lost
+            raise ConfigError(f"run.name: {e.cause}") from None
+        raise
+    print(f"[raytrain] universal checkpoint: {done}", flush=True)
 
 
 def finished_run(cfg: Config) -> dict[str, Any] | None:
@@ -351,7 +377,8 @@ def worker_nodes(cfg: Config) -> list[dict[str, Any]]:
                 raise ConfigError(
                     f"scaling: after {s.node_wait_s}s the cluster still has no room for {s.num_workers} workers "
                     f"{bundle} (its nodes have {have()}). Check the autoscaler (ray status, its monitor log) and "
-                    "the node types' resources, or raise scaling.node_wait_s."
+                    "the node types' resources, or raise scaling.node_wait_s. A run with a checkpoint can go on "
+                    "with fewer workers: a lower scaling.num_workers, with train.grad_accum_steps keeping its global batch."
                 )
             time.sleep(2)
     finally:
@@ -958,6 +985,8 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     # Again for callers of run() (main() did it before Ray), now with the derived worker count,
     # before config.yaml is replaced.
     latest = check_resume(cfg, world)
+    if latest and latest["world_size"] != world:
+        rescale_checkpoint(latest, world)
 
     # ---- resolved config and resume position
     cfg_dict = cfg.to_dict()

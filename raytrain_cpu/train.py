@@ -46,8 +46,9 @@ def lr_factor(step: int, cfg_train, max_steps: int | None = None) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
 
 
-def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed config the engine and transformers' sharded loading both read."""
+def deepspeed_config(cfg: Config, world_size: int, universal: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config the engine and transformers' sharded loading both read; `universal`
+    when this attempt resumes a checkpoint saved for another number of workers (checkpoint.py)."""
     t, ds = cfg.train, cfg.deepspeed
     zero: dict[str, Any] = {
         "stage": ds.zero_stage,
@@ -87,6 +88,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if universal:
+        conf["checkpoint"] = {"load_universal": True}
     if ds.config_file:
         extra = json.loads(Path(ds.config_file).read_text())
         for k, v in extra.items():
@@ -949,7 +952,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     eval_shard = ray.train.get_dataset_shard(f"eval_rank{w.rank}") if loop_config["has_eval"] else None
 
     # ---- model and engine
-    ds_config = deepspeed_config(cfg, w.world)
+    rescaled = bool(w.resumed) and w.resumed["world_size"] != w.world
+    ds_config = deepspeed_config(cfg, w.world, universal=rescaled)
     loaded = load_model(w, ds_config)
     engine, scheduler = build_engine(w, loaded.model, ds_config)
     time_mfu_peak(w, cpu_setup)

@@ -7,7 +7,8 @@ Issue 6, point by point (fast tests first, then the Ray runs, marked slow):
 2. whole checkpoints only .... test_save_is_whole_or_absent, test_incomplete_checkpoint_fails_loudly
 3. deterministic resume ...... test_rng_state_round_trip, test_kill_and_hang_recover_and_resume_exactly
 4. distributed = single ...... test_distributed_matches_single_process
-5. world-size changes ........ test_world_size_change_names_the_remedy
+5. world-size changes ........ test_resume_on_fewer_workers_follows_the_straight_run
+                               (the global batch kept: tests/test_preflight.py)
 6. export at the end ......... test_export_on_finish (the CLI itself: tests/test_export.py)
 7. failures surface fast ..... test_kill_and_hang_recover_and_resume_exactly (a worker SIGSTOPped),
                                test_save_is_whole_or_absent (storage full / read-only)
@@ -24,6 +25,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,6 +96,7 @@ def _manifest(step: int) -> dict:
     return {
         "step": step,
         "world_size": 1,
+        "global_batch": 8,
         "config_hash": ck.config_hash(CONFIG),
         "settings": ck.hashed_settings(CONFIG),
         "blocks_consumed": step * 8,
@@ -121,7 +124,7 @@ def test_save_is_whole_or_absent(tmp_path, process_group):
     run_dir.mkdir()
     good = ck.write_checkpoint(FakeEngine(), run_dir, 5, _manifest(5), rank=0, world=1)
     _pretend_ray_reported(run_dir, 5)
-    manifest = ck.verify_checkpoint(good, world_size=1, hash_ranks=True)
+    manifest = ck.verify_checkpoint(good, hash_ranks=True)
     assert set(manifest["files"]) == {
         "ds/zero_pp_rank_0_mp_rank_00_model_states.pt",
         "ds/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -162,9 +165,14 @@ def test_incomplete_checkpoint_fails_loudly(tmp_path, process_group):
     optim = good / "ds" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
     data = optim.read_bytes()
 
-    # A different number of workers: the error names the remedies.
-    with pytest.raises(ck.CheckpointError, match=r"scaling.num_workers=1 .*raytrain_cpu.export"):
+    # Another number of workers: the global batch must stay, and the driver must have converted it.
+    with pytest.raises(ck.CheckpointError, match=r"global batch of 8 blocks .*micro_batch_size=4.*raytrain_cpu.export"):
         ck.load_into(FakeEngine(), good, rank=0, world=2, config_dict=CONFIG)
+    halves = load_config(None, ["train.micro_batch_size=4"]).to_dict()
+    with pytest.raises(
+        ck.CheckpointError, match=r"ZeRO shards for 1 worker and this run has 2, but it has no universal/"
+    ):
+        ck.load_into(FakeEngine(), good, rank=1, world=2, config_dict=halves)
     # A different model/data/batch config, named; settings of how a step runs may change.
     other = load_config(None, ["data.seq_len=32"]).to_dict()
     with pytest.raises(ck.CheckpointError, match="data.seq_len: 256 → 32"):
@@ -451,24 +459,59 @@ def _single_process_losses(cfg, run_dir: Path, cache: str, steps: int) -> dict[i
     return losses
 
 
+def _rewind(run_dir: Path, step: int) -> None:
+    """The run directory as if the run had stopped after its checkpoint at `step`: the later ones
+    dropped from Ray's snapshot and from the disk."""
+    snapshot = json.loads((run_dir / ck.SNAPSHOT).read_text())
+    keep = [r for r in snapshot["checkpoint_results"] if r["checkpoint_dir_name"] <= ck.checkpoint_dir_name(step)]
+    for r in snapshot["checkpoint_results"]:
+        if r not in keep:
+            shutil.rmtree(run_dir / r["checkpoint_dir_name"])
+    snapshot |= {
+        "checkpoint_results": keep,
+        "checkpoint_report_indices": list(range(len(keep))),
+        "latest_checkpoint_result": keep[-1],
+        "current_report_index": len(keep),
+    }
+    (run_dir / ck.SNAPSHOT).write_text(json.dumps(snapshot))
+
+
 @pytest.mark.slow
-def test_world_size_change_names_the_remedy(straight):
-    """Point 5: resuming on 1 worker stops before training and names both remedies."""
+def test_resume_on_fewer_workers_follows_the_straight_run(straight, tmp_path, record_property):
+    """Point 5: a copy of the straight run, stopped at a checkpoint, goes on with 1 worker and
+    twice the accumulation (the same global batch). The driver converts the checkpoint once; the
+    optimizer state carries on (its step count too) and the losses follow the straight run's."""
+    import torch
+
     from raytrain_cpu.main import run
 
+    resumed = STEPS - CKPT_EVERY
+    storage = tmp_path / "storage"
+    shutil.copytree(straight["run_dir"], storage / "straight")
+    _rewind(storage / "straight", resumed)
     cfg = straight["cfg"]
-    more = load_config(
-        None,
-        straight_overrides(
-            "straight",
-            cfg.run.storage_path,
-            cfg.data.cache_dir,
-            "scaling.num_workers=1",
-            f"train.max_steps={STEPS + 8}",
-        ),
+    one = straight_overrides(
+        "straight", storage, cfg.data.cache_dir, "scaling.num_workers=1", "train.grad_accum_steps=2"
     )
-    with pytest.raises(ConfigError, match=r"scaling.num_workers=2 .*python -m raytrain_cpu.export"):
-        run(more)
+    summary = run(load_config(None, one))
+
+    ckpt = storage / "straight" / ck.checkpoint_dir_name(resumed)
+    assert ck.universal_ready(ckpt) and not (ckpt / "latest_universal").exists()
+    assert summary["world_size"] == 1 and summary["optimizer_step_at_resume"] == resumed
+    final = (
+        storage
+        / "straight"
+        / ck.checkpoint_dir_name(STEPS)
+        / ck.DS_TAG
+        / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    )
+    state = torch.load(final, weights_only=False)["optimizer_state_dict"]["optimizer_state_dict"]["state"]
+    assert {int(s["step"]) for s in state.values()} == {STEPS}  # one count per step, as before the move
+    losses = run_losses(storage / "straight")
+    gaps = [abs(losses[s] - straight["losses"][s]) for s in range(resumed + 1, STEPS + 1)]
+    record_property("rescaled_vs_straight_max_abs_loss_gap", max(gaps))
+    print(f"\n[point 5] max |1 worker resumed - 2 workers| loss over {len(gaps)} bf16 steps: {max(gaps):.2e}")
+    assert gaps[0] < 1e-3 and max(gaps) <= BF16_LOSS_TOL
 
 
 @pytest.mark.slow

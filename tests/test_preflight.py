@@ -30,7 +30,9 @@ def fake_run_dir(cfg, step: int = 2, world: int = 2) -> Path:
     ckpt = run_dir / ck.checkpoint_dir_name(step)
     ckpt.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    t = cfg.train
     manifest = {"step": step, "world_size": world, "config_hash": ck.config_hash(cfg.to_dict())}
+    manifest["global_batch"] = t.micro_batch_size * t.grad_accum_steps * world
     (ckpt / ck.MANIFEST).write_text(json.dumps({**manifest, "format": ck.FORMAT, "ds_tag": ck.DS_TAG, "files": {}}))
     snapshot = {"latest_checkpoint_result": {"checkpoint_dir_name": ckpt.name}}
     (run_dir / ck.SNAPSHOT).write_text(json.dumps(snapshot))
@@ -81,15 +83,30 @@ def test_without_config_yaml_the_hashes_are_named(make_config):
         validate_before_ray(make_config("run.name=r", "data.seq_len=32"))
 
 
-def test_explicit_worker_count_must_match_the_checkpoint(make_config):
+def test_another_worker_count_must_keep_the_global_batch(make_config):
+    """A resume may change the worker count (the checkpoint is converted) and how the global batch
+    splits over the workers, never the global batch: the error names the setting that keeps it."""
     from raytrain_cpu.main import validate_before_ray
 
-    fake_run_dir(make_config("run.name=r"), world=2)
+    fake_run_dir(make_config("run.name=r"), world=2)  # micro batch 4 x 2 workers: 8 blocks a step
     validate_before_ray(make_config("run.name=r", "scaling.num_workers=2"))
+    validate_before_ray(make_config("run.name=r", "scaling.num_workers=1", "train.grad_accum_steps=2"))
+    validate_before_ray(make_config("run.name=r", "scaling.num_workers=4", "train.micro_batch_size=2"))
+    validate_before_ray(make_config("run.name=r", "train.micro_batch_size=2", "train.grad_accum_steps=2"))
     with pytest.raises(
-        ConfigError, match=r"^scaling.num_workers: .*holds ZeRO shards for 2 workers but this run has 1"
+        ConfigError,
+        match=r"^scaling.num_workers: checkpoint .* trained with a global batch of 8 blocks \(2 workers\); 1 worker x "
+        r"micro_batch_size 4 x grad_accum_steps 1 make 4\. Keep it with train.grad_accum_steps=2 or train.micro_batch_size=8\.",
     ):
         validate_before_ray(make_config("run.name=r", "scaling.num_workers=1"))
+    with pytest.raises(
+        ConfigError, match=r"8 blocks do not split over 3 workers; use a worker count that divides it \(1, 2, 4, 8\)"
+    ):
+        validate_before_ray(make_config("run.name=r", "scaling.num_workers=3"))
+    with pytest.raises(
+        ConfigError, match=r"^train.micro_batch_size: .* 2 workers x micro_batch_size 2 x grad_accum_steps 1 make 4"
+    ):
+        validate_before_ray(make_config("run.name=r", "train.micro_batch_size=2"))
 
 
 def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -324,8 +341,8 @@ def test_settings_recorded_in_the_manifest_win_over_config_yaml(make_config):
     manifest = json.loads(manifest_path.read_text())
     manifest_path.write_text(json.dumps({**manifest, "settings": ck.hashed_settings(old.to_dict())}))
     (run_dir / "config.yaml").write_text(yaml.safe_dump(make_config("run.name=r", "train.seed=9").to_dict()))
-    with pytest.raises(ConfigError, match=r"train.micro_batch_size: 4 → 2\. "):
-        validate_before_ray(make_config("run.name=r", "train.micro_batch_size=2"))
+    with pytest.raises(ConfigError, match=r"data.seq_len: 64 → 32\. "):
+        validate_before_ray(make_config("run.name=r", "data.seq_len=32"))
 
 
 def test_how_a_step_runs_may_change_on_a_resume_and_fields_added_since_do_not_block_it(make_config):
