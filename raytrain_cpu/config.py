@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import difflib
 import inspect
 import itertools
 import json
@@ -944,8 +945,10 @@ def _build(cls: type, d: dict[str, Any] | None, prefix: str) -> Any:
     unknown = sorted(set(d) - set(names))
     if unknown:
         where = prefix.rstrip(".") or "the top level"
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        guess = f"did you mean {prefix}{close[0]}? " if close else ""
         raise ConfigError(
-            f"{prefix}{unknown[0]}: unknown key in {where}; valid keys are {', '.join(names)}. "
+            f"{prefix}{unknown[0]}: unknown key in {where}; {guess}valid keys are {', '.join(names)}. "
             "Run `python -m raytrain_cpu.main --help` to list every option."
         )
     kwargs = {}

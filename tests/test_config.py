@@ -85,7 +85,7 @@ def test_round_trip_through_plain_dict():
 @pytest.mark.parametrize(
     ("overrides", "key", "hint"),
     [
-        (["train.max_stepz=3"], "train.max_stepz", "valid keys"),
+        (["train.max_stepz=3"], "train.max_stepz", "did you mean train.max_steps? valid keys"),
         (["bogus.x=1"], "bogus", "valid keys"),
         (["train.max_steps=abc"], "train.max_steps", "integer"),
         (["train.lr=fast"], "train.lr", "number"),
