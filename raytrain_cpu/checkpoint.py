@@ -338,10 +338,19 @@ def _os_error(e: BaseException | None) -> OSError | None:
     return None
 
 
+def out_of_space(e: BaseException) -> bool:
+    """A full filesystem or quota, however wrapped: the errno of an OSError behind it (torch.save
+    wraps one in RuntimeError), or its words inside safetensors' or pyarrow's own errors."""
+    os_error = _os_error(e)
+    return (os_error is not None and os_error.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+        words in str(e) for words in ("No space left on device", "Disk quota exceeded")
+    )
+
+
 def _describe_write_error(e: BaseException, where: Path) -> str:
     os_error = _os_error(e)
-    if os_error is not None and os_error.errno == errno.ENOSPC:
-        what = "the storage is full (ENOSPC)"
+    if out_of_space(e):
+        what = "the storage is full (no space or quota left)"
     elif os_error is not None and os_error.errno == errno.EROFS:
         what = "the storage is read-only (EROFS)"
     else:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import codecs
 import contextlib
 import dataclasses
-import errno
 import functools
 import gc
 import hashlib
@@ -44,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from raytrain_cpu.checkpoint import out_of_space
 from raytrain_cpu.config import COMPRESSED, Config, ConfigError, DataConfig, data_suffixes, is_glob, load_config
 from raytrain_cpu.hub import download_tokenizer, hub_errors, is_hub_id
 from raytrain_cpu.tokenizer import BUNDLED_SFT, BUNDLED_WIKITEXT, load_tokenizer, resolve_tokenizer_path
@@ -980,7 +980,7 @@ def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
             shutil.rmtree(final)
         os.replace(tmp, final)  # the cache appears whole or not at all
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not out_of_space(e):
             raise
         raise DataError(
             f"data.cache_dir: no space left in {final.parent} for the packed blocks ({e.strerror or e}); nothing was "

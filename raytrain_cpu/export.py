@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import json
 import shutil
 import sys
@@ -27,7 +26,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.checkpoint import DS_TAG, MANIFEST, SNAPSHOT, CheckpointError, checkpoint_of, verify_checkpoint
+from raytrain_cpu.checkpoint import (
+    DS_TAG,
+    MANIFEST,
+    SNAPSHOT,
+    CheckpointError,
+    checkpoint_of,
+    out_of_space,
+    verify_checkpoint,
+)
 from raytrain_cpu.hub import is_hub_id
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -220,7 +227,7 @@ def export_checkpoint(
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
     except Exception as e:  # OSError, or safetensors' own error around one
-        if not _out_of_space(e):
+        if not out_of_space(e):
             raise
         raise CheckpointError(
             f"{out_dir}: no space left on its filesystem for the export ({e}); nothing was kept. Free space there, "
@@ -236,13 +243,6 @@ def export_checkpoint(
         **written,
         "export_s": time.perf_counter() - t0,
     }
-
-
-def _out_of_space(e: BaseException) -> bool:
-    """A full filesystem or quota: OSError's errno, or its words inside safetensors' SafetensorError."""
-    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
-        words in str(e) for words in ("No space left on device", "Disk quota exceeded")
-    )
 
 
 def _check_out_dir(ckpt_dir: Path, out_dir: Path, overwrite: bool) -> None:

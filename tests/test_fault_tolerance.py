@@ -134,10 +134,12 @@ def test_save_is_whole_or_absent(tmp_path, process_group):
     assert not (good / "latest").exists() and not (good / ck.DS_TAG / "latest").exists()
     before = _tree(good)
 
-    # Storage fills up half way through a shard (torch.save wraps the OSError), or turns read-only.
+    # Storage fills up half way through a shard (torch.save wraps the OSError), a quota runs out, or it turns read-only.
     full = RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
     full.__cause__ = OSError(errno.ENOSPC, "No space left on device")
-    for failure, words in ((full, "storage is full"), (OSError(errno.EROFS, "Read-only file system"), "read-only")):
+    quota = OSError(errno.EDQUOT, "Disk quota exceeded")
+    read_only = OSError(errno.EROFS, "Read-only file system")
+    for failure, words in ((full, "storage is full"), (quota, "storage is full"), (read_only, "read-only")):
         with pytest.raises(ck.CheckpointError) as e:
             ck.write_checkpoint(FakeEngine(fail=failure), run_dir, 10, _manifest(10), rank=0, world=1, previous=good)
         assert words in str(e.value) and f"{good} is intact" in str(e.value), str(e.value)
