@@ -202,13 +202,13 @@ def rescale_checkpoint(latest: dict[str, Any], world: int) -> None:
     storage, while the head may have neither to spare."""
     import ray
 
-    from raytrain_cpu.checkpoint import CheckpointError, to_universal, workers
+    from raytrain_cpu.checkpoint import CheckpointError, to_universal, universal_ready, workers
 
-    print(
-        f"[raytrain] {Path(latest['path']).name} holds ZeRO shards for {workers(latest['world_size'])}; this run "
-        f"has {world}: converting it to DeepSpeed's universal checkpoint format (once)",
-        flush=True,
-    )
+    saved = f"{Path(latest['path']).name} holds ZeRO shards for {workers(latest['world_size'])}; this run has {world}"
+    if universal_ready(latest["path"]):
+        print(f"[raytrain] {saved}: it resumes from the universal form an earlier run made", flush=True)
+        return
+    print(f"[raytrain] {saved}: converting it to DeepSpeed's universal checkpoint format (once)", flush=True)
     try:
         done = ray.get(ray.remote(num_cpus=1, max_retries=0)(to_universal).remote(latest["path"]))
     except ray.exceptions.RayTaskError as e:

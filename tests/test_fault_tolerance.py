@@ -208,6 +208,33 @@ def test_incomplete_checkpoint_fails_loudly(tmp_path, process_group):
     assert newest_checkpoint(run_dir) is None  # nothing reported yet: a fresh start is right
 
 
+def test_a_conversion_that_cannot_finish_leaves_the_checkpoint_as_it_was(tmp_path, process_group, monkeypatch):
+    """to_universal (a resume on another worker count) refuses a damaged checkpoint and one without
+    room on its filesystem before writing anything, and a failed DeepSpeed conversion leaves no
+    universal/ behind; the checkpoint's own files never change."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    good = ck.write_checkpoint(FakeEngine(), run_dir, 5, _manifest(5), rank=0, world=1)
+    before = _tree(good)
+
+    # FakeEngine's shards are no torch files: DeepSpeed's converter fails on them.
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"could not convert .* universal format \(exit 1: .*\)\. The whole output: python -m deepspeed",
+    ):
+        ck.to_universal(good)
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 3000, 3000))
+    with pytest.raises(ck.CheckpointError, match=r"needs about .* while it works .* are free; free some space"):
+        ck.to_universal(good)
+    optim = good / "ds" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    optim.write_bytes(b"x" * optim.stat().st_size)
+    with pytest.raises(ck.CheckpointError, match=r"does not match its sha256"):
+        ck.to_universal(good)
+    optim.write_bytes(before[str(optim.relative_to(good))])
+    assert _tree(good) == before and not ck.universal_ready(good)
+    assert not (good / f"{ck.UNIVERSAL}.partial").exists()
+
+
 def test_a_worker_reads_what_the_resumed_checkpoint_settled_or_nothing(tmp_path):
     """setup_worker's read of the manifest (the dtype and attention a resumed run keeps) never
     fails itself: a missing or unreadable manifest is `resume`'s to report, with its remedy."""
@@ -499,6 +526,8 @@ def test_resume_on_fewer_workers_follows_the_straight_run(straight, tmp_path, re
 
     ckpt = storage / "straight" / ck.checkpoint_dir_name(resumed)
     assert ck.universal_ready(ckpt) and not (ckpt / "latest_universal").exists()
+    # The copy of rank 0's optimizer shard DeepSpeed leaves there, emptied (slim_common_state).
+    assert (ckpt / ck.UNIVERSAL / "zero" / "optimizer_state.pt").stat().st_size < 64 * 1024
     assert summary["world_size"] == 1 and summary["optimizer_step_at_resume"] == resumed
     final = (
         storage
