@@ -264,11 +264,31 @@ def key_figures(run: Run) -> dict[str, str]:
         "peak RSS per rank (max over ranks)": f"{peak:.2f} GiB" if peak else "n/a",
         "resumed at steps": ", ".join(map(str, m.restarts)) or "none",
     }
-    if s.get("world_size"):
+    if counts := worker_counts(m.train):
+        out["workers"] = counts
+    elif s.get("world_size"):
         out["workers"] = str(s["world_size"])
     if s.get("wall_s"):
         out["wall time (last attempt)"] = f"{s['wall_s']:.0f}s"
     return out
+
+
+def worker_counts(train: list[dict[str, Any]]) -> str:
+    """'2 (to step 20) → 1 (from step 21)', by the logged steps, when a resume changed the worker
+    count; '2' when none did; '' for rows that predate the "workers" key."""
+    spans: list[list[int]] = []  # [workers, first logged step, last logged step]
+    for r in train:
+        if not r.get("workers"):
+            continue
+        if spans and spans[-1][0] == r["workers"]:
+            spans[-1][2] = r["step"]
+        else:
+            spans.append([r["workers"], r["step"], r["step"]])
+    if len(spans) < 2:
+        return str(spans[0][0]) if spans else ""
+    parts = [f"{spans[0][0]} (to step {spans[0][2]})"]
+    parts += [f"{n} (steps {a}–{b})" for n, a, b in spans[1:-1]]
+    return " → ".join([*parts, f"{spans[-1][0]} (from step {spans[-1][1]})"])
 
 
 def render_markdown(run: Run, images: list[str]) -> str:

@@ -760,6 +760,7 @@ def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "tokens_seen": st.step * w.tokens_per_step,
         "tokens_per_s": st.window_tokens / dt,
+        "workers": w.world,  # a resume may change it: the report shows when
         "data_wait_frac": st.window_wait / dt,
         "time": time.time(),
         "mem_rss_rank0_gib": mem["rss"] / obs.GIB,

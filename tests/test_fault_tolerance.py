@@ -513,6 +513,7 @@ def test_resume_on_fewer_workers_follows_the_straight_run(straight, tmp_path, re
     import torch
 
     from raytrain_cpu.main import run
+    from raytrain_cpu.report import key_figures, load_run
 
     resumed = STEPS - CKPT_EVERY
     storage = tmp_path / "storage"
@@ -539,6 +540,8 @@ def test_resume_on_fewer_workers_follows_the_straight_run(straight, tmp_path, re
     state = torch.load(final, weights_only=False)["optimizer_state_dict"]["optimizer_state_dict"]["state"]
     assert {int(s["step"]) for s in state.values()} == {STEPS}  # one count per step, as before the move
     losses = run_losses(storage / "straight")
+    figures = key_figures(load_run(storage / "straight"))
+    assert figures["workers"] == f"2 (to step {resumed}) → 1 (from step {resumed + 1})", figures
     gaps = [abs(losses[s] - straight["losses"][s]) for s in range(resumed + 1, STEPS + 1)]
     record_property("rescaled_vs_straight_max_abs_loss_gap", max(gaps))
     print(f"\n[point 5] max |1 worker resumed - 2 workers| loss over {len(gaps)} bf16 steps: {max(gaps):.2e}")
