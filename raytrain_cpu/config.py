@@ -524,7 +524,8 @@ class ScalingConfig:
 
     num_workers: int = 0
     """Training workers (ranks); 0 derives it: one per node with CPUs, or 2 on a single
-    machine with at least 2 CPUs."""
+    machine with at least 2 CPUs; a resume keeps its checkpoint's. Another count resumes too,
+    when micro batch x accumulation keep the checkpoint's global batch."""
     cpus_per_worker: float = 0.0
     """Ray CPUs each worker reserves; 0 derives it from what Ray reports, leaving
     scaling.data_cpus free for Ray Data."""
