@@ -251,8 +251,6 @@ def to_universal(ckpt_dir: str | Path) -> str:
     writes into `universal.partial/` and renames it when done, so an interrupted conversion
     leaves no directory that looks finished. The checkpoint's own files are only read.
     """
-    import subprocess
-    import sys
     import time
 
     ckpt_dir = Path(ckpt_dir)
@@ -273,25 +271,28 @@ def to_universal(ckpt_dir: str | Path) -> str:
     args = ["--input_folder", str(ckpt_dir / DS_TAG), "--output_folder", str(partial)]
     # inject_missing_state: ZeRO-1/2 shards lack the layout notes Megatron adds; plain data parallelism needs none.
     args += ["--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
-    done = subprocess.run(
-        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", *args], capture_output=True, text=True
-    )
-    if done.returncode != 0 or not (partial / "zero" / "optimizer_state.pt").is_file():
-        shutil.rmtree(partial, ignore_errors=True)
-        last = ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1]
-        raise CheckpointError(
-            f"DeepSpeed could not convert {ckpt_dir} to its universal format (exit {done.returncode}: {last}). "
-            f"The whole output: python -m deepspeed.checkpoint.ds_to_universal {' '.join(args)}"
-        )
+    _child(["deepspeed.checkpoint.ds_to_universal", *args], partial, f"DeepSpeed could not convert {ckpt_dir}")
     (ckpt_dir / "latest_universal").unlink(missing_ok=True)  # DeepSpeed's pointer: tags here are explicit
-    slim = subprocess.run([sys.executable, "-m", __name__, str(partial)], capture_output=True, text=True)
-    if slim.returncode != 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointError(f"could not slim {partial}: {slim.stderr.strip().splitlines()[-1:]}")
+    _child([__name__, str(partial)], partial, f"could not empty the shard copy in {partial}")
     _fsync_dir(partial)
     partial.rename(out)
     _fsync_dir(ckpt_dir)
     return f"{out} ({need / 2**20:,.1f} MiB of shards in {time.perf_counter() - t0:.1f}s)"
+
+
+def _child(module_args: list[str], partial: Path, what: str) -> None:
+    """`python -m *module_args` in a child process; when it fails, `partial` is removed and a
+    CheckpointError says `what`, with the child's last line and the command that shows it all."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", *module_args], capture_output=True, text=True)
+    if done.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        last = ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1]
+        raise CheckpointError(
+            f"{what} (exit {done.returncode}: {last}). The whole output: python -m {' '.join(module_args)}"
+        )
 
 
 # ----------------------------------------------------------------------------- file helpers
