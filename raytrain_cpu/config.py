@@ -885,6 +885,12 @@ def _check_deepspeed_file(cfg: Config) -> None:
             f"{path} sets {name}={value!r}, and {key}={ours!r} sets it too: set {key}={value} instead (the manifest, "
             "resume checks and planner read that) and leave it out of the file.",
         )
+    _require(
+        not (extra.get("checkpoint") or {}).get("load_universal"),
+        "deepspeed.config_file",
+        f"{path} sets checkpoint.load_universal: raytrain sets it for a resume on another number of workers "
+        "(and only then: every other checkpoint is not universal); leave it out of the file.",
+    )
 
 
 # ----------------------------------------------------------------------------- building

@@ -244,6 +244,9 @@ def test_a_deepspeed_file_may_not_contradict_the_config(tmp_path):
     f.write_text(json.dumps({"gradient_clipping": "auto", "train_batch_size": "auto"}))  # HF-style files pass
     load_config(None, [f"deepspeed.config_file={f}"])
     load_config(None, [f"deepspeed.config_file={ROOT / 'configs/ds_zero3_cpu.json'}"])  # the shipped example
+    f.write_text(json.dumps({"checkpoint": {"load_universal": True}}))  # set per resume (checkpoint.to_universal)
+    with pytest.raises(ConfigError, match="sets checkpoint.load_universal: raytrain sets it"):
+        load_config(None, [f"deepspeed.config_file={f}"])
     f.write_text("{not json")
     with pytest.raises(ConfigError, match="is not valid JSON"):
         load_config(None, [f"deepspeed.config_file={f}"])
