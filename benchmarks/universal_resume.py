@@ -1,0 +1,98 @@
+"""A resume on another number of workers: DeepSpeed's universal conversion as it comes vs as
+raytrain leaves it (checkpoint.slim_common_state empties the copy of rank 0's optimizer shard
+that DeepSpeed's ZeRO-3 conversion keeps, and every new rank loads), side by side in one run.
+
+Trains a Llama-shaped model (default ~88M parameters) for 2 steps on 2 workers, copies the run
+twice, converts one copy's checkpoint with `checkpoint.to_universal` and the other with
+DeepSpeed's `ds_to_universal` alone, then resumes each for one step on 1 worker (twice the
+accumulation, the same global batch) through the real entry point. Writes the conversion time,
+the sizes on disk, the resumed rank's peak RSS and the loss of each to
+benchmarks/results/<machine>/universal_resume.{json,md}.
+
+    python benchmarks/universal_resume.py          # about 11 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from raytrain_cpu import checkpoint as ck  # noqa: E402
+from raytrain_cpu.cpu import cpu_features  # noqa: E402
+from raytrain_cpu.metrics import read_metrics  # noqa: E402
+
+SHAPE = {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 12, "intermediate_size": 2048}
+
+
+def main_cli(storage: Path, *extra: str) -> None:
+    args = [f"model.tiny.{k}={v}" for k, v in SHAPE.items()]
+    args += ["train.micro_batch_size=1", "train.warmup_steps=1", "train.eval_every=0", "train.log_every=1"]
+    args += ["run.name=bench", f"run.storage_path={storage}", f"data.cache_dir={storage.parent / 'cache'}", *extra]
+    subprocess.run([sys.executable, "-m", "raytrain_cpu.main", *args], cwd=REPO, check=True, capture_output=True)
+
+
+def du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def resume_on_one_worker(storage: Path) -> dict[str, float]:
+    main_cli(storage, "train.max_steps=3", "scaling.num_workers=1", "train.grad_accum_steps=2")
+    row = read_metrics(storage / "bench").train[-1]
+    return {"loss_step3": row["loss"], "peak_rss_gib": row["mem_peak_max_gib"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="universal_resume_"))
+    main_cli(root / "trained", "train.max_steps=2")
+    out: dict[str, dict[str, float]] = {}
+    for variant in ("raytrain", "deepspeed"):
+        storage = root / variant
+        shutil.copytree(root / "trained", storage)
+        ckpt = storage / "bench" / ck.checkpoint_dir_name(2)
+        t0 = time.perf_counter()
+        if variant == "raytrain":
+            ck.to_universal(ckpt)
+        else:  # DeepSpeed's conversion as it comes, where to_universal would put it
+            argv = ["--input_folder", str(ckpt / ck.DS_TAG), "--output_folder", str(ckpt / ck.UNIVERSAL)]
+            subprocess.run(
+                [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", *argv], check=True, capture_output=True
+            )
+        common = ckpt / ck.UNIVERSAL / "zero" / "optimizer_state.pt"
+        out[variant] = {
+            "convert_s": time.perf_counter() - t0,
+            "shards_mib": du(ckpt / ck.DS_TAG) / 2**20,
+            "universal_mib": du(ckpt / ck.UNIVERSAL) / 2**20,
+            "common_state_mib": common.stat().st_size / 2**20,
+            **resume_on_one_worker(storage),
+        }
+    shutil.rmtree(root)
+    features = cpu_features()
+    result = {"machine": features.model_name, "isa": features.best_isa, "shape": SHAPE, "variants": out}
+    rows = ["| | raytrain (slimmed) | DeepSpeed as it comes |", "|---|---|---|"]
+    for key in out["raytrain"]:
+        rows.append(f"| {key} | {out['raytrain'][key]:.4g} | {out['deepspeed'][key]:.4g} |")
+    ratio = out["raytrain"]["peak_rss_gib"] / out["deepspeed"]["peak_rss_gib"]
+    table = "\n".join(rows) + f"\n\nPeak RSS of the resumed rank, slimmed / as it comes: {ratio:.2f}\n"
+    print(table)
+    if not args.no_write:
+        folder = REPO / "benchmarks" / "results" / features.slug
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "universal_resume.json").write_text(json.dumps(result, indent=2) + "\n")
+        header = f"# Resume 2 workers -> 1: universal conversion ({features.model_name}, {features.best_isa})\n\n"
+        (folder / "universal_resume.md").write_text(header + "`python benchmarks/universal_resume.py`\n\n" + table)
+
+
+if __name__ == "__main__":
+    main()
