@@ -257,9 +257,9 @@ def to_universal(ckpt_dir: str | Path) -> str:
     out, partial = ckpt_dir / UNIVERSAL, ckpt_dir / f"{UNIVERSAL}.partial"
     if universal_ready(ckpt_dir):
         return f"{out} (made before)"
-    verify_checkpoint(ckpt_dir, hash_ranks=True)  # no rank of the new layout hashes the old shards
+    manifest = verify_checkpoint(ckpt_dir, hash_ranks=True)  # no rank of the new layout hashes the old shards
     shutil.rmtree(partial, ignore_errors=True)
-    need = sum(f.stat().st_size for f in (ckpt_dir / DS_TAG).iterdir())
+    need = sum(meta["size"] for rel, meta in manifest["files"].items() if rel.startswith(f"{DS_TAG}/"))
     free = shutil.disk_usage(ckpt_dir).free
     if free < need * 2.2:  # DeepSpeed's fragments and the merged files, before it drops the fragments
         raise CheckpointError(
@@ -627,13 +627,14 @@ def load_into(engine, ckpt_dir: str | Path, rank: int, world: int, config_dict: 
     (train.deepspeed_config) and the driver to have made (to_universal).
     """
     ckpt_dir = Path(ckpt_dir)
-    manifest = verify_checkpoint(ckpt_dir, hash_ranks=[rank])
+    # On a new layout no rank loads the old shards: to_universal hashed them all before converting.
+    rescaled = read_manifest(ckpt_dir)["world_size"] != world
+    manifest = verify_checkpoint(ckpt_dir, hash_ranks=() if rescaled else [rank])
     conflict = resume_conflict(manifest, ckpt_dir, config_dict) or batch_conflict(
         manifest, ckpt_dir, config_dict, world
     )
     if conflict:
         raise CheckpointError(conflict)
-    rescaled = manifest["world_size"] != world
     if rescaled and not universal_ready(ckpt_dir):
         raise CheckpointError(
             f"checkpoint {ckpt_dir} holds ZeRO shards for {workers(manifest['world_size'])} and this run has "

@@ -900,7 +900,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raytrain_cpu.checkpoint import config_hash
+    from raytrain_cpu.checkpoint import config_hash, workers
     from raytrain_cpu.metrics import count_events, read_metrics
     from raytrain_cpu.model import count_parameters, write_tiny_model
     from raytrain_cpu.train import train_loop
@@ -952,7 +952,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         check_memory(cfg, model_dir, sizing)
     check_checkpoint_room(cfg, model_dir)
     print(
-        f"[raytrain] {world} worker{'s' * (world != 1)} x {sizing['cpus_per_worker']} CPUs ({sizing['threads_per_worker']} threads), "
+        f"[raytrain] {workers(world)} x {sizing['cpus_per_worker']} CPUs ({sizing['threads_per_worker']} threads), "
         f"global batch {global_batch} blocks, run dir {run_dir}; nodes: {sizing['node_cpu']['model_name']} "
         f"({sizing['node_cpu']['best_isa']})",
         flush=True,
@@ -1070,6 +1070,8 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
 
 
 def print_summary(s: dict[str, Any]) -> None:
+    from raytrain_cpu.checkpoint import workers
+
     def num(key: str, spec: str) -> str:  # a finished run's summary may lack a figure
         return "n/a" if s.get(key) is None else format(s[key], spec)
 
@@ -1080,7 +1082,7 @@ def print_summary(s: dict[str, Any]) -> None:
         f"tokens seen      {num('tokens_seen', ',')}\n"
         f"final loss       {num('final_loss', '.4f')}\n"
         f"eval perplexity  {num('eval_perplexity', '.2f')}\n"
-        f"tokens/s         {num('tokens_per_s', ',.0f')} on {s['world_size']} worker{'s' * (s['world_size'] != 1)}\n"
+        f"tokens/s         {num('tokens_per_s', ',.0f')} on {workers(s['world_size'])}\n"
         f"wall time        {num('wall_s', '.0f')}s\n"
         f"checkpoint       {s['checkpoint_path']}\n"
         f"run directory    {s['run_dir']} (metrics.jsonl, summary.json)\n"
