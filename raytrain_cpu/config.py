@@ -14,6 +14,7 @@ import difflib
 import inspect
 import itertools
 import json
+import math
 import os
 import re
 import textwrap
@@ -526,6 +527,16 @@ class ScalingConfig:
     """Training workers (ranks); 0 derives it: one per node with CPUs, or 2 on a single
     machine with at least 2 CPUs; a resume keeps its checkpoint's. Another count resumes too,
     when micro batch x accumulation keep the checkpoint's global batch."""
+    min_workers: int = 0
+    """Elastic training when above 0 and below scaling.num_workers: the run starts with as many
+    workers as the cluster holds in [min_workers, num_workers], goes on with fewer when nodes
+    go (a spot node reclaimed for good) and grows back when nodes come, each time from the
+    latest checkpoint. The global batch stays num_workers x micro_batch_size x
+    grad_accum_steps: fewer workers accumulate more micro batches, so every worker count in
+    the range must split it into micro batches. 0: always num_workers."""
+    resize_check_s: float = 60.0
+    """Elastic training: how often Ray Train looks for room for more workers. A resize restarts
+    the workers from the latest checkpoint, so the steps since it are trained again."""
     cpus_per_worker: float = 0.0
     """Ray CPUs each worker reserves; 0 derives it from what Ray reports, leaving
     scaling.data_cpus free for Ray Data."""
@@ -575,6 +586,19 @@ class ScalingConfig:
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= 0, "scaling.num_workers", "must be >= 0 (0 = auto).")
+        _require(self.min_workers >= 0, "scaling.min_workers", "must be >= 0 (0 = not elastic).")
+        if self.min_workers:
+            _require(
+                self.num_workers > 0,
+                "scaling.min_workers",
+                "elastic training needs scaling.num_workers, the most workers the run may have.",
+            )
+            _require(
+                self.min_workers <= self.num_workers,
+                "scaling.min_workers",
+                f"{self.min_workers} is above scaling.num_workers={self.num_workers}, the most workers.",
+            )
+        _require(self.resize_check_s > 0, "scaling.resize_check_s", "must be > 0 seconds.")
         _require(self.free_memory_growth_mib >= 0, "scaling.free_memory_growth_mib", "must be >= 0 (0 = never).")
         _choice(self.allocator, "scaling.allocator", ("auto", "jemalloc", "tcmalloc", "system"))
         _require(
@@ -842,13 +866,57 @@ class Config:
 
         if self.deepspeed.config_file:
             _check_deepspeed_file(self)
+        if self.elastic:
+            _check_elastic_batch(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def elastic(self) -> bool:
+        return 0 < self.scaling.min_workers < self.scaling.num_workers
+
+    @property
+    def worker_counts(self) -> range:
+        """The worker counts the run may have: scaling.min_workers..num_workers when elastic."""
+        s = self.scaling
+        return range(s.min_workers if self.elastic else s.num_workers, s.num_workers + 1)
+
+    def accumulation_for(self, world: int) -> int:
+        """grad_accum_steps for `world` workers in an elastic run: the global batch stays the one
+        of scaling.num_workers workers (it is what the LR schedule and the data position count)."""
+        t = self.train
+        return t.derive_global_batch(self.scaling.num_workers) // (world * t.micro_batch_size)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Config:
         return _build(cls, d, prefix="")
+
+
+def _or(items: list[Any]) -> str:
+    return " or ".join(map(str, items)) if len(items) < 3 else f"{', '.join(map(str, items[:-1]))} or {items[-1]}"
+
+
+def _check_elastic_batch(cfg: Config) -> None:
+    """Every worker count of an elastic range must split the global batch into whole micro
+    batches; else the error names a grad_accum_steps or micro_batch_size that does."""
+    t, s = cfg.train, cfg.scaling
+    batch = t.derive_global_batch(s.num_workers)
+    odd = [w for w in cfg.worker_counts if batch % (w * t.micro_batch_size)]
+    if not odd:
+        return
+    lcm = math.lcm(*cfg.worker_counts)
+    accum = t.grad_accum_steps * lcm // math.gcd(lcm, s.num_workers * t.grad_accum_steps)
+    fixes = [f"train.grad_accum_steps={accum} (a global batch of {s.num_workers * t.micro_batch_size * accum})"]
+    if batch % lcm == 0:  # every count divides the batch: a smaller micro batch keeps it
+        micro = math.gcd(*(batch // w for w in cfg.worker_counts))
+        fixes.append(f"train.micro_batch_size={micro} with train.grad_accum_steps={batch // (s.num_workers * micro)}")
+    raise ConfigError(
+        f"scaling.min_workers: the global batch of {batch} blocks ({s.num_workers} workers x micro_batch_size "
+        f"{t.micro_batch_size} x grad_accum_steps {t.grad_accum_steps}) does not split into micro batches of "
+        f"{t.micro_batch_size} over {_or(odd)} workers, which the elastic range "
+        f"{s.min_workers}..{s.num_workers} allows. Use {' or '.join(fixes)}."
+    )
 
 
 def _check_deepspeed_file(cfg: Config) -> None:

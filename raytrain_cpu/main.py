@@ -325,6 +325,7 @@ def worker_nodes(cfg: Config) -> list[dict[str, Any]]:
 
     s = cfg.scaling
     bundle = {"CPU": s.cpus_per_worker or 1, **s.resources_per_worker}
+    least = s.min_workers if cfg.elastic else s.num_workers  # an elastic run starts with what fits
 
     def usable() -> list[dict[str, Any]]:
         return [
@@ -339,7 +340,7 @@ def worker_nodes(cfg: Config) -> list[dict[str, Any]]:
         if not need:
             return bool(nodes)
         room = sum(min(int(n["Resources"].get(k, 0) // v) for k, v in need.items()) for n in nodes)
-        return room >= (s.num_workers or len(nodes) or 1)
+        return room >= (least or len(nodes) or 1)
 
     nodes = usable()
     if fits(nodes):
@@ -361,12 +362,12 @@ def worker_nodes(cfg: Config) -> list[dict[str, Any]]:
         why = ""
     if why:
         raise ConfigError(
-            f"scaling: no node offers {s.num_workers or 1} workers {bundle} (the cluster's nodes have {have()}); "
+            f"scaling: no node offers {least or 1} workers {bundle} (the cluster's nodes have {have()}); "
             f"{why}. On one machine drop scaling.resources_per_worker and let the CPUs be derived."
         )
     request_resources(bundles=[bundle] * s.num_workers)
     print(
-        f"[raytrain] waiting for nodes to hold {s.num_workers} workers {bundle}: the cluster's autoscaler starts "
+        f"[raytrain] waiting for nodes to hold {least} workers {bundle}: the cluster's autoscaler starts "
         f"them (up to {s.node_wait_s}s, scaling.node_wait_s)",
         flush=True,
     )
@@ -375,7 +376,7 @@ def worker_nodes(cfg: Config) -> list[dict[str, Any]]:
         while not fits(nodes := usable()):
             if time.monotonic() > deadline:
                 raise ConfigError(
-                    f"scaling: after {s.node_wait_s}s the cluster still has no room for {s.num_workers} workers "
+                    f"scaling: after {s.node_wait_s}s the cluster still has no room for {least} workers "
                     f"{bundle} (its nodes have {have()}). Check the autoscaler (ray status, its monitor log) and "
                     "the node types' resources, or raise scaling.node_wait_s. A run with a checkpoint can go on "
                     "with fewer workers: a lower scaling.num_workers, with train.grad_accum_steps keeping its global batch."
@@ -446,7 +447,8 @@ def check_memory(cfg: Config, model_dir: str, sizing: dict[str, Any]) -> None:
 
     node_bytes = sizing["node_cpu"].get("memory_bytes") or 0
     try:
-        inputs = plan.inputs_from_config(cfg, model_dir, sizing["num_workers"])
+        # An elastic run's fewest workers (the planner's default for it) hold the largest shards.
+        inputs = plan.inputs_from_config(cfg, model_dir, 0 if cfg.elastic else sizing["num_workers"])
     except (KeyError, ValueError, TypeError, OSError):  # a config.json the planner has no shape for
         return
     per_node = inputs["ranks_per_node"] = sizing["workers_per_node"]
@@ -743,7 +745,9 @@ def quiet_worker_logs() -> None:
     os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
 
 
-def build_datasets(cache: Path, meta: dict, cfg: Config, world: int, start: int) -> dict[str, Any]:
+def build_datasets(cache: Path, meta: dict, cfg: Config, worlds: list[int], start: int) -> dict[str, Any]:
+    """Each rank's stream for each worker count the run may have (one, unless elastic), named
+    train_w{W}_rank{r} / eval_w{W}_rank{r}: all lazy, a worker iterates only its own."""
     from ray.data import DataContext
 
     from raytrain_cpu import datathrottle
@@ -752,26 +756,26 @@ def build_datasets(cache: Path, meta: dict, cfg: Config, world: int, start: int)
     # These streams' scheduling loops run inside the training workers: keep them from spinning.
     datathrottle.install(DataContext.get_current())
 
-    end = cfg.train.max_steps * cfg.train.derive_global_batch(world)
+    end = cfg.train.max_steps * cfg.train.derive_global_batch(worlds[-1])
     has_labels = meta.get("data_format", "text") != "text"
     eval_blocks = cfg.train.eval_batches * cfg.train.micro_batch_size  # 0: the whole split
     out = {}
-    for r in range(world):
+    for w, r in [(world, rank) for world in worlds for rank in range(world)]:
         plan = StreamPlan(
             str(Path(cache) / "train"),
             meta["blocks"],
             cfg.train.seed,
             cfg.data.shuffle_window,
             cfg.train.micro_batch_size,
-            world,
+            w,
             r,
             start,
             end,
             has_labels=has_labels,
         )
-        out[f"train_rank{r}"] = train_stream(cache, plan)
-        if meta["eval_blocks"] >= world:
-            out[f"eval_rank{r}"] = eval_stream(cache, world, r, meta["eval_blocks"], eval_blocks, has_labels)
+        out[f"train_w{w}_rank{r}"] = train_stream(cache, plan)
+        if meta["eval_blocks"] >= w:
+            out[f"eval_w{w}_rank{r}"] = eval_stream(cache, w, r, meta["eval_blocks"], eval_blocks, has_labels)
     return out
 
 
@@ -951,8 +955,10 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     if cfg.scaling.check_memory:
         check_memory(cfg, model_dir, sizing)
     check_checkpoint_room(cfg, model_dir)
+    worlds = list(cfg.worker_counts) if cfg.elastic else [world]
+    how_many = f"{worlds[0]} to {world} workers (elastic)" if cfg.elastic else workers(world)
     print(
-        f"[raytrain] {workers(world)} x {sizing['cpus_per_worker']} CPUs ({sizing['threads_per_worker']} threads), "
+        f"[raytrain] {how_many} x {sizing['cpus_per_worker']} CPUs ({sizing['threads_per_worker']} threads), "
         f"global batch {global_batch} blocks, run dir {run_dir}; nodes: {sizing['node_cpu']['model_name']} "
         f"({sizing['node_cpu']['best_isa']})",
         flush=True,
@@ -985,7 +991,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     # Again for callers of run() (main() did it before Ray), now with the derived worker count,
     # before config.yaml is replaced.
     latest = check_resume(cfg, world)
-    if latest and latest["world_size"] != world:
+    if latest and latest["world_size"] != world and not cfg.elastic:  # elastic: the workers convert it
         rescale_checkpoint(latest, world)
 
     # ---- resolved config and resume position
@@ -1001,7 +1007,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
             f"{latest['data_key']} then, {meta['key']} now): the run goes on at block {start:,} of the new data",
             flush=True,
         )
-    datasets = build_datasets(cache, meta, cfg, world, start)
+    datasets = build_datasets(cache, meta, cfg, worlds, start)
 
     # ---- trainer
     loop_config = {
@@ -1010,7 +1016,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         "model_dir": model_dir,
         "config_hash": config_hash(cfg_dict),
         "threads_per_worker": sizing["threads_per_worker"],
-        "has_eval": meta["eval_blocks"] >= world,
+        "eval_blocks": meta["eval_blocks"],  # a worker count above it evaluates nothing
         "start_position": start,
         "data_key": meta["key"],  # recorded in the checkpoints: a resume notices data that changed
         "record_block_ids": cfg.train.record_block_ids,
@@ -1027,7 +1033,8 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         # gloo: the CPU collective backend that ships with PyTorch; oneCCL bindings are retired.
         torch_config=TorchConfig(backend="gloo", timeout_s=cfg.run.gloo_timeout_s),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=world,
+            num_workers=(worlds[0], worlds[-1]) if cfg.elastic else world,
+            elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s,
             use_gpu=False,
             resources_per_worker={"CPU": sizing["cpus_per_worker"], **cfg.scaling.resources_per_worker},
         ),

@@ -1013,7 +1013,8 @@ def inputs_from_run_config(path: str) -> dict[str, Any]:
 
 def inputs_from_config(cfg: Any, model: str = "", world_size: int = 0) -> dict[str, Any]:
     """Planner inputs from a run's Config; `model` is where its model's config.json lies (default
-    model.name_or_path), `world_size` the workers (default scaling.num_workers, or 2 for auto)."""
+    model.name_or_path), `world_size` the workers (default scaling.num_workers, an elastic run's
+    scaling.min_workers, whose shards are the largest, or 2 for auto)."""
     m = cfg.model
     if m.is_tiny:
         t = m.tiny
@@ -1023,7 +1024,8 @@ def inputs_from_config(cfg: Any, model: str = "", world_size: int = 0) -> dict[s
         shape = resolve_shape(model or m.name_or_path)
     return dict(
         model_shape=shape,
-        world_size=world_size or cfg.scaling.num_workers or 2,  # 0 = auto: 2 on one machine
+        # 0 = auto: 2 on one machine
+        world_size=world_size or (cfg.scaling.min_workers if cfg.elastic else cfg.scaling.num_workers) or 2,
         zero_stage=cfg.deepspeed.zero_stage,
         micro_batch=cfg.train.micro_batch_size,
         seq_len=cfg.data.seq_len,

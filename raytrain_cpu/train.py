@@ -13,7 +13,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -299,10 +299,17 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
     cfg = Config.from_dict(loop_config["config"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    log = (lambda msg: obs.console(f"[rank 0] {msg}")) if rank == 0 else (lambda msg: None)
+    if cfg.elastic:  # this attempt's own worker count, accumulating what keeps the global batch
+        s = cfg.scaling
+        train = replace(cfg.train, grad_accum_steps=cfg.accumulation_for(world))
+        log(
+            f"elastic: {world} of {s.min_workers} to {s.num_workers} workers, grad_accum_steps {train.grad_accum_steps}"
+        )
+        cfg = replace(cfg, train=train, scaling=replace(s, num_workers=world, min_workers=0))
     torch.manual_seed(cfg.train.seed + rank)
     # torch 2.13 warns on every DeepSpeed all-gather / reduce-scatter, from every rank: a flood, not news.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    log = (lambda msg: obs.console(f"[rank 0] {msg}")) if rank == 0 else (lambda msg: None)
     restored = ray.train.get_checkpoint()
     return Worker(
         cfg,
@@ -314,6 +321,27 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
         log,
         _manifest_or_nothing(Path(restored.path)) if restored is not None else {},
     )
+
+
+def universal_checkpoint(w: Worker) -> None:
+    """The checkpoint this attempt resumes from was saved by another number of workers: it loads
+    from its universal form (checkpoint.to_universal). The driver makes that before a run that
+    starts on a new count; in an elastic run the count changes inside the run, so rank 0 makes
+    it here and the other ranks wait for its directory to appear. Not in a gloo barrier: the
+    conversion can outlast run.gloo_timeout_s, and if rank 0 fails Ray Train stops the others."""
+    import ray.train
+
+    path = ray.train.get_checkpoint().path
+    if ckpt_io.universal_ready(path):
+        return
+    w.log(
+        f"{Path(path).name} holds ZeRO shards for {ckpt_io.workers(w.resumed['world_size'])}; converting it for {w.world}"
+    )
+    if w.is_main:
+        w.log(f"universal checkpoint: {ckpt_io.to_universal(path)}")
+        return
+    while not ckpt_io.universal_ready(path):
+        time.sleep(1)
 
 
 def _manifest_or_nothing(ckpt_dir: Path) -> dict[str, Any]:
@@ -639,7 +667,7 @@ def resume(w: Worker, engine) -> Loop:
     if restored is not None:
         with restored.as_directory() as d:  # shared storage: the directory itself, not a copy
             # Verified against its manifest first; incomplete or foreign checkpoints fail loudly.
-            manifest = ckpt_io.load_into(engine, d, w.rank, w.world, w.loop_config["config"])
+            manifest = ckpt_io.load_into(engine, d, w.rank, w.world, w.cfg.to_dict())
         st.step = st.resumed_from = manifest["step"]
         st.last_ckpt = Path(restored.path)
         st.opt_step_at_resume = _optimizer_step(engine)
@@ -948,12 +976,15 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     cfg, t = w.cfg, w.cfg.train
     cpu_setup = setup_cpu(w)
 
-    # ---- data: this rank's blocks in their global order (planned on the driver)
-    train_shard = ray.train.get_dataset_shard(f"train_rank{w.rank}")
-    eval_shard = ray.train.get_dataset_shard(f"eval_rank{w.rank}") if loop_config["has_eval"] else None
+    # ---- data: this rank's blocks in their global order (planned on the driver for each worker count)
+    train_shard = ray.train.get_dataset_shard(f"train_w{w.world}_rank{w.rank}")
+    has_eval = loop_config["eval_blocks"] >= w.world
+    eval_shard = ray.train.get_dataset_shard(f"eval_w{w.world}_rank{w.rank}") if has_eval else None
 
     # ---- model and engine
     rescaled = bool(w.resumed) and w.resumed["world_size"] != w.world
+    if rescaled:
+        universal_checkpoint(w)
     ds_config = deepspeed_config(cfg, w.world, universal=rescaled)
     loaded = load_model(w, ds_config)
     engine, scheduler = build_engine(w, loaded.model, ds_config)

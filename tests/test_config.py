@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from raytrain_cpu import plan
 from raytrain_cpu.config import Config, ConfigError, describe_options, load_config
 from raytrain_cpu.main import check_storage, validate_before_ray
 
@@ -112,6 +113,9 @@ def test_round_trip_through_plain_dict():
         (["train.betas=[0.9]"], "train.betas", "two numbers"),
         (["train.betas=0.9"], "train.betas", "[0.9, 0.95]"),
         (["lora.target_modules={a: 1}"], "lora.target_modules", "[q_proj, v_proj]"),
+        (["scaling.min_workers=1"], "scaling.min_workers", "needs scaling.num_workers"),
+        (["scaling.num_workers=2", "scaling.min_workers=3"], "scaling.min_workers", "above scaling.num_workers=2"),
+        (["scaling.resize_check_s=0"], "scaling.resize_check_s", "> 0"),
         (["train"], "train", "section.key=value"),
         (["train=3"], "train", "section"),
     ],
@@ -121,6 +125,29 @@ def test_validation_names_key_and_fix(overrides, key, hint):
         load_config(None, overrides)
     assert str(e.value).startswith(key) or key in str(e.value)
     assert hint in str(e.value)
+
+
+def test_an_elastic_range_must_split_the_global_batch():
+    """Every worker count of scaling.min_workers..num_workers takes whole micro batches of the one
+    global batch; fewer workers accumulate more. Otherwise the error names what fixes it."""
+    cfg = load_config(
+        None, ["scaling.num_workers=4", "scaling.min_workers=2", "train.micro_batch_size=2", "train.grad_accum_steps=3"]
+    )
+    assert cfg.elastic and list(cfg.worker_counts) == [2, 3, 4]
+    assert [cfg.accumulation_for(w) for w in cfg.worker_counts] == [6, 4, 3]  # 24 blocks each time
+    assert plan.inputs_from_config(cfg)["world_size"] == 2  # the fewest workers hold the largest shards
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["scaling.num_workers=4", "scaling.min_workers=2", "train.micro_batch_size=6"])
+    assert str(e.value).startswith(
+        "scaling.min_workers: the global batch of 24 blocks (4 workers x micro_batch_size 6 x grad_accum_steps 1) "
+        "does not split into micro batches of 6 over 3 workers, which the elastic range 2..4 allows. Use "
+        "train.grad_accum_steps=3 (a global batch of 72) or train.micro_batch_size=2 with train.grad_accum_steps=3."
+    ), e.value
+    with pytest.raises(
+        ConfigError, match=r"over 3 or 4 workers.*Use train.grad_accum_steps=12 \(a global batch of 240\)\.$"
+    ):
+        load_config(None, ["scaling.num_workers=5", "scaling.min_workers=3", "train.micro_batch_size=4"])
+    assert not load_config(None, ["scaling.num_workers=2", "scaling.min_workers=2"]).elastic  # one count
 
 
 def test_missing_config_file():

@@ -1,6 +1,6 @@
 """Fault tolerance: restarts, whole checkpoints, exact resume, distributed = single process.
 
-Issue 6, point by point (fast tests first, then the Ray runs, marked slow):
+Issue 6, point by point, and elastic training after it (fast tests first, then the Ray runs, marked slow):
 
 1. restart on failure ........ test_kill_and_hang_recover_and_resume_exactly (a worker SIGKILLed),
                                test_node_loss_after_spot_notice (a node removed from a Ray Cluster)
@@ -8,16 +8,19 @@ Issue 6, point by point (fast tests first, then the Ray runs, marked slow):
 3. deterministic resume ...... test_rng_state_round_trip, test_kill_and_hang_recover_and_resume_exactly
 4. distributed = single ...... test_distributed_matches_single_process
 5. world-size changes ........ test_resume_on_fewer_workers_follows_the_straight_run
-                               (the global batch kept: tests/test_preflight.py)
+                               (the global batch kept: tests/test_preflight.py),
+                               test_elastic_run_shrinks_on_node_loss_and_grows_back (in the run)
 6. export at the end ......... test_export_on_finish (the CLI itself: tests/test_export.py)
 7. failures surface fast ..... test_kill_and_hang_recover_and_resume_exactly (a worker SIGSTOPped),
                                test_save_is_whole_or_absent (storage full / read-only)
 8. spot notices .............. test_node_loss_after_spot_notice
+9. elastic training .......... test_elastic_run_shrinks_on_node_loss_and_grows_back (nodes removed
+                               and added on a Ray Cluster; the batch rule: tests/test_config.py)
 
 The slow tests share two 2-worker runs of the same config: `straight` (conftest.py: 64 steps,
 no faults) and the fault run (killed, then hung, then finished).
-Run this file alone as a script to get the measured figures printed: it is the node-loss
-scenario's entry point too (`python tests/test_fault_tolerance.py '<json>'`).
+Run this file alone as a script to get the measured figures printed: it is the cluster
+scenarios' entry point too (`python tests/test_fault_tolerance.py '<json>'`).
 """
 
 from __future__ import annotations
@@ -289,12 +292,14 @@ def _alive_workers() -> list[dict]:
     return [a for a in state.actors().values() if a["ActorClassName"] == "RayTrainWorker" and a["State"] == "ALIVE"]
 
 
-def _wait_for_step(run_dir: Path, step: int, future, after: float = 0.0, timeout: float = 300) -> dict:
-    """The first metrics row at or past `step` written after time `after`."""
+def _wait_for_step(
+    run_dir: Path, step: int, future, after: float = 0.0, timeout: float = 300, workers: int | None = None
+) -> dict:
+    """The first metrics row at or past `step` written after time `after` (by `workers` workers)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         for row in train_rows(run_dir):
-            if row["step"] >= step and row["time"] > after:
+            if row["step"] >= step and row["time"] > after and row["workers"] == (workers or row["workers"]):
                 return row
         if future.done():
             future.result()  # raises the run's error
@@ -348,7 +353,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("spot_scenario")  # the node-loss scenario runs beside this one
+@pytest.mark.usefixtures("spot_scenario", "elastic_scenario")  # the cluster scenarios run beside this one
 def test_kill_and_hang_recover_and_resume_exactly(straight, tmp_path, shared_cache, monkeypatch, record_property):
     """Points 1, 3 and 7: a worker killed, later a worker hung; the run finishes with the straight run's losses."""
     from raytrain_cpu.main import run
@@ -564,15 +569,10 @@ def test_export_on_finish(straight):
 # ----------------------------------------------------------------------------- node loss and spot notice
 
 
-@pytest.fixture(scope="module")
-def spot_scenario(straight, tmp_path_factory, shared_cache):
-    """The node-loss scenario (`_cluster_scenario`) in a subprocess with its own 3-node Ray Cluster,
-    started once the straight run has made the data cache; yields a function that waits for its
-    result. test_kill_and_hang_recover_and_resume_exactly starts it, so the two run side by side:
-    each spends most of its time waiting on restarts, health checks and timeouts (178 s one after
-    the other on this 2-core host, 135 s side by side)."""
-    root = tmp_path_factory.mktemp("spot")
-    args = {"storage": str(root), "cache": shared_cache}
+def _start_scenario(name: str, root: Path, cache: str):
+    """Scenario `name` ("spot" or "elastic") in a subprocess with its own Ray Cluster; returns
+    (a function that waits for its result, the process)."""
+    args = {"scenario": name, "storage": str(root), "cache": cache}
     with open(root / "stdout.txt", "w") as out, open(root / "stderr.txt", "w") as err:
         proc = subprocess.Popen([sys.executable, __file__, json.dumps(args)], stdout=out, stderr=err, cwd=root)
 
@@ -582,6 +582,17 @@ def spot_scenario(straight, tmp_path_factory, shared_cache):
         assert rc == 0, stdout[-3000:] + stderr[-6000:]
         return json.loads(stdout.strip().splitlines()[-1])
 
+    return result, proc
+
+
+@pytest.fixture(scope="module")
+def spot_scenario(straight, tmp_path_factory, shared_cache):
+    """The node-loss scenario (`_spot_scenario`) in a subprocess with its own 3-node Ray Cluster,
+    started once the straight run has made the data cache; yields a function that waits for its
+    result. test_kill_and_hang_recover_and_resume_exactly starts it, so the two run side by side:
+    each spends most of its time waiting on restarts, health checks and timeouts (178 s one after
+    the other on this 2-core host, 135 s side by side)."""
+    result, proc = _start_scenario("spot", tmp_path_factory.mktemp("spot"), shared_cache)
     yield result
     if proc.poll() is None:  # a test failed before waiting: the scenario's cluster goes with it
         proc.kill()
@@ -606,7 +617,7 @@ def test_node_loss_after_spot_notice(spot_scenario, straight):
     assert all(losses[s] == straight["losses"][s] for s in losses)
 
 
-def _cluster_scenario(args: dict) -> dict:
+def _spot_scenario(args: dict) -> dict:
     """Runs in a subprocess: its own Ray Cluster of a head and two worker nodes."""
     import ray
     from ray._raylet import GcsClient
@@ -695,5 +706,139 @@ def _cluster_scenario(args: dict) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- elastic training
+
+
+@pytest.fixture(scope="module")
+def elastic_scenario(straight, tmp_path_factory, shared_cache):
+    """The elastic scenario (`_elastic_scenario`) in a subprocess with its own Ray Cluster."""
+    result, proc = _start_scenario("elastic", tmp_path_factory.mktemp("elastic"), shared_cache)
+    yield result
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_elastic_run_shrinks_on_node_loss_and_grows_back(elastic_scenario, straight, record_property):
+    """Point 9 on a 3-node Ray Cluster (one machine), with scaling.min_workers=1 and num_workers=2,
+    one worker a node: a node goes, the run goes on with 1 worker (accumulating twice) from the
+    latest checkpoint, converted for it by rank 0; a node joins, the run grows back to 2 from a
+    checkpoint the 1 worker made. The global batch, the data order and the LR schedule carry on,
+    so the losses follow the straight run's."""
+    result = elastic_scenario()
+    print(f"\n[elastic] { ({k: v for k, v in result.items() if k != 'losses'}) }")
+    changes = result["worker_changes"]  # (first step, workers) of each stretch, in metrics.jsonl
+    assert [w for _, w in changes] == [2, 1, 2], changes
+    shrunk_at, grown_at = changes[1][0] - 1, changes[2][0] - 1  # the checkpoints each resumed from
+    assert shrunk_at % CKPT_EVERY == 0 and grown_at % CKPT_EVERY == 0 and grown_at > shrunk_at
+    assert result["universal"] == sorted({ck.checkpoint_dir_name(shrunk_at), ck.checkpoint_dir_name(grown_at)})
+    assert result["summary"]["steps"] == STEPS and result["summary"]["world_size"] == 2
+    assert result["summary"]["resumed_from_step"] == grown_at
+    losses = {int(k): v for k, v in result["losses"].items()}
+    gaps = [abs(losses[s] - straight["losses"][s]) for s in range(1, STEPS + 1)]
+    record_property("elastic_vs_straight_max_abs_loss_gap", max(gaps))
+    print(f"[elastic] max |elastic - 2 workers| loss over {STEPS} bf16 steps: {max(gaps):.2e}")
+    assert max(gaps[:shrunk_at]) == 0.0 and max(gaps) <= BF16_LOSS_TOL
+    assert (
+        result["report"]
+        == f"2 (to step {shrunk_at}) → 1 (steps {shrunk_at + 1}–{grown_at}) → 2 (from step {grown_at + 1})"
+    )
+
+
+def _slow_steps() -> None:
+    """Every training step sleeps 0.3 s first (a worker process setup hook), so the scenario's
+    cluster changes land while the run still trains: its steps take ~0.05 s on this host."""
+    import raytrain_cpu.train as train
+
+    step = train.train_step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(0.3)
+        return step(*args, **kwargs)
+
+    train.train_step = slow_step
+
+
+def _elastic_scenario(args: dict) -> dict:
+    """Runs in a subprocess: an elastic run (1 to 2 workers, one a node) on its own Ray Cluster
+    loses a node after its first checkpoint and gets one back after the next."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import _AutoscalingCoordinatorActor
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from raytrain_cpu.main import run
+    from raytrain_cpu.report import key_figures, load_run
+
+    ray._private.utils.write_ray_address = lambda *args, **kwargs: None  # as in _spot_scenario
+    t0 = time.time()
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.25"
+    # Ray Train's elastic policy counts nodes through Ray Data's AutoscalingCoordinator, whose view
+    # of the cluster is refreshed every 20 s: until then it still offers a lost node, and the
+    # restart waits for it (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s by default) before it tries
+    # the size that fits. The same coordinator, refreshed every second, keeps this test short.
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "15"
+
+    class QuickCoordinator(_AutoscalingCoordinatorActor):
+        TICK_INTERVAL_S = 1
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=1, resources={"trainer": 1}) for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING", runtime_env={"worker_process_setup_hook": _slow_steps})
+    # Made before Ray Train makes Ray's own, and as Ray makes it (on the head, which stays).
+    ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(QuickCoordinator).options(
+        name="AutoscalingCoordinator",
+        namespace="AutoscalingCoordinator",
+        lifetime="detached",
+        get_if_exists=True,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+    ).remote()
+    cfg = load_config(
+        None,
+        straight_overrides(
+            "elastic",
+            Path(args["storage"]),
+            args["cache"],
+            "scaling.num_workers=2",
+            "scaling.min_workers=1",
+            "scaling.resize_check_s=1",
+            "scaling.cpus_per_worker=0.5",
+            "scaling.threads_per_worker=1",
+            "scaling.resources_per_worker={trainer: 1}",
+            "run.max_failures=1",
+            "run.num_to_keep=8",  # every checkpoint stays, to count the conversions at the end
+        ),
+    )
+    run_dir = cfg.run.run_dir
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(run, cfg)
+        _wait_for_registered(run_dir, CKPT_EVERY, future)
+        t_lost = time.time()
+        cluster.remove_node(nodes[1], allow_graceful=False)  # a spot node reclaimed without notice
+        one = _wait_for_step(run_dir, 0, future, after=t_lost, workers=1)
+        _wait_for_registered(run_dir, one["step"] + CKPT_EVERY - 1, future)  # a checkpoint of 1 worker
+        t_joined = time.time()
+        cluster.add_node(num_cpus=1, resources={"trainer": 1})
+        two = _wait_for_step(run_dir, 0, future, after=t_joined, workers=2)
+        summary = future.result(timeout=400)
+    changes = []
+    for row in train_rows(run_dir):
+        if not changes or row["workers"] != changes[-1][1] or row["step"] <= changes[-1][0]:
+            changes.append((row["step"], row["workers"]))
+    return {
+        "worker_changes": changes,
+        "node_loss_to_next_step_s": round(one["time"] - t_lost, 1),
+        "node_join_to_next_step_s": round(two["time"] - t_joined, 1),
+        "wall_s": round(time.time() - t0, 1),
+        "universal": sorted(p.parent.name for p in run_dir.glob(f"checkpoint_*/{ck.UNIVERSAL}")),
+        "summary": {k: summary[k] for k in ("steps", "resumed_from_step", "world_size")},
+        "report": key_figures(load_run(run_dir))["workers"],
+        "losses": run_losses(run_dir),
+    }
+
+
 if __name__ == "__main__":
-    print(json.dumps(_cluster_scenario(json.loads(sys.argv[1]))))
+    scenario = json.loads(sys.argv[1])
+    print(json.dumps({"spot": _spot_scenario, "elastic": _elastic_scenario}[scenario["scenario"]](scenario)))
