@@ -712,7 +712,9 @@ class RunSettings:
     attempt within about this time."""
     preemption_check_every: int = 1
     """Ask Ray every this many steps whether a node of the run is being drained (a spot notice) and
-    checkpoint at once if so; 0 never asks. Each check is a small barrier across the workers."""
+    checkpoint at once if so; 0 never asks. Each check is a small barrier across the workers. An
+    elastic run below its most workers also checks then whether nodes joined that hold more,
+    and checkpoints at once before Ray Train grows it (it restarts from the latest checkpoint)."""
     export_on_finish: bool = False
     """When training ends, write <run dir>/export (a Hugging Face model: safetensors, config,
     tokenizer) from the final checkpoint and check its logits against the trained model."""

@@ -312,6 +312,12 @@ def check_data_cpus(cluster_cpus: float, workers: int, cpus_per_worker: float) -
         )
 
 
+def workers_that_fit(nodes: list[dict[str, Any]], bundle: dict[str, float]) -> int:
+    """How many workers of `bundle` (each worker's Ray resources) the `nodes` (ray.nodes()) hold,
+    counted on their whole resources as Ray Train's elastic scaling counts them."""
+    return sum(min(int(n["Resources"].get(k, 0) // v) for k, v in bundle.items()) for n in nodes)
+
+
 def worker_nodes(cfg: Config) -> list[dict[str, Any]]:
     """The alive nodes a training worker can run on: CPUs and scaling.resources_per_worker.
 
@@ -339,8 +345,7 @@ def worker_nodes(cfg: Config) -> list[dict[str, Any]]:
         need = dict(s.resources_per_worker) | ({"CPU": s.cpus_per_worker} if s.cpus_per_worker else {})
         if not need:
             return bool(nodes)
-        room = sum(min(int(n["Resources"].get(k, 0) // v) for k, v in need.items()) for n in nodes)
-        return room >= (least or len(nodes) or 1)
+        return workers_that_fit(nodes, need) >= (least or len(nodes) or 1)
 
     nodes = usable()
     if fits(nodes):
@@ -1017,6 +1022,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         "config_hash": config_hash(cfg_dict),
         "threads_per_worker": sizing["threads_per_worker"],
         "eval_blocks": meta["eval_blocks"],  # a worker count above it evaluates nothing
+        "worker_bundle": {"CPU": sizing["cpus_per_worker"], **cfg.scaling.resources_per_worker},
         "start_position": start,
         "data_key": meta["key"],  # recorded in the checkpoints: a resume notices data that changed
         "record_block_ids": cfg.train.record_block_ids,
@@ -1036,7 +1042,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
             num_workers=(worlds[0], worlds[-1]) if cfg.elastic else world,
             elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s,
             use_gpu=False,
-            resources_per_worker={"CPU": sizing["cpus_per_worker"], **cfg.scaling.resources_per_worker},
+            resources_per_worker=loop_config["worker_bundle"],
         ),
         run_config=ray.train.RunConfig(
             name=cfg.run.name,

@@ -250,6 +250,7 @@ class Loop:
     window_tokens: int = 0
     window_wait: float = 0.0
     saved_on_notice: bool = False
+    growth_nodes: frozenset[str] = frozenset()  # rank 0: the nodes that had room when it last saved for growth
     last: dict[str, Any] = field(default_factory=dict)  # the latest logged row
     eval_metrics: dict[str, Any] = field(default_factory=dict)
     last_input_ids: Any = None  # the export check's probe input
@@ -829,7 +830,8 @@ def release_free_pages(w: Worker, st: Loop, free_pages: FreePages) -> None:
 
 
 def checkpoint_reason(w: Worker, st: Loop) -> str | None:
-    """'final', 'periodic', 'preemption' (a spot notice: at once) or None."""
+    """'final', 'periodic', 'preemption' (a spot notice: at once), 'growth' (an elastic run's
+    cluster has room for more workers: at once) or None."""
     import ray.train
 
     t = w.cfg.train
@@ -845,7 +847,34 @@ def checkpoint_reason(w: Worker, st: Loop) -> str | None:
             st.saved_on_notice = True
             w.log(f"spot notice: nodes {notice.preempted_node_ids} go at {notice.deadline_ms} ms; checkpointing now")
             return "preemption"
+        if room_to_grow(w, st):
+            return "growth"
     return None
+
+
+def room_to_grow(w: Worker, st: Loop) -> bool:
+    """Whether an elastic run below its most workers now has room for more, on nodes other than
+    those it last checkpointed for. Ray Train then restarts the workers at the larger size from
+    the latest checkpoint once its own view of the cluster has caught up (up to
+    scaling.resize_check_s plus Ray's 20 s refresh): a checkpoint taken at once keeps the steps
+    trained until then. Once per set of nodes, since a node that just died may still be listed
+    for a moment. Rank 0 counts; every rank follows."""
+    import ray
+
+    from raytrain_cpu.main import workers_that_fit
+
+    scaling = w.loop_config["config"]["scaling"]
+    if not scaling["min_workers"] or w.world >= scaling["num_workers"]:
+        return False
+    grow = 0.0
+    if w.is_main:
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        room = min(workers_that_fit(alive, w.loop_config["worker_bundle"]), scaling["num_workers"])
+        nodes = frozenset(n["NodeID"] for n in alive)
+        if room > w.world and nodes != st.growth_nodes:
+            st.growth_nodes, grow = nodes, 1.0
+            w.log(f"the cluster now holds {room} workers; checkpointing before Ray Train grows the run")
+    return _allreduce_sum([grow])[0] > 0
 
 
 def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, block_log) -> None:
