@@ -1033,6 +1033,11 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     # checks) or in the controller's health check of a worker that stopped answering.
     os.environ["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] = str(cfg.run.gloo_timeout_s)
     os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(cfg.run.gloo_timeout_s)
+    if cfg.elastic:
+        # After a node loss Ray Train's view of the cluster lags up to 20 s (Ray Data's
+        # AutoscalingCoordinator refreshes it), so its first restart may still ask for the lost
+        # node's worker: it waits this long for it before taking the size that fits (Ray: 60 s).
+        os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
     trainer = TorchTrainer(
         train_loop,
         train_loop_config=loop_config,

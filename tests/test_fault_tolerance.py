@@ -790,8 +790,8 @@ def _elastic_scenario(args: dict) -> dict:
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.25"
     # Ray Train's elastic policy counts nodes through Ray Data's AutoscalingCoordinator, whose view
     # of the cluster is refreshed every 20 s: until then it still offers a lost node, and the
-    # restart waits for it (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s by default) before it tries
-    # the size that fits. The same coordinator, refreshed every second, keeps this test short.
+    # restart waits for it (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 30 s in an elastic run) before it
+    # tries the size that fits. The same coordinator, refreshed every second, keeps this test short.
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "15"
 
     class QuickCoordinator(_AutoscalingCoordinatorActor):
