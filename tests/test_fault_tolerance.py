@@ -589,9 +589,10 @@ def _start_scenario(name: str, root: Path, cache: str):
 def spot_scenario(straight, tmp_path_factory, shared_cache):
     """The node-loss scenario (`_spot_scenario`) in a subprocess with its own 3-node Ray Cluster,
     started once the straight run has made the data cache; yields a function that waits for its
-    result. test_kill_and_hang_recover_and_resume_exactly starts it, so the two run side by side:
-    each spends most of its time waiting on restarts, health checks and timeouts (178 s one after
-    the other on this 2-core host, 135 s side by side)."""
+    result. test_kill_and_hang_recover_and_resume_exactly starts it and the elastic scenario, so the
+    three run side by side: each spends most of its time waiting on restarts, health checks and
+    timeouts (the first two: 178 s one after the other on this 2-core host, 135 s side by side; all
+    three: 236 s for the whole file)."""
     result, proc = _start_scenario("spot", tmp_path_factory.mktemp("spot"), shared_cache)
     yield result
     if proc.poll() is None:  # a test failed before waiting: the scenario's cluster goes with it
