@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from raytrain_cpu.config import Config, ConfigError, load_config, options_help
+from raytrain_cpu.config import Config, ConfigError, is_url, load_config, options_help
 from raytrain_cpu.hub import download_model, is_hub_id
 from raytrain_cpu.metrics import CONSOLE_LINE, ray_console_handlers
 
@@ -923,7 +923,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         # of the job gets the address, so helpers that look the cluster up themselves (Ray Train's
         # placement-group cleaner) don't fail with "multiple active Ray instances" on a machine
         # that runs several Rays.
-        joined = {} if local or "://" in cfg.run.ray_init_address else {"RAY_ADDRESS": cfg.run.ray_init_address}
+        joined = {} if local or is_url(cfg.run.ray_init_address) else {"RAY_ADDRESS": cfg.run.ray_init_address}
         ray_logs = quiet_ray_loggers() if quiet else None
         context = ray.init(
             address=cfg.run.ray_init_address,

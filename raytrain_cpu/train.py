@@ -223,6 +223,7 @@ class Worker:
     # The manifest of the checkpoint this attempt resumes from ({} on a fresh start): what the run
     # settled at its start by measuring (dtype, attention) stays, so a resumed run continues exactly.
     resumed: dict[str, Any] = field(default_factory=dict)
+    most_workers: int = 0  # an elastic run's scaling.num_workers (cfg holds this attempt's count); 0: fixed
 
     @property
     def is_main(self) -> bool:
@@ -301,6 +302,7 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     log = (lambda msg: obs.console(f"[rank 0] {msg}")) if rank == 0 else (lambda msg: None)
+    most = cfg.scaling.num_workers if cfg.elastic else 0
     if cfg.elastic:  # this attempt's own worker count, accumulating what keeps the global batch
         s = cfg.scaling
         train = replace(cfg.train, grad_accum_steps=cfg.accumulation_for(world))
@@ -321,6 +323,7 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
         cfg.train.derive_global_batch(world),
         log,
         _manifest_or_nothing(Path(restored.path)) if restored is not None else {},
+        most,
     )
 
 
@@ -863,13 +866,12 @@ def room_to_grow(w: Worker, st: Loop) -> bool:
 
     from raytrain_cpu.main import workers_that_fit
 
-    scaling = w.loop_config["config"]["scaling"]
-    if not scaling["min_workers"] or w.world >= scaling["num_workers"]:
+    if w.world >= w.most_workers:  # fixed (0), or at its most already
         return False
     grow = 0.0
     if w.is_main:
         alive = [n for n in ray.nodes() if n.get("Alive")]
-        room = min(workers_that_fit(alive, w.loop_config["worker_bundle"]), scaling["num_workers"])
+        room = min(workers_that_fit(alive, w.loop_config["worker_bundle"]), w.most_workers)
         nodes = frozenset(n["NodeID"] for n in alive)
         if room > w.world and nodes != st.growth_nodes:
             st.growth_nodes, grow = nodes, 1.0

@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -569,9 +570,9 @@ def test_export_on_finish(straight):
 # ----------------------------------------------------------------------------- node loss and spot notice
 
 
-def _start_scenario(name: str, root: Path, cache: str):
-    """Scenario `name` ("spot" or "elastic") in a subprocess with its own Ray Cluster; returns
-    (a function that waits for its result, the process)."""
+def _scenario(name: str, root: Path, cache: str) -> Iterator[Callable[[], dict]]:
+    """A fixture's body: scenario `name` ("spot" or "elastic") in a subprocess with its own Ray
+    Cluster; yields a function that waits for its result, and stops the process at teardown."""
     args = {"scenario": name, "storage": str(root), "cache": cache}
     with open(root / "stdout.txt", "w") as out, open(root / "stderr.txt", "w") as err:
         proc = subprocess.Popen([sys.executable, __file__, json.dumps(args)], stdout=out, stderr=err, cwd=root)
@@ -582,7 +583,10 @@ def _start_scenario(name: str, root: Path, cache: str):
         assert rc == 0, stdout[-3000:] + stderr[-6000:]
         return json.loads(stdout.strip().splitlines()[-1])
 
-    return result, proc
+    yield result
+    if proc.poll() is None:  # a test failed before waiting: the scenario's cluster goes with it
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -593,11 +597,7 @@ def spot_scenario(straight, tmp_path_factory, shared_cache):
     three run side by side: each spends most of its time waiting on restarts, health checks and
     timeouts (the first two: 178 s one after the other on this 2-core host, 135 s side by side; all
     three: 236 s for the whole file)."""
-    result, proc = _start_scenario("spot", tmp_path_factory.mktemp("spot"), shared_cache)
-    yield result
-    if proc.poll() is None:  # a test failed before waiting: the scenario's cluster goes with it
-        proc.kill()
-        proc.wait()
+    yield from _scenario("spot", tmp_path_factory.mktemp("spot"), shared_cache)
 
 
 @pytest.mark.slow
@@ -713,11 +713,7 @@ def _spot_scenario(args: dict) -> dict:
 @pytest.fixture(scope="module")
 def elastic_scenario(straight, tmp_path_factory, shared_cache):
     """The elastic scenario (`_elastic_scenario`) in a subprocess with its own Ray Cluster."""
-    result, proc = _start_scenario("elastic", tmp_path_factory.mktemp("elastic"), shared_cache)
-    yield result
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    yield from _scenario("elastic", tmp_path_factory.mktemp("elastic"), shared_cache)
 
 
 @pytest.mark.slow
