@@ -224,6 +224,9 @@ class Worker:
     # settled at its start by measuring (dtype, attention) stays, so a resumed run continues exactly.
     resumed: dict[str, Any] = field(default_factory=dict)
     most_workers: int = 0  # an elastic run's scaling.num_workers (cfg holds this attempt's count); 0: fixed
+    # This attempt's settings as configured, before the worker settles 'auto' ones (model.dtype):
+    # what a resume compares with the checkpoint's, which recorded them so too.
+    settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_main(self) -> bool:
@@ -324,6 +327,7 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
         log,
         _manifest_or_nothing(Path(restored.path)) if restored is not None else {},
         most,
+        cfg.to_dict(),
     )
 
 
@@ -671,7 +675,7 @@ def resume(w: Worker, engine) -> Loop:
     if restored is not None:
         with restored.as_directory() as d:  # shared storage: the directory itself, not a copy
             # Verified against its manifest first; incomplete or foreign checkpoints fail loudly.
-            manifest = ckpt_io.load_into(engine, d, w.rank, w.world, w.cfg.to_dict())
+            manifest = ckpt_io.load_into(engine, d, w.rank, w.world, w.settings)
         st.step = st.resumed_from = manifest["step"]
         st.last_ckpt = Path(restored.path)
         st.opt_step_at_resume = _optimizer_step(engine)

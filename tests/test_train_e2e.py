@@ -31,6 +31,7 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
         "run.num_to_keep=2",
         "train.profile_step=3",
         "model.attention=auto",  # the default, which the suite's FAST settings pin
+        "model.dtype=auto",  # likewise: the worker settles it, and a resume must still match (it once did not)
     ]
     cfg = make_config(*overrides, "train.max_steps=12")
     sigterm = signal.getsignal(signal.SIGTERM)
