@@ -65,8 +65,10 @@ def hashed_settings(config_dict: dict[str, Any]) -> dict[str, Any]:
     checkpoints made before that rule recorded.
 
     LoRA counts only when on (lora.rank > 0), so a full fine-tuning run hashes as it did
-    before LoRA existed and its older checkpoints still resume."""
+    before LoRA existed and its older checkpoints still resume; so does data.mix, only when set."""
     keep = {k: config_dict[k] for k in ("model", "data")}
+    if not keep["data"].get("mix"):
+        keep["data"] = {k: v for k, v in keep["data"].items() if k != "mix"}
     keep["train"] = {k: config_dict["train"][k] for k in ("micro_batch_size", "grad_accum_steps", "seed")}
     if (config_dict.get("lora") or {}).get("rank"):
         keep["lora"] = config_dict["lora"]
@@ -79,9 +81,17 @@ def config_hash(config_dict: dict[str, Any]) -> str:
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted keys; a list of sections (data.mix) by entry, data.mix[1].weight, and its length."""
     out: dict[str, Any] = {}
     for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            out[f"{prefix}{k}"] = f"{len(v)} entr{'y' if len(v) == 1 else 'ies'}"
+            for i, x in enumerate(v):
+                out.update(_flatten(x, f"{prefix}{k}[{i}]."))
+        else:
+            out[f"{prefix}{k}"] = v
     return out
 
 

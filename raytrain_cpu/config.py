@@ -246,6 +246,65 @@ def source_of(path: str) -> str | None:
     return kinds.pop() if len(kinds) == 1 else None
 
 
+# The settings that say where one source's text comes from: a data.mix entry may set these
+# (each defaulting as in data:), the rest of data: applies to every source of a mixture.
+SOURCE_KEYS = ("source", "path", "eval_path", "hub_id", "hub_config", "train_split", "eval_split", "text_column")
+MIX_RESOLUTION = 1000  # mixture shares are kept to 1/1000 of the blocks
+
+
+@dataclass
+class MixSource:
+    """One source of a data mixture (an entry of data.mix) and its share of the training blocks."""
+
+    weight: float = 0.0
+    """Its share of the training blocks, relative to the other entries' (3 and 1: 75% and 25%)."""
+    name: str = ""
+    """Its label in logs and in eval metrics (eval_loss/<name>); '' takes the path's or hub id's last
+    part, or 'bundled'."""
+    source: str = "auto"
+    """As data.source, for this source."""
+    path: str = ""
+    """As data.path, for this source."""
+    eval_path: str = ""
+    """As data.eval_path, for this source ('' holds out data.eval_fraction of its documents)."""
+    hub_id: str = "wikitext"
+    """As data.hub_id, for this source."""
+    hub_config: str = "wikitext-2-raw-v1"
+    """As data.hub_config, for this source."""
+    train_split: str = "train"
+    """As data.train_split, for this source."""
+    eval_split: str = "validation"
+    """As data.eval_split, for this source."""
+    text_column: str = "text"
+    """As data.text_column, for this source."""
+
+    def default_name(self) -> str:
+        if self.source == "bundled":
+            return "bundled"
+        where = self.hub_id if self.source == "hub" else self.path
+        if is_glob(where):
+            where = where[: min(where.index(ch) for ch in "*?[" if ch in where)]
+        last = Path(where.rstrip("/").split("://")[-1]).name.split(".")[0]
+        return re.sub(r"[^\w.-]", "_", last) or "source"
+
+
+def mix_counts(weights: list[float]) -> list[int]:
+    """Blocks each source gets in one period of a mixture: whole weights as they are, others as
+    their shares of MIX_RESOLUTION (largest remainders); divided by their common divisor (3 and 1,
+    or 0.75 and 0.25, give 3 and 1: a period of 4 blocks)."""
+    if all(float(w).is_integer() for w in weights) and sum(weights) <= MIX_RESOLUTION:
+        divisor = math.gcd(*map(int, weights))  # whole weights are kept as they are: 1, 1, 1 is exact
+        return [int(w) // divisor for w in weights]
+    total = sum(weights)
+    exact = [w / total * MIX_RESOLUTION for w in weights]
+    counts = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: counts[i] - exact[i])
+    for i in by_remainder[: MIX_RESOLUTION - sum(counts)]:
+        counts[i] += 1
+    divisor = math.gcd(*counts)
+    return [c // divisor for c in counts] if divisor else counts
+
+
 @dataclass
 class DataConfig:
     """Where the text comes from and how it becomes packed training blocks."""
@@ -309,8 +368,21 @@ class DataConfig:
     (see raytrain_cpu/sft.py); else the path of a Jinja template file."""
     train_on_prompt: bool = False
     """Chat/instruction: also train on system, user and prompt tokens (padding never is)."""
+    mix: list[MixSource] = field(default_factory=list)
+    """A mixture: several sources, each a mapping of weight, name and where its text comes from
+    (source, path, eval_path, hub_id, ...), e.g. [{path: notes/, weight: 3}, {source: bundled,
+    weight: 1}]. Training blocks are drawn by weight, evenly interleaved (a small source repeats
+    within the run, a large one is only partly read); each source is evaluated on its own. The
+    other data settings apply to all; data.source/path/eval_path are left out. [] trains on one
+    source."""
 
     def __post_init__(self) -> None:
+        # DataConfig(**asdict) (a checkpoint's data settings, read back by export and generate)
+        # hands the entries over as mappings.
+        self.mix = [MixSource(**e) if isinstance(e, dict) else e for e in self.mix]
+        if self.mix or self.source == "mix":
+            self._check_mix()
+            return
         _choice(self.source, "data.source", ("auto", "bundled", "text", "parquet", "jsonl", "hub"))
         if self.source == "auto":  # resolved here, so checkpoints record what the run read
             self.source = source_of(self.path) if self.path else "bundled"
@@ -361,6 +433,57 @@ class DataConfig:
         _require(self.tokenize_actors >= 0, "data.tokenize_actors", "must be >= 0 (0 = auto).")
         _require(self.shuffle_window > 0, "data.shuffle_window", "must be a positive number of blocks.")
         _require(self.prefetch_batches >= 0, "data.prefetch_batches", "must be >= 0.")
+
+    def _check_mix(self) -> None:
+        _require(bool(self.mix), "data.source", "'mix' needs data.mix entries (a list of sources with weights).")
+        for key, value, default in (
+            ("source", self.source, "mix"),
+            ("path", self.path, ""),
+            ("eval_path", self.eval_path, ""),
+        ):
+            _require(
+                value in (default, "auto"),
+                f"data.{key}",
+                f"is set, but data.mix lists the sources: move it into a data.mix entry (data.mix[0].{key}), "
+                "or leave data.mix out.",
+            )
+        names: dict[str, int] = {}
+        for i, entry in enumerate(self.mix):
+            _require(entry.weight > 0, f"data.mix[{i}].weight", f"got {entry.weight}; give each source a weight > 0.")
+            part = self.mix_part(i)  # validates the entry as a source of its own
+            entry.source, entry.path, entry.eval_path = part.source, part.path, part.eval_path  # as resolved
+            entry.name = entry.name or entry.default_name()
+            _require(
+                re.fullmatch(r"[\w.-]+", entry.name) is not None,
+                f"data.mix[{i}].name",
+                f"{entry.name!r}: use letters, digits, '_', '-' and '.' (it names the source's eval metrics).",
+            )
+            _require(
+                entry.name not in names,
+                f"data.mix[{i}].name",
+                f"{entry.name!r} is data.mix[{names.get(entry.name)}]'s name too; give each source its own name.",
+            )
+            names[entry.name] = i
+        for i, count in enumerate(mix_counts([e.weight for e in self.mix])):
+            _require(
+                count > 0,
+                f"data.mix[{i}].weight",
+                f"{self.mix[i].weight} is under 1/{MIX_RESOLUTION} of all the weights; raise it or leave the source out.",
+            )
+        self.source = "mix"
+
+    def mix_part(self, i: int) -> DataConfig:
+        """Mixture entry i as a data config of one source (the shared settings, its own source keys);
+        its errors name the entry's keys (data.mix[i].path)."""
+        entry = self.mix[i]
+        try:
+            return dataclasses.replace(self, mix=[], **{k: getattr(entry, k) for k in SOURCE_KEYS})
+        except ConfigError as e:
+            raise ConfigError(re.sub(rf"\bdata\.({'|'.join(SOURCE_KEYS)})\b", rf"data.mix[{i}].\1", str(e))) from None
+
+    def parts(self) -> list[DataConfig]:
+        """The sources this trains on, each as a data config of its own: the mixture's, or itself."""
+        return [self.mix_part(i) for i in range(len(self.mix))] if self.mix else [self]
 
 
 # ----------------------------------------------------------------------------- training
@@ -1006,6 +1129,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             example = "[q_proj, v_proj]" if item_tp is str else "[0.9, 0.95]"
             raise ConfigError(f"{key}: expected a list like {example}, got {value!r}.")
+        if dataclasses.is_dataclass(item_tp):  # data.mix: a list of sections
+            return [_build(item_tp, _section(v, f"{key}[{i}]"), f"{key}[{i}].") for i, v in enumerate(value)]
         return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
@@ -1013,6 +1138,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         _, val_tp = typing.get_args(tp)
         return {str(k): _coerce(v, val_tp, f"{key}.{k}") for k, v in value.items()}
     return value
+
+
+def _section(value: Any, key: str) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    raise ConfigError(f"{key}: expected a section (mapping), got {value!r}.")
 
 
 def _build(cls: type, d: dict[str, Any] | None, prefix: str) -> Any:
@@ -1034,9 +1165,7 @@ def _build(cls: type, d: dict[str, Any] | None, prefix: str) -> Any:
             continue
         tp, key = hints[name], f"{prefix}{name}"
         if dataclasses.is_dataclass(tp):
-            if not isinstance(d[name], dict):
-                raise ConfigError(f"{key}: expected a section (mapping), got {d[name]!r}.")
-            kwargs[name] = _build(tp, d[name], prefix=f"{key}.")
+            kwargs[name] = _build(tp, _section(d[name], key), prefix=f"{key}.")
         else:
             kwargs[name] = _coerce(d[name], tp, key)
     return cls(**kwargs)

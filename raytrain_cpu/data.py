@@ -17,6 +17,8 @@ The flow, top to bottom:
    it ahead of time; training fills it when missing.
 5. **stream**: each rank gets its own Ray Data pipeline over the cache holding exactly the
    blocks it will train on, in a seeded order, starting at the first block not yet consumed.
+   A mixture (data.mix) packs each source into a cache of its own and interleaves them by
+   weight in the stream (`mix_positions`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,16 @@ from typing import Any
 import numpy as np
 
 from raytrain_cpu.checkpoint import out_of_space
-from raytrain_cpu.config import COMPRESSED, Config, ConfigError, DataConfig, data_suffixes, is_glob, load_config
+from raytrain_cpu.config import (
+    COMPRESSED,
+    Config,
+    ConfigError,
+    DataConfig,
+    data_suffixes,
+    is_glob,
+    load_config,
+    mix_counts,
+)
 from raytrain_cpu.hub import download_tokenizer, hub_errors, is_hub_id
 from raytrain_cpu.tokenizer import BUNDLED_SFT, BUNDLED_WIKITEXT, load_tokenizer, resolve_tokenizer_path
 
@@ -144,6 +155,13 @@ def source_specs(cfg: DataConfig) -> tuple[SourceSpec, SourceSpec | None]:
     # Rows become chat/instruction examples: never regrouped as wikitext lines.
     fmt = {"format": cfg.format, "wikitext": False} if cfg.format != "text" else {}
     return dataclasses.replace(train, **fmt), (dataclasses.replace(evals, **fmt) if evals else None)
+
+
+def check_sources(cfg: DataConfig) -> None:
+    """Lists every source's files (a mixture's each): a missing path, or a hub dataset's file
+    list, answers before Ray starts."""
+    for part in cfg.parts():
+        source_specs(part)
 
 
 def _source_specs(cfg: DataConfig) -> tuple[SourceSpec, SourceSpec | None]:
@@ -913,7 +931,78 @@ def _pack(
 
 
 def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
-    """Builds (or finds) the packed-block cache for this config; returns its directory."""
+    """Builds (or finds) the packed-block cache for this config; returns its directory.
+
+    A mixture's sources are packed one by one, each into the cache it would have alone (a later
+    run of that source alone, or of another mixture holding it, finds it there); the mixture's
+    own directory holds only meta.json, naming them and their shares.
+    """
+    if not cfg.data.mix:
+        return _prepare_source(cfg, force=force, log=log)
+    caches = []
+    for entry, part in zip(cfg.data.mix, cfg.data.parts()):
+        named = lambda m, name=entry.name: log(m.replace("[data] ", f"[data] {name}: ", 1))  # noqa: E731
+        caches.append(_prepare_source(dataclasses.replace(cfg, data=part), force=force, log=named))
+    return _write_mixture(cfg, caches, log)
+
+
+def mix_pattern(counts: list[int]) -> list[int]:
+    """One period of a mixture: source i appears counts[i] times, spread evenly (slot k of source
+    i at (k + 1/2) / counts[i] of the period), so any stretch of the stream holds each source near
+    its share: counts 3 and 1 give [0, 0, 1, 0]."""
+    slots = sorted(((k + 0.5) / c, i) for i, c in enumerate(counts) for k in range(c))
+    return [i for _, i in slots]
+
+
+def _write_mixture(cfg: Config, caches: list[Path], log) -> Path:
+    metas = [read_meta(c) for c in caches]
+    counts = mix_counts([e.weight for e in cfg.data.mix])
+    key = hashlib.sha256(
+        json.dumps({"format": CACHE_FORMAT, "sources": [m["key"] for m in metas], "counts": counts}).encode()
+    ).hexdigest()[:16]
+    period = sum(counts)
+    total = lambda k: sum(m.get(k, 0) for m in metas)  # noqa: E731
+    meta = {
+        "format": CACHE_FORMAT,
+        "key": key,
+        "seq_len": cfg.data.seq_len,
+        "tokenizer": metas[0]["tokenizer"],
+        "data_format": cfg.data.format,
+        "sources": [
+            {
+                "name": e.name,
+                "weight": e.weight,
+                "share": c / period,
+                "cache": str(cache),
+                **{k: m[k] for k in ("key", "blocks", "eval_blocks", "documents", "tokens")},
+            }
+            for e, c, cache, m in zip(cfg.data.mix, counts, caches, metas)
+        ],
+        "pattern": mix_pattern(counts),
+        **{k: total(k) for k in ("blocks", "eval_blocks", "documents", "tokens", "skipped_rows", "padding_tokens")},
+        "truncated_examples": total("truncated_examples"),
+        "eval_source": "each source's own",
+    }
+    meta["padding_frac"] = meta["padding_tokens"] / max(1, meta["blocks"] * cfg.data.seq_len)
+    out = cache_root(cfg) / f"mix-{key}"
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".meta.json.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, out / "meta.json")
+    shares = ", ".join(f"{s['name']} {s['share']:.1%} ({s['blocks']:,} blocks)" for s in meta["sources"])
+    log(f"[data] a mixture of {len(caches)} sources: {shares}")
+    return out
+
+
+def mixture_sources(cache: Path, meta: dict) -> list[tuple[str, Path, dict]]:
+    """(name, cache directory, meta) of each source a prepared cache holds: a mixture's, or
+    ('', cache, meta) for a single source."""
+    if "sources" not in meta:
+        return [("", Path(cache), meta)]
+    return [(s["name"], Path(s["cache"]), read_meta(Path(s["cache"]))) for s in meta["sources"]]
+
+
+def _prepare_source(cfg: Config, *, force: bool, log) -> Path:
     import ray
 
     tokenizer_path = resolve_tokenizer_path(cfg.model.tokenizer, cfg.model.name_or_path)
@@ -1025,6 +1114,27 @@ def _cache_file(path: str, column: str = "input_ids") -> np.ndarray:
     return col.values.to_numpy(zero_copy_only=False).reshape(len(col), -1)
 
 
+@functools.lru_cache(maxsize=4)
+def _pattern_counts(pattern: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A mixture's period as arrays: its sources, each source's count, and how many of each
+    source come before each slot."""
+    sources = np.asarray(pattern, dtype=np.int64)
+    one_hot = np.eye(sources.max() + 1, dtype=np.int64)[sources]
+    before = np.cumsum(one_hot, axis=0) - one_hot
+    return sources, one_hot.sum(axis=0), before
+
+
+def mix_positions(pos: np.ndarray, pattern: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(source, position in that source's own order) of global stream positions: the pattern
+    (`mix_pattern`) repeats, so position p is slot p % P of period p // P. Each source's positions
+    run 0, 1, 2, ... without gaps, whatever range of the stream is asked for: a resumed run (or
+    one on another worker count) continues every source where it stopped."""
+    sources, counts, before = _pattern_counts(tuple(pattern))
+    period, slot = np.divmod(pos, len(sources))
+    src = sources[slot]
+    return src, period * counts[src] + before[slot, src]
+
+
 @dataclass(frozen=True)
 class StreamPlan:
     """Which blocks rank `rank` trains on, in which order.
@@ -1035,10 +1145,14 @@ class StreamPlan:
     step's first. So rank r's i-th block sits at start + ((i // m) * W + r) * m + i % m: a
     resumed run continues with the first block not yet consumed, none repeated, none skipped,
     even when the number of workers changed.
+
+    A mixture (several train_dirs) shares the positions out by `pattern` (`mix_positions`), and
+    each source goes through its own epochs: a small source repeats sooner than a large one. Its
+    block ids count on from the sources before it (source 1's block 0 is n_blocks[0]).
     """
 
-    train_dir: str
-    n_blocks: int
+    train_dirs: tuple[str, ...]
+    n_blocks: tuple[int, ...]
     seed: int
     window: int
     micro: int
@@ -1047,6 +1161,7 @@ class StreamPlan:
     start: int  # global positions already consumed (a multiple of the global batch)
     end: int  # global positions the whole run consumes
     has_labels: bool = False  # chat/instruction caches carry labels (-100 where no loss)
+    pattern: tuple[int, ...] = (0,)  # a mixture's period (mix_pattern); one source: (0,)
 
     @property
     def local_range(self) -> tuple[int, int]:
@@ -1058,12 +1173,21 @@ class StreamPlan:
 
     def fetch(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         pos = self.positions(batch["id"].astype(np.int64))
-        epoch, within = np.divmod(pos, self.n_blocks)
+        src, src_pos = mix_positions(pos, self.pattern)
+        first_id = np.cumsum((0, *self.n_blocks))
         block_id = np.empty_like(pos)
-        for e in np.unique(epoch):
-            sel = epoch == e
-            block_id[sel] = global_order(self.n_blocks, self.seed, int(e), self.window)[within[sel]]
-        return {"pos": pos, "block_id": block_id, **_read_blocks(self.train_dir, block_id, self.has_labels)}
+        rows: dict[str, np.ndarray] = {}
+        for s in np.unique(src):
+            sel = src == s
+            n = self.n_blocks[s]
+            epoch, within = np.divmod(src_pos[sel], n)
+            ids = np.empty_like(within)
+            for e in np.unique(epoch):
+                ids[epoch == e] = global_order(n, self.seed, int(e), self.window)[within[epoch == e]]
+            block_id[sel] = first_id[s] + ids
+            for column, values in _read_blocks(self.train_dirs[s], ids, self.has_labels).items():
+                rows.setdefault(column, np.empty((len(pos), values.shape[1]), values.dtype))[sel] = values
+        return {"pos": pos, "block_id": block_id, **rows}
 
 
 def _read_blocks(split_dir: str, block_ids: np.ndarray, has_labels: bool) -> dict[str, np.ndarray]:
@@ -1089,6 +1213,11 @@ def train_stream(cache: Path, plan: StreamPlan):
     return ray.data.range(hi - lo, override_num_blocks=max(1, min(64, (hi - lo) // 256))).map_batches(
         plan.fetch, batch_format="numpy", batch_size=256, num_cpus=0.25
     )
+
+
+def eval_dataset(world_size: int, rank: int, source: str = "") -> str:
+    """The name of a rank's eval stream (of a mixture's source) among the trainer's datasets."""
+    return f"eval_w{world_size}_rank{rank}" + (f"_{source}" if source else "")
 
 
 def eval_stream(cache: Path, world_size: int, rank: int, n_eval: int, max_blocks: int = 0, has_labels: bool = False):
@@ -1133,7 +1262,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        source_specs(cfg.data)  # fail on missing paths before Ray starts
+        check_sources(cfg.data)  # fail on missing paths before Ray starts
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -1150,8 +1279,11 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "cache": str(cache),
-                **{k: meta[k] for k in ("blocks", "eval_blocks", "tokens", "skipped_rows", "tokens_per_s")},
+                **{
+                    k: meta[k] for k in ("blocks", "eval_blocks", "tokens", "skipped_rows", "tokens_per_s") if k in meta
+                },
                 **{k: meta[k] for k in ("truncated_examples", "padding_frac", "loss_tokens") if k in meta},
+                **({"sources": meta["sources"]} if "sources" in meta else {}),
             },
             indent=2,
         )
@@ -1167,9 +1299,13 @@ __all__ = [
     "DataError",
     "StreamPlan",
     "cache_root",
+    "check_sources",
+    "eval_dataset",
     "eval_stream",
     "file_documents",
     "global_order",
+    "mix_positions",
+    "mixture_sources",
     "prepare",
     "read_meta",
     "source_specs",

@@ -143,7 +143,7 @@ def check_not_in_job_copy(cfg: Config) -> None:
 
 
 def validate_before_ray(cfg: Config) -> None:
-    from raytrain_cpu.data import DataError, cache_root, source_specs
+    from raytrain_cpu.data import DataError, cache_root, check_sources
     from raytrain_cpu.model import check_causal_lm, check_context_length, check_model_path
 
     if not cfg.model.is_tiny:
@@ -166,7 +166,7 @@ def validate_before_ray(cfg: Config) -> None:
     if cfg.model.compile_cache_dir:  # made absolute when the config loaded
         check_storage(Path(cfg.model.compile_cache_dir), "model.compile_cache_dir")
     try:
-        source_specs(cfg.data)  # a hub dataset's file list: the hub answers before Ray starts
+        check_sources(cfg.data)  # a hub dataset's file list: the hub answers before Ray starts
     except DataError as e:
         raise ConfigError(str(e)) from None
     check_resume(cfg)
@@ -752,11 +752,12 @@ def quiet_worker_logs() -> None:
 
 def build_datasets(cache: Path, meta: dict, cfg: Config, worlds: list[int], start: int) -> dict[str, Any]:
     """Each rank's stream for each worker count the run may have (one, unless elastic), named
-    train_w{W}_rank{r} / eval_w{W}_rank{r}: all lazy, a worker iterates only its own."""
+    train_w{W}_rank{r} / eval_w{W}_rank{r} (a mixture: one eval stream per source, ..._{name}):
+    all lazy, a worker iterates only its own."""
     from ray.data import DataContext
 
     from raytrain_cpu import datathrottle
-    from raytrain_cpu.data import StreamPlan, eval_stream, train_stream
+    from raytrain_cpu.data import StreamPlan, eval_dataset, eval_stream, mixture_sources, train_stream
 
     # These streams' scheduling loops run inside the training workers: keep them from spinning.
     datathrottle.install(DataContext.get_current())
@@ -764,11 +765,12 @@ def build_datasets(cache: Path, meta: dict, cfg: Config, worlds: list[int], star
     end = cfg.train.max_steps * cfg.train.derive_global_batch(worlds[-1])
     has_labels = meta.get("data_format", "text") != "text"
     eval_blocks = cfg.train.eval_batches * cfg.train.micro_batch_size  # 0: the whole split
+    sources = mixture_sources(cache, meta)
     out = {}
     for w, r in [(world, rank) for world in worlds for rank in range(world)]:
         plan = StreamPlan(
-            str(Path(cache) / "train"),
-            meta["blocks"],
+            tuple(str(source_cache / "train") for _, source_cache, _ in sources),
+            tuple(source_meta["blocks"] for _, _, source_meta in sources),
             cfg.train.seed,
             cfg.data.shuffle_window,
             cfg.train.micro_batch_size,
@@ -777,25 +779,43 @@ def build_datasets(cache: Path, meta: dict, cfg: Config, worlds: list[int], star
             start,
             end,
             has_labels=has_labels,
+            pattern=tuple(meta.get("pattern", (0,))),
         )
         out[f"train_w{w}_rank{r}"] = train_stream(cache, plan)
-        if meta["eval_blocks"] >= w:
-            out[f"eval_w{w}_rank{r}"] = eval_stream(cache, w, r, meta["eval_blocks"], eval_blocks, has_labels)
+        for name, source_cache, source_meta in sources:
+            n_eval = source_meta["eval_blocks"]
+            if n_eval >= w:
+                out[eval_dataset(w, r, name)] = eval_stream(source_cache, w, r, n_eval, eval_blocks, has_labels)
     return out
 
 
-def no_evaluation(meta: dict[str, Any], world: int) -> str:
-    """Why a run with these packed blocks (the cache's meta.json) evaluates nothing, and the fix."""
-    source = meta["eval_source"]
+def no_evaluation(meta: dict[str, Any], world: int, source: str = "") -> str:
+    """Why a run with these packed blocks (a cache's meta.json) evaluates nothing (of mixture
+    source `source`), and the fix."""
+    held_out = meta["eval_source"]
     fix = (
-        f"{source.capitalize()} of {meta['documents']}; raise data.eval_fraction or set data.eval_path"
-        if isinstance(source, str)  # held out from the training text
+        f"{held_out.capitalize()} of {meta['documents']}; raise data.eval_fraction or set "
+        f"{'an eval_path in its data.mix entry' if source else 'data.eval_path'}"
+        if isinstance(held_out, str)  # held out from the training text
         else "Give more evaluation text or lower data.seq_len"
     )
     return (
-        f"no evaluation: the eval data makes {meta['eval_blocks']} blocks of {meta['seq_len']} tokens, "
-        f"fewer than one per worker ({world}). {fix}."
+        f"no evaluation{f' of {source}' if source else ''}: the eval data makes {meta['eval_blocks']} blocks of "
+        f"{meta['seq_len']} tokens, fewer than one per worker ({world}). {fix}."
     )
+
+
+def note_epochs(meta: dict[str, Any], needed: int) -> None:
+    """Says when the run reads its data (a mixture: a source) more than once."""
+    if "sources" not in meta:
+        if needed > meta["blocks"]:
+            print(
+                f"[raytrain] {needed} blocks needed, {meta['blocks']} in the data: {needed / meta['blocks']:.1f} epochs",
+                flush=True,
+            )
+        return
+    epochs = [f"{s['name']} {needed * s['share'] / s['blocks']:.2f}" for s in meta["sources"]]
+    print(f"[raytrain] {needed} blocks needed; epochs of each source: {', '.join(epochs)}", flush=True)
 
 
 def run(cfg: Config) -> dict[str, Any]:
@@ -900,7 +920,7 @@ def hold_run_dir(run_dir: Path) -> Iterator[None]:
 
 def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     """The job once its files are here: Ray, the data, the model, the TorchTrainer, the summary."""
-    from raytrain_cpu.data import prepare, read_meta
+    from raytrain_cpu.data import mixture_sources, prepare, read_meta
     from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
 
     run_dir = cfg.run.run_dir
@@ -972,14 +992,11 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     # ---- data
     cache = prepare(cfg, log=lambda m: print(m, flush=True))
     meta = read_meta(cache)
-    needed = cfg.train.max_steps * global_batch
-    if needed > meta["blocks"]:
-        print(
-            f"[raytrain] {needed} blocks needed, {meta['blocks']} in the data: {needed / meta['blocks']:.1f} epochs",
-            flush=True,
-        )
-    if meta["eval_blocks"] < world:  # else the summary's eval perplexity is n/a without a word why
-        print(f"[raytrain] {no_evaluation(meta, world)}", flush=True)
+    sources = mixture_sources(cache, meta)
+    note_epochs(meta, cfg.train.max_steps * global_batch)
+    for name, _, source_meta in sources:
+        if source_meta["eval_blocks"] < world:  # else the summary's eval perplexity is n/a without a word why
+            print(f"[raytrain] {no_evaluation(source_meta, world, name)}", flush=True)
 
     # ---- model
     if cfg.model.is_tiny:
@@ -1021,7 +1038,8 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         "model_dir": model_dir,
         "config_hash": config_hash(cfg_dict),
         "threads_per_worker": sizing["threads_per_worker"],
-        "eval_blocks": meta["eval_blocks"],  # a worker count above it evaluates nothing
+        # Each source's eval blocks: a worker count above them evaluates nothing of that source.
+        "eval_sources": {name: source_meta["eval_blocks"] for name, _, source_meta in sources},
         "worker_bundle": {"CPU": sizing["cpus_per_worker"], **cfg.scaling.resources_per_worker},
         "start_position": start,
         "data_key": meta["key"],  # recorded in the checkpoints: a resume notices data that changed
@@ -1074,6 +1092,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         "checkpoint_path": result.checkpoint.path if result.checkpoint else None,
         "run_dir": str(run_dir),
         "data_cache": str(cache),
+        **({"data_mix": meta["sources"]} if "sources" in meta else {}),
         "padding_tokens": meta["padding_tokens"],
         "padding_frac": meta.get("padding_frac", 0.0),
         "truncated_examples": meta.get("truncated_examples", 0),
@@ -1099,7 +1118,7 @@ def print_summary(s: dict[str, Any]) -> None:
         f"steps            {s['steps']}{resumed}\n"
         f"tokens seen      {num('tokens_seen', ',')}\n"
         f"final loss       {num('final_loss', '.4f')}\n"
-        f"eval perplexity  {num('eval_perplexity', '.2f')}\n"
+        f"eval perplexity  {num('eval_perplexity', '.2f')}{_by_source(s)}\n"
         f"tokens/s         {num('tokens_per_s', ',.0f')} on {workers(s['world_size'])}\n"
         f"wall time        {num('wall_s', '.0f')}s\n"
         f"checkpoint       {s['checkpoint_path']}\n"
@@ -1110,6 +1129,12 @@ def print_summary(s: dict[str, Any]) -> None:
     )
     if s.get("guard_stop"):
         print(f"error: the run stopped early at step {s['steps']}: {s['guard_stop']}", file=sys.stderr, flush=True)
+
+
+def _by_source(s: dict[str, Any]) -> str:
+    """' (wiki 62.10, notes 18.40)': a mixture's eval perplexity of each source."""
+    each = [f"{k.split('/', 1)[1]} {v:.2f}" for k, v in s.items() if k.startswith("eval_perplexity/") and v is not None]
+    return f" ({', '.join(each)})" if each else ""
 
 
 STOP_SIGNAL = [signal.SIGINT]  # the signal that stopped the run: the exit code is 128 + it

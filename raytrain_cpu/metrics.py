@@ -7,7 +7,8 @@ sinks are conveniences: a failure there warns once and never stops training.
 metrics.jsonl holds three kinds of rows, told apart by their keys:
 
 - train: ``{step, loss, lr, grad_norm, tokens_seen, tokens_per_s, data_wait_frac, time, ...}``
-- eval: ``{step, eval_loss, eval_perplexity, eval_tokens, time}``
+- eval: ``{step, eval_loss, eval_perplexity, eval_tokens, time}`` (a mixture adds
+  ``eval_loss/<source>`` and ``eval_perplexity/<source>``)
 - guard event: ``{step, event, value, threshold, action, time}``
 
 A resumed run appends to the same file, so steps after its checkpoint appear twice;
@@ -309,6 +310,15 @@ TB_TAGS = {
 }
 
 
+def tb_tag(key: str) -> str | None:
+    """The TensorBoard tag of a metrics.jsonl key: TB_TAGS's, and eval/<source>/loss for a
+    mixture's eval_loss/<source> (eval_perplexity likewise); None: not sent."""
+    metric, _, source = key.partition("/")
+    if source and metric in ("eval_loss", "eval_perplexity"):
+        return f"eval/{source}/{metric.removeprefix('eval_')}"
+    return TB_TAGS.get(key)
+
+
 class MetricsSink:
     """Rank 0's writer: metrics.jsonl always, TensorBoard and MLflow when configured."""
 
@@ -391,7 +401,7 @@ class MetricsSink:
         if "event" in row:  # a guard event: its value under guards/<kind>, at its step
             tags = {f"guards/{row['event']}": float("nan") if row.get("value") is None else float(row["value"])}
         else:
-            tags = {TB_TAGS[k]: float(v) for k, v in row.items() if k in TB_TAGS and isinstance(v, (int, float))}
+            tags = {tb_tag(k): float(v) for k, v in row.items() if tb_tag(k) and isinstance(v, (int, float))}
         if self.tb is not None:
             for tag, v in tags.items():
                 self.tb.add_scalar(tag, v, step)

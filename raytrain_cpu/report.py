@@ -152,6 +152,10 @@ def plot_loss(run: Run):
         ax.plot(xs, ys, label="train loss", color="tab:blue", linewidth=1.2)
     if exs:
         ax.plot(exs, eys, label="eval loss", color="tab:orange", marker="o", linewidth=1.5)
+    sources = sorted({k for r in run.metrics.eval for k in r if k.startswith("eval_loss/")})
+    for key in sources:  # a mixture: each source's eval loss
+        sxs, sys_ = _series(run.metrics.eval, lambda r: run.tokens_at(r["step"]), key)
+        ax.plot(sxs, sys_, label=f"eval loss: {key.split('/', 1)[1]}", marker=".", linewidth=1, linestyle="--")
     if not xs and not exs:
         _no_data(ax, "loss")
     elif max(ys + eys) > 10 * min(ys + eys):

@@ -183,27 +183,46 @@ def loss_tokens(labels) -> int:
     return int((labels[:, 1:] != -100).sum())
 
 
-def evaluate(engine, shard, micro: int, max_batches: int) -> dict[str, float]:
+def evaluate(engine, shards: dict[str, Any], micro: int, max_batches: int) -> dict[str, float]:
     """Token-weighted loss over every rank's eval targets (sums, not an average of averages);
-    for chat/instruction data that is the response tokens only."""
+    for chat/instruction data that is the response tokens only. A mixture's sources (the keys
+    of `shards`; '' for a single source) are also reported each: eval_loss/<name>, over its own
+    targets; eval_loss is over all of them together."""
     import torch
 
     engine.eval()
-    loss_sum = tokens = 0.0
+    sums = []  # loss sum, targets: per source
     with torch.no_grad():
-        for i, batch in enumerate(shard.iter_torch_batches(batch_size=micro, dtypes=torch.long)):
-            if max_batches and i >= max_batches:
-                break
-            labels = batch_labels(batch)
-            out = engine(input_ids=batch["input_ids"], labels=labels)  # every rank runs it (ZeRO-3 gathers)
-            n = loss_tokens(labels)
-            if n:  # a block of prompts only has no target: its mean loss is NaN, and weight 0
-                loss_sum += float(out.loss.detach()) * n
-                tokens += n
+        for shard in shards.values():
+            loss_sum = tokens = 0.0
+            for i, batch in enumerate(shard.iter_torch_batches(batch_size=micro, dtypes=torch.long)):
+                if max_batches and i >= max_batches:
+                    break
+                labels = batch_labels(batch)
+                out = engine(input_ids=batch["input_ids"], labels=labels)  # every rank runs it (ZeRO-3 gathers)
+                n = loss_tokens(labels)
+                if n:  # a block of prompts only has no target: its mean loss is NaN, and weight 0
+                    loss_sum += float(out.loss.detach()) * n
+                    tokens += n
+            sums += [loss_sum, tokens]
     engine.train()
-    loss_sum, tokens = _allreduce_sum([loss_sum, tokens])
-    loss = loss_sum / max(tokens, 1.0)
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(tokens)}
+    sums = _allreduce_sum(sums)
+    loss_sums, token_counts = sums[0::2], sums[1::2]
+    loss = sum(loss_sums) / max(sum(token_counts), 1.0)
+    out = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(sum(token_counts))}
+    for name, loss_sum, tokens in zip(shards, loss_sums, token_counts):
+        if name:
+            out[f"eval_loss/{name}"] = loss_sum / max(tokens, 1.0)
+            out[f"eval_perplexity/{name}"] = math.exp(min(out[f"eval_loss/{name}"], 50.0))
+    return out
+
+
+def eval_line(step: int, metrics: dict[str, float]) -> str:
+    """'step 100 eval loss 4.1000 ppl 60.34', and each mixture source's loss after it."""
+    per_source = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in metrics.items() if k.startswith("eval_loss/"))
+    return f"step {step} eval loss {metrics['eval_loss']:.4f} ppl {metrics['eval_perplexity']:.2f}" + (
+        f" (by source: {per_source})" if per_source else ""
+    )
 
 
 # ----------------------------------------------------------------------------- the worker's state
@@ -969,6 +988,7 @@ def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu
         "eval_loss": st.eval_metrics.get("eval_loss"),
         "eval_perplexity": st.eval_metrics.get("eval_perplexity"),
         "eval_tokens": st.eval_metrics.get("eval_tokens"),  # the targets evaluated (responses only in SFT)
+        **{k: v for k, v in st.eval_metrics.items() if "/" in k},  # a mixture's sources: eval_loss/<name>
         "tokens_per_s": st.steps_this_attempt * w.tokens_per_step / st.wall(),
         "data_wait_frac": st.total_wait / st.wall(),
         "first_batch_wait_s": st.first_batch_wait,
@@ -1005,6 +1025,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from raytrain_cpu import cpu
+    from raytrain_cpu.data import eval_dataset
 
     # ---- config and CPU
     w = setup_worker(loop_config)
@@ -1013,8 +1034,11 @@ def train_loop(loop_config: dict[str, Any]) -> None:
 
     # ---- data: this rank's blocks in their global order (planned on the driver for each worker count)
     train_shard = ray.train.get_dataset_shard(f"train_w{w.world}_rank{w.rank}")
-    has_eval = loop_config["eval_blocks"] >= w.world
-    eval_shard = ray.train.get_dataset_shard(f"eval_w{w.world}_rank{w.rank}") if has_eval else None
+    eval_shards = {
+        name: ray.train.get_dataset_shard(eval_dataset(w.world, w.rank, name))
+        for name, n_eval in loop_config["eval_sources"].items()
+        if n_eval >= w.world  # fewer blocks than workers: that source is not evaluated
+    }
 
     # ---- model and engine
     rescaled = bool(w.resumed) and w.resumed["world_size"] != w.world
@@ -1062,13 +1086,11 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         if guard.stop_reason:
             w.log(f"stopping: {guard.stop_reason}")
             break  # every rank reaches this at the same step: the decision was all-reduced
-        if eval_shard is not None and ((t.eval_every and st.step % t.eval_every == 0) or st.step == t.max_steps):
-            st.eval_metrics = evaluate(engine, eval_shard, t.micro_batch_size, t.eval_batches)
+        if eval_shards and ((t.eval_every and st.step % t.eval_every == 0) or st.step == t.max_steps):
+            st.eval_metrics = evaluate(engine, eval_shards, t.micro_batch_size, t.eval_batches)
             if sink is not None:
                 sink.write({"step": st.step, **st.eval_metrics, "time": time.time()})
-                w.log(
-                    f"step {st.step} eval loss {st.eval_metrics['eval_loss']:.4f} ppl {st.eval_metrics['eval_perplexity']:.2f}"
-                )
+                w.log(eval_line(st.step, st.eval_metrics))
         reason = checkpoint_reason(w, st)
         if reason:
             save_checkpoint(w, st, engine, reason, loaded, block_log)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_cpu import plan
-from raytrain_cpu.config import Config, ConfigError, describe_options, load_config
+from raytrain_cpu.config import Config, ConfigError, MixSource, describe_options, load_config, mix_counts
 from raytrain_cpu.main import check_storage, validate_before_ray
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,6 +116,16 @@ def test_round_trip_through_plain_dict():
         (["scaling.min_workers=1"], "scaling.min_workers", "needs scaling.num_workers"),
         (["scaling.num_workers=2", "scaling.min_workers=3"], "scaling.min_workers", "above scaling.num_workers=2"),
         (["scaling.resize_check_s=0"], "scaling.resize_check_s", "> 0"),
+        (["data.mix=[{path: /no/such/dir, weight: 1}]"], "data.mix[0].path", "does not exist"),
+        (["data.mix=[{source: bundled, weight: 0}]"], "data.mix[0].weight", "> 0"),
+        (["data.mix=[{source: bundled, weight: 1, colour: red}]"], "data.mix[0].colour", "valid keys are weight"),
+        (["data.mix=[bundled]"], "data.mix[0]", "section"),
+        (["data.mix=[{weight: 1}, {weight: 2}]"], "data.mix[1].name", "give each source its own name"),
+        (["data.mix=[{weight: 1, name: my data}]"], "data.mix[0].name", "letters, digits"),
+        (["data.mix=[{weight: 1}, {source: hub, weight: 1e-4}]"], "data.mix[1].weight", "under 1/1000"),
+        (["data.path=a.txt", "data.mix=[{weight: 1}]"], "data.path", "move it into a data.mix entry"),
+        (["data.source=mix"], "data.source", "needs data.mix entries"),
+        (["data.mix=[{source: hub, path: x.txt, weight: 1}]"], "data.mix[0].path", "data.mix[0].source=hub reads"),
         (["train"], "train", "section.key=value"),
         (["train=3"], "train", "section"),
     ],
@@ -148,6 +158,44 @@ def test_an_elastic_range_must_split_the_global_batch():
     ):
         load_config(None, ["scaling.num_workers=5", "scaling.min_workers=3", "train.micro_batch_size=4"])
     assert not load_config(None, ["scaling.num_workers=2", "scaling.min_workers=2"]).elastic  # one count
+
+
+def test_a_mixture_resolves_each_source_and_shares_the_rest(tmp_path, monkeypatch):
+    """data.mix: each entry is a source of its own (resolved and named as data: would be), the
+    other data settings are every source's; whole weights are kept, others to 1/1000."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.jsonl").write_text('{"text": "x"}\n')
+    cfg = load_config(
+        None,
+        [
+            "data.seq_len=128",
+            "data.mix=[{source: bundled, weight: 3}, {path: notes/, weight: 1}, {path: 'notes/*.jsonl', name: again, weight: 1}]",
+        ],
+    )
+    assert cfg.data.source == "mix"
+    assert [(e.name, e.source) for e in cfg.data.mix] == [
+        ("bundled", "bundled"),
+        ("notes", "jsonl"),
+        ("again", "jsonl"),
+    ]
+    parts = cfg.data.parts()
+    assert [(p.source, p.path, p.seq_len, p.mix) for p in parts] == [
+        ("bundled", "", 128, []),
+        ("jsonl", "notes/", 128, []),
+        ("jsonl", "notes/*.jsonl", 128, []),
+    ]
+    assert Config.from_dict(cfg.to_dict()) == cfg  # plain dicts across the Ray boundary
+    assert load_config(None, []).data.parts() == [load_config(None, []).data]  # one source: itself
+    assert MixSource(path="s3://bucket/corpus/web.jsonl.gz", source="jsonl").default_name() == "web"
+    assert MixSource(hub_id="allenai/c4", source="hub").default_name() == "c4"
+    assert [mix_counts(w) for w in ([3, 1], [1, 1, 1], [0.75, 0.25], [0.7, 0.3], [2, 3e-3])] == [
+        [3, 1],
+        [1, 1, 1],
+        [3, 1],
+        [7, 3],
+        [999, 1],
+    ]
 
 
 def test_missing_config_file():

@@ -16,6 +16,8 @@ from raytrain_cpu.data import (
     _group_wikitext,
     file_documents,
     global_order,
+    mix_pattern,
+    mix_positions,
 )
 
 WIKI = "\n = Alpha = \n\n Alpha is a letter .\n\n = = History = = \n\n It is old .\n = Beta = \n\n Beta too .\n\n"
@@ -141,7 +143,7 @@ def test_global_order_is_seeded_permutation_with_windows():
 def _plan_positions(n, micro, world, start, end):
     out = []
     for r in range(world):
-        p = StreamPlan("unused", n, 1, 64, micro, world, r, start, end)
+        p = StreamPlan(("unused",), (n,), 1, 64, micro, world, r, start, end)
         lo, hi = p.local_range
         out.append(p.positions(np.arange(lo, hi)))
     return out
@@ -169,6 +171,64 @@ def test_resume_with_other_world_size_continues_at_same_block():
     after = np.concatenate(_plan_positions(100, micro, 4, stop * 8, stop * 8 + 5 * 16))
     assert set(before.tolist()).isdisjoint(after.tolist())
     assert sorted(np.concatenate([before, after]).tolist()) == list(range(stop * 8 + 5 * 16))
+
+
+def test_a_mixture_interleaves_by_share_and_each_source_runs_on():
+    """Global positions share out by the pattern, evenly; each source's own positions run 0, 1, 2,
+    ... whatever stretch of the stream is asked for, so a resume continues every source."""
+    pattern = tuple(mix_pattern([3, 1]))
+    assert pattern == (0, 0, 1, 0)
+    assert mix_pattern([1, 1, 1]) == [0, 1, 2] and mix_pattern([1]) == [0]
+    seven_three = mix_pattern([7, 3])
+    for start in range(10):  # any 10 positions in a row hold 7 and 3: spread, not 7 then 3
+        window = (seven_three * 2)[start : start + 10]
+        assert window.count(1) == 3
+    src, own = mix_positions(np.arange(4000), pattern)
+    assert np.bincount(src).tolist() == [3000, 1000]
+    for s in (0, 1):
+        assert own[src == s].tolist() == list(range((src == s).sum()))
+    later_src, later_own = mix_positions(np.arange(1234, 2222), pattern)  # a resumed stretch
+    np.testing.assert_array_equal(later_src, src[1234:2222])
+    np.testing.assert_array_equal(later_own, own[1234:2222])
+
+
+def _cache_of(path, blocks: int, first_value: int, seq_len: int = 4) -> str:
+    """A cache split of `blocks` blocks, block i filled with first_value + i."""
+    writer = _BlockWriter(path, seq_len)
+    for i in range(blocks):
+        writer.add(np.full(seq_len, first_value + i, dtype=np.int32))
+    writer.close()
+    return str(path)
+
+
+def test_a_mixture_plan_reads_each_source_through_its_own_epochs(tmp_path):
+    """Two real caches, 3:1, the small one read many times over: each block's rows come from its
+    source, block ids count on from the first source's, and each source goes through whole seeded
+    epochs of its own (the small one a new order each time). Two workers read what one does."""
+    dirs = (_cache_of(tmp_path / "big", 40, 0), _cache_of(tmp_path / "small", 5, 1000))
+    micro, steps = 2, 10
+    end = steps * micro * 2 * 2  # 2 workers x accumulation 2: 80 positions, 20 of the small source
+
+    def plan(world: int, rank: int) -> StreamPlan:
+        return StreamPlan(dirs, (40, 5), 7, 64, micro, world, rank, 0, end, pattern=(0, 0, 1, 0))
+
+    rows = []
+    for rank in (0, 1):
+        p = plan(2, rank)
+        rows.append(p.fetch({"id": np.arange(*p.local_range)}))
+    by_pos = {
+        int(pos): (int(b), int(ids[0])) for r in rows for pos, b, ids in zip(r["pos"], r["block_id"], r["input_ids"])
+    }
+    assert sorted(by_pos) == list(range(end))
+    single = plan(1, 0).fetch({"id": np.arange(end)})
+    assert [by_pos[int(p)][0] for p in single["pos"]] == single["block_id"].tolist()
+    blocks = [by_pos[p][0] for p in range(end)]
+    assert all((b < 40) == (p % 4 != 2) for p, b in enumerate(blocks))  # the pattern's slot 2: small
+    assert all(value == (b if b < 40 else 1000 + b - 40) for b, value in by_pos.values())  # the right rows
+    big, small = [b for b in blocks if b < 40], [b - 40 for b in blocks if b >= 40]
+    assert big[:40] == global_order(40, 7, 0, 64).tolist() and big[40:] == global_order(40, 7, 1, 64)[:20].tolist()
+    for epoch in range(4):  # the small source: 20 reads, 4 epochs of 5, each a permutation of its own
+        assert small[epoch * 5 : (epoch + 1) * 5] == global_order(5, 7, epoch, 64).tolist()
 
 
 @pytest.mark.slow

@@ -454,8 +454,8 @@ def _single_process_losses(cfg, run_dir: Path, cache: str, steps: int) -> dict[i
     meta = read_meta(Path(cache))
     # world 1 with a micro batch of the whole global batch: positions 0, 1, 2, ... in global order
     plan = StreamPlan(
-        str(Path(cache) / "train"),
-        meta["blocks"],
+        (str(Path(cache) / "train"),),
+        (meta["blocks"],),
         t.seed,
         cfg.data.shuffle_window,
         global_batch,

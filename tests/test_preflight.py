@@ -74,6 +74,23 @@ def test_lora_settings_are_hashed_only_when_lora_is_on(make_config):
         validate_before_ray(make_config("run.name=r"))
 
 
+def test_a_mixture_is_hashed_only_when_set_and_named_by_entry(make_config):
+    """data.mix is part of the data a run trains on: a resume names the entry that changed, or
+    how many there were; a run without one hashes as before mixtures existed."""
+    from raytrain_cpu.checkpoint import config_hash, hashed_settings
+    from raytrain_cpu.main import validate_before_ray
+
+    assert "mix" not in hashed_settings(make_config().to_dict())["data"]
+    mix = "data.mix=[{source: bundled, weight: 1}, {source: bundled, name: again, weight: %s}]"
+    fake_run_dir(make_config("run.name=r", mix % 3))
+    validate_before_ray(make_config("run.name=r", mix % 3, "train.max_steps=9"))
+    with pytest.raises(ConfigError, match=r"settings: data.mix\[1\].weight: 3.0 → 1.0\. Either"):
+        validate_before_ray(make_config("run.name=r", mix % 1))
+    with pytest.raises(ConfigError, match=r'settings: data.mix: "2 entries" → "1 entry"\. Either'):
+        validate_before_ray(make_config("run.name=r", "data.mix=[{source: bundled, weight: 1}]"))
+    assert config_hash(make_config(mix % 3).to_dict()) != config_hash(make_config(mix % 1).to_dict())
+
+
 def test_without_config_yaml_the_hashes_are_named(make_config):
     from raytrain_cpu.main import validate_before_ray
 
