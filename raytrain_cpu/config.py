@@ -288,6 +288,11 @@ class MixSource:
         return re.sub(r"[^\w.-]", "_", last) or "source"
 
 
+def mix_entry_keys(message: str, i: int) -> str:
+    """An error about one source (data.path, data.hub_id) as one about mixture entry i's keys."""
+    return re.sub(rf"\bdata\.({'|'.join(SOURCE_KEYS)})\b", rf"data.mix[{i}].\1", message)
+
+
 def mix_counts(weights: list[float]) -> list[int]:
     """Blocks each source gets in one period of a mixture: whole weights as they are, others as
     their shares of MIX_RESOLUTION (largest remainders); divided by their common divisor (3 and 1,
@@ -479,7 +484,7 @@ class DataConfig:
         try:
             return dataclasses.replace(self, mix=[], **{k: getattr(entry, k) for k in SOURCE_KEYS})
         except ConfigError as e:
-            raise ConfigError(re.sub(rf"\bdata\.({'|'.join(SOURCE_KEYS)})\b", rf"data.mix[{i}].\1", str(e))) from None
+            raise ConfigError(mix_entry_keys(str(e), i)) from None
 
     def parts(self) -> list[DataConfig]:
         """The sources this trains on, each as a data config of its own: the mixture's, or itself."""

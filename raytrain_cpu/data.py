@@ -55,6 +55,7 @@ from raytrain_cpu.config import (
     is_glob,
     load_config,
     mix_counts,
+    mix_entry_keys,
 )
 from raytrain_cpu.hub import download_tokenizer, hub_errors, is_hub_id
 from raytrain_cpu.tokenizer import BUNDLED_SFT, BUNDLED_WIKITEXT, load_tokenizer, resolve_tokenizer_path
@@ -160,8 +161,13 @@ def source_specs(cfg: DataConfig) -> tuple[SourceSpec, SourceSpec | None]:
 def check_sources(cfg: DataConfig) -> None:
     """Lists every source's files (a mixture's each): a missing path, or a hub dataset's file
     list, answers before Ray starts."""
-    for part in cfg.parts():
-        source_specs(part)
+    for i, part in enumerate(cfg.parts()):
+        try:
+            source_specs(part)
+        except (ConfigError, DataError) as e:  # a hub's answer, a missing file: named as the entry's
+            if not cfg.mix:
+                raise
+            raise type(e)(mix_entry_keys(str(e), i)) from None
 
 
 def _source_specs(cfg: DataConfig) -> tuple[SourceSpec, SourceSpec | None]:
@@ -981,7 +987,6 @@ def _write_mixture(cfg: Config, caches: list[Path], log) -> Path:
         "pattern": mix_pattern(counts),
         **{k: total(k) for k in ("blocks", "eval_blocks", "documents", "tokens", "skipped_rows", "padding_tokens")},
         "truncated_examples": total("truncated_examples"),
-        "eval_source": "each source's own",
     }
     meta["padding_frac"] = meta["padding_tokens"] / max(1, meta["blocks"] * cfg.data.seq_len)
     out = cache_root(cfg) / f"mix-{key}"

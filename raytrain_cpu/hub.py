@@ -47,24 +47,32 @@ def hub_errors(key: str, repo: str, kind: str = "model") -> Iterator[None]:
     local = LOCAL_COPY[kind].format(repo=repo, key=key)
     try:
         yield
-    except GatedRepoError:  # before RepositoryNotFoundError, its base class
+    except (HfHubHTTPError, httpx2.TransportError, OfflineModeIsEnabled, LocalEntryNotFoundError) as e:
+        failure: BaseException = e  # LocalEntryNotFoundError is a FileNotFoundError too: caught first
+    except FileNotFoundError as e:  # a dataset's file list (HfFileSystem) wraps the hub's answer in one
+        if not isinstance(e.__cause__, HfHubHTTPError):
+            raise
+        failure = e.__cause__
+    else:
+        return
+    # Raised here, outside the handlers: one line, with no network library's traceback chained to it.
+    if isinstance(failure, GatedRepoError):  # before RepositoryNotFoundError, its base class
         raise ConfigError(
             f"{key}: the {kind} {repo!r} is gated on the hub and this machine's token may not read it. Accept its "
             f"licence at https://huggingface.co/{'datasets/' * (kind == 'dataset')}{repo} and set HF_TOKEN "
             "(a read token of that account) in the job's environment."
-        ) from None
-    except RepositoryNotFoundError:
+        )
+    if isinstance(failure, RepositoryNotFoundError):
         raise ConfigError(
             f"{key}: no {kind} {repo!r} on the hub (or it is private: set HF_TOKEN). Check the id's spelling."
-        ) from None
-    except (httpx2.TransportError, OfflineModeIsEnabled, LocalEntryNotFoundError) as e:
-        why = "HF_HUB_OFFLINE is set, and it is not in the cache" if is_offline_mode() else _reason(e)
-        raise ConfigError(
-            f"{key}: cannot reach the Hugging Face hub for the {kind} {repo!r} ({why}). Run where the hub is "
-            f"reachable (HF_ENDPOINT names a mirror), or {local}."
-        ) from None
-    except HfHubHTTPError as e:
-        raise ConfigError(f"{key}: the hub answered {_reason(e)} for the {kind} {repo!r}.") from None
+        )
+    if isinstance(failure, HfHubHTTPError):
+        raise ConfigError(f"{key}: the hub answered {_reason(failure)} for the {kind} {repo!r}.")
+    why = "HF_HUB_OFFLINE is set, and it is not in the cache" if is_offline_mode() else _reason(failure)
+    raise ConfigError(
+        f"{key}: cannot reach the Hugging Face hub for the {kind} {repo!r} ({why}). Run where the hub is "
+        f"reachable (HF_ENDPOINT names a mirror), or {local}."
+    )
 
 
 def _reason(e: BaseException) -> str:

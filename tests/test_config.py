@@ -11,6 +11,7 @@ import pytest
 
 from raytrain_cpu import plan
 from raytrain_cpu.config import Config, ConfigError, MixSource, describe_options, load_config, mix_counts
+from raytrain_cpu.data import DataError, check_sources
 from raytrain_cpu.main import check_storage, validate_before_ray
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,6 +188,9 @@ def test_a_mixture_resolves_each_source_and_shares_the_rest(tmp_path, monkeypatc
     ]
     assert Config.from_dict(cfg.to_dict()) == cfg  # plain dicts across the Ray boundary
     assert load_config(None, []).data.parts() == [load_config(None, []).data]  # one source: itself
+    glob = load_config(None, ["data.mix=[{source: bundled, weight: 1}, {source: text, path: 'none/*.txt', weight: 1}]"])
+    with pytest.raises(DataError, match=r"^data.mix\[1\].path: 'none/\*.txt' holds no .txt"):
+        check_sources(glob.data)  # the files are listed before Ray starts, an entry's named as such
     assert MixSource(path="s3://bucket/corpus/web.jsonl.gz", source="jsonl").default_name() == "web"
     assert MixSource(hub_id="allenai/c4", source="hub").default_name() == "c4"
     assert [mix_counts(w) for w in ([3, 1], [1, 1, 1], [0.75, 0.25], [0.7, 0.3], [2, 3e-3])] == [

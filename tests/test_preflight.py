@@ -209,6 +209,65 @@ def test_a_hub_this_machine_cannot_reach_is_one_line_before_ray(make_config, ove
     assert "Ray's own logs" not in p.stdout and not Path(cfg.run.storage_path).exists()
 
 
+@pytest.fixture(scope="module")
+def stub_hub():
+    """A local stand-in for the hub's API answering as huggingface.co does for a gated repo
+    without a token (401, X-Error-Code GatedRepo) and for a repo that does not exist (404,
+    RepoNotFound): the real client, the real HTTP, nothing downloaded."""
+    import http.server
+    import threading
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            gated = "gated" in self.path
+            self.send_response(401 if gated else 404)
+            self.send_header("X-Error-Code", "GatedRepo" if gated else "RepoNotFound")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            "model.name_or_path=owner/gated",
+            "model.name_or_path: the model 'owner/gated' is gated on the hub and this machine's token may not read it. "
+            "Accept its licence at https://huggingface.co/owner/gated and set HF_TOKEN",
+        ),
+        ("model.tokenizer=owner/missing", "model.tokenizer: no tokenizer 'owner/missing' on the hub (or it is private"),
+        (
+            "data.mix=[{source: bundled, weight: 1}, {source: hub, hub_id: owner/gated, weight: 1}]",
+            "data.mix[1].hub_id: the dataset 'owner/gated' is gated on the hub and this machine's token may not read "
+            "it. Accept its licence at https://huggingface.co/datasets/owner/gated",
+        ),
+        (("data.source=hub", "data.hub_id=owner/missing"), "data.hub_id: no dataset 'owner/missing' on the hub"),
+    ],
+)
+def test_a_gated_or_missing_hub_repo_is_one_line_before_ray(make_config, stub_hub, override, expected):
+    """What the hub answers for a gated model without HF_TOKEN or a misspelt id: exit 2, one line
+    naming the setting and the fix, before Ray starts. A dataset's once came as HfFileSystem's
+    FileNotFoundError traceback (exit 1)."""
+    from conftest import fast_overrides
+
+    cfg = make_config()
+    overrides = (override,) if isinstance(override, str) else override
+    argv = fast_overrides(cfg.run.storage_path, cfg.run.storage_path + "/cache", *overrides)
+    p = cli(*argv, env={k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"} | {"HF_ENDPOINT": stub_hub})
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.startswith(f"error: {expected}") and len(p.stderr.splitlines()) == 1, p.stderr
+    assert "Ray's own logs" not in p.stdout
+
+
 def test_a_run_without_evaluation_says_why():
     """Too little held-out text for one eval block per worker (a corpus of 24 documents holds
     out none at every 50th): the console says so and how to get one, rather than a summary
