@@ -247,7 +247,7 @@ def source_of(path: str) -> str | None:
 
 
 # The settings that say where one source's text comes from: a data.mix entry may set these
-# (each defaulting as in data:), the rest of data: applies to every source of a mixture.
+# (each defaulting as in data:) and its format; the rest of data: applies to every source.
 SOURCE_KEYS = ("source", "path", "eval_path", "hub_id", "hub_config", "train_split", "eval_split", "text_column")
 MIX_RESOLUTION = 1000  # mixture shares are kept to 1/1000 of the blocks
 
@@ -277,6 +277,9 @@ class MixSource:
     """As data.eval_split, for this source."""
     text_column: str = "text"
     """As data.text_column, for this source."""
+    format: str = ""
+    """As data.format, for this source; '' takes data.format. A 'text' source in a chat or
+    instruction mixture (pre-training text kept in a fine-tuning run) trains on every token."""
 
     def default_name(self) -> str:
         if self.source == "bundled":
@@ -290,7 +293,7 @@ class MixSource:
 
 def mix_entry_keys(message: str, i: int) -> str:
     """An error about one source (data.path, data.hub_id) as one about mixture entry i's keys."""
-    return re.sub(rf"\bdata\.({'|'.join(SOURCE_KEYS)})\b", rf"data.mix[{i}].\1", message)
+    return re.sub(rf"\bdata\.({'|'.join((*SOURCE_KEYS, 'format'))})\b", rf"data.mix[{i}].\1", message)
 
 
 def mix_counts(weights: list[float]) -> list[int]:
@@ -481,8 +484,9 @@ class DataConfig:
         """Mixture entry i as a data config of one source (the shared settings, its own source keys);
         its errors name the entry's keys (data.mix[i].path)."""
         entry = self.mix[i]
+        own = {k: getattr(entry, k) for k in SOURCE_KEYS} | ({"format": entry.format} if entry.format else {})
         try:
-            return dataclasses.replace(self, mix=[], **{k: getattr(entry, k) for k in SOURCE_KEYS})
+            return dataclasses.replace(self, mix=[], **own)
         except ConfigError as e:
             raise ConfigError(mix_entry_keys(str(e), i)) from None
 

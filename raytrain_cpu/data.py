@@ -962,6 +962,7 @@ def mix_pattern(counts: list[int]) -> list[int]:
 
 def _write_mixture(cfg: Config, caches: list[Path], log) -> Path:
     metas = [read_meta(c) for c in caches]
+    formats = [m.get("data_format", "text") for m in metas]
     counts = mix_counts([e.weight for e in cfg.data.mix])
     key = hashlib.sha256(
         json.dumps({"format": CACHE_FORMAT, "sources": [m["key"] for m in metas], "counts": counts}).encode()
@@ -973,7 +974,8 @@ def _write_mixture(cfg: Config, caches: list[Path], log) -> Path:
         "key": key,
         "seq_len": cfg.data.seq_len,
         "tokenizer": metas[0]["tokenizer"],
-        "data_format": cfg.data.format,
+        # Labelled blocks (-100 where no loss) if any source has them: the others' labels are their inputs.
+        "data_format": formats[0] if len(set(formats)) == 1 else "mixed",
         "sources": [
             {
                 "name": e.name,
@@ -981,6 +983,7 @@ def _write_mixture(cfg: Config, caches: list[Path], log) -> Path:
                 "share": c / period,
                 "cache": str(cache),
                 **{k: m[k] for k in ("key", "blocks", "eval_blocks", "documents", "tokens")},
+                "data_format": m.get("data_format", "text"),
             }
             for e, c, cache, m in zip(cfg.data.mix, counts, caches, metas)
         ],
@@ -1167,6 +1170,9 @@ class StreamPlan:
     end: int  # global positions the whole run consumes
     has_labels: bool = False  # chat/instruction caches carry labels (-100 where no loss)
     pattern: tuple[int, ...] = (0,)  # a mixture's period (mix_pattern); one source: (0,)
+    # Which sources' caches carry labels, where a mixture holds both kinds (); a text source's
+    # labels are then its inputs: every token a target.
+    source_labels: tuple[bool, ...] = ()
 
     @property
     def local_range(self) -> tuple[int, int]:
@@ -1190,7 +1196,11 @@ class StreamPlan:
             for e in np.unique(epoch):
                 ids[epoch == e] = global_order(n, self.seed, int(e), self.window)[within[epoch == e]]
             block_id[sel] = first_id[s] + ids
-            for column, values in _read_blocks(self.train_dirs[s], ids, self.has_labels).items():
+            labelled = self.source_labels[s] if self.source_labels else self.has_labels
+            part = _read_blocks(self.train_dirs[s], ids, labelled)
+            if self.has_labels and not labelled:
+                part["labels"] = part["input_ids"]
+            for column, values in part.items():
                 rows.setdefault(column, np.empty((len(pos), values.shape[1]), values.dtype))[sel] = values
         return {"pos": pos, "block_id": block_id, **rows}
 

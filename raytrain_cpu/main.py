@@ -763,9 +763,10 @@ def build_datasets(cache: Path, meta: dict, cfg: Config, worlds: list[int], star
     datathrottle.install(DataContext.get_current())
 
     end = cfg.train.max_steps * cfg.train.derive_global_batch(worlds[-1])
-    has_labels = meta.get("data_format", "text") != "text"
     eval_blocks = cfg.train.eval_batches * cfg.train.micro_batch_size  # 0: the whole split
     sources = mixture_sources(cache, meta)
+    # Chat/instruction blocks carry labels (-100 where no loss); a mixture's text blocks then too.
+    labelled = tuple(source_meta.get("data_format", "text") != "text" for _, _, source_meta in sources)
     out = {}
     for w, r in [(world, rank) for world in worlds for rank in range(world)]:
         plan = StreamPlan(
@@ -778,11 +779,12 @@ def build_datasets(cache: Path, meta: dict, cfg: Config, worlds: list[int], star
             r,
             start,
             end,
-            has_labels=has_labels,
+            has_labels=any(labelled),
             pattern=tuple(meta.get("pattern", (0,))),
+            source_labels=labelled,
         )
         out[f"train_w{w}_rank{r}"] = train_stream(cache, plan)
-        for name, source_cache, source_meta in sources:
+        for (name, source_cache, source_meta), has_labels in zip(sources, labelled):
             n_eval = source_meta["eval_blocks"]
             if n_eval >= w:
                 out[eval_dataset(w, r, name)] = eval_stream(source_cache, w, r, n_eval, eval_blocks, has_labels)

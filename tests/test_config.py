@@ -126,6 +126,11 @@ def test_round_trip_through_plain_dict():
         (["data.mix=[{weight: 1}, {source: hub, weight: 1e-4}]"], "data.mix[1].weight", "under 1/1000"),
         (["data.path=a.txt", "data.mix=[{weight: 1}]"], "data.path", "move it into a data.mix entry"),
         (["data.source=mix"], "data.source", "needs data.mix entries"),
+        (
+            ["data.mix=[{source: text, path: a.txt, format: chat, weight: 1}]"],
+            "data.mix[0].format",
+            "data.mix[0].source",
+        ),
         (["data.mix=[{source: hub, path: x.txt, weight: 1}]"], "data.mix[0].path", "data.mix[0].source=hub reads"),
         (["train"], "train", "section.key=value"),
         (["train=3"], "train", "section"),

@@ -231,6 +231,24 @@ def test_a_mixture_plan_reads_each_source_through_its_own_epochs(tmp_path):
         assert small[epoch * 5 : (epoch + 1) * 5] == global_order(5, 7, epoch, 64).tolist()
 
 
+def test_a_mixture_of_text_and_labelled_blocks_labels_the_text_with_its_inputs(tmp_path):
+    """Chat examples (labels -100 off the responses) mixed with plain text: the stream carries
+    labels for every block, the text's being its inputs (every token a target)."""
+    from raytrain_cpu.data import _ExampleWriter
+
+    chat = _ExampleWriter(tmp_path / "chat", 4, pad_id=0)
+    for i in range(6):
+        chat.add_example(np.array([1, 2, 3, 4], dtype=np.int32) + 10 * i, np.array([-100, -100, 3, 4], dtype=np.int32))
+    chat.close()
+    text = _cache_of(tmp_path / "text", 6, 500)
+    plan = StreamPlan((str(tmp_path / "chat"), text), (6, 6), 1, 64, 4, 1, 0, 0, 8, True, (0, 1), (True, False))
+    batch = plan.fetch({"id": np.arange(8)})
+    is_text = batch["block_id"] >= 6
+    assert is_text.tolist() == [False, True] * 4
+    np.testing.assert_array_equal(batch["labels"][is_text], batch["input_ids"][is_text])
+    assert (batch["labels"][~is_text][:, :2] == -100).all() and (batch["labels"][~is_text][:, 2:] >= 3).all()
+
+
 @pytest.mark.slow
 def test_prepare_cache_keyed_reused_and_bad_sources(ray_session, tmp_path, make_config, capfd):
     from raytrain_cpu.data import prepare, read_meta

@@ -110,9 +110,11 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
 
 
 def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, make_config, tmp_path, capsys):
-    """data.mix: the bundled text and a small text corpus of its own, 1:3. The blocks trained on
-    follow the weights exactly, each source is evaluated on its own eval text, and the sinks,
-    the summary and the console name each source."""
+    """data.mix: chat fine-tuning on the bundled examples with a small text corpus kept in, 1:3.
+    The blocks trained on follow the weights exactly, each source is evaluated on its own eval
+    data, and the sinks, the summary and the console name each source."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from raytrain_cpu.main import run
     from raytrain_cpu.report import load_run, plot_loss
     from raytrain_cpu.tokenizer import BUNDLED_WIKITEXT
@@ -120,36 +122,35 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     lines = (BUNDLED_WIKITEXT / "valid.txt").read_text().splitlines(keepends=True)
     (tmp_path / "notes.txt").write_text("".join(lines[:300]))
     (tmp_path / "notes_eval.txt").write_text("".join(lines[300:400]))
-    mix = (
-        "data.mix=[{source: bundled, weight: 1}, "
-        f"{{path: {tmp_path / 'notes.txt'}, eval_path: {tmp_path / 'notes_eval.txt'}, weight: 3}}]"
-    )
-    summary = run(make_config(mix, "train.max_steps=6", "train.record_block_ids=true", "train.eval_batches=2"))
+    notes = f"{{path: {tmp_path / 'notes.txt'}, eval_path: {tmp_path / 'notes_eval.txt'}, format: text, weight: 3}}"
+    mix = f"data.mix=[{{source: bundled, name: chat, weight: 1}}, {notes}]"
+    sft = ["data.format=chat", "data.seq_len=128"]  # as tests/test_finetune.py: the prompts fit
+    cfg = make_config(*sft, mix, "train.max_steps=6", "train.record_block_ids=true", "train.eval_batches=2")
+    summary = run(cfg)
 
     out = capsys.readouterr().out
-    assert "[data] a mixture of 2 sources: bundled 25.0%" in out and "notes 75.0%" in out
-    assert "epochs of each source: bundled 0.0" in out
-    assert "eval loss" in out and "(by source: bundled " in out
-    bundled_blocks, notes = summary["data_mix"][0]["blocks"], summary["data_mix"][1]
-    assert [s["name"] for s in summary["data_mix"]] == ["bundled", "notes"] and notes["share"] == 0.75
+    assert "[data] a mixture of 2 sources: chat 25.0%" in out and "notes 75.0%" in out
+    assert "epochs of each source: chat 0." in out
+    assert "eval loss" in out and "(by source: chat " in out
+    assert [(s["name"], s["data_format"], s["share"]) for s in summary["data_mix"]] == [
+        ("chat", "chat", 0.25),
+        ("notes", "text", 0.75),
+    ]
+    assert summary["data_format"] == "mixed"
     run_dir = Path(summary["run_dir"])
     trained = [int(b) for r in (0, 1) for b in (run_dir / "block_ids" / f"rank{r}.txt").read_text().split()]
     assert len(trained) == 6 * 8 and len(set(trained)) == len(trained)
-    assert sum(b >= bundled_blocks for b in trained) == 36  # 3 of every 4 blocks: the notes'
+    assert sum(b >= summary["data_mix"][0]["blocks"] for b in trained) == 36  # 3 of every 4 blocks: the notes'
     evals = [m for m in _metrics(run_dir) if "eval_loss" in m]
-    assert len(evals) == 1 and {"eval_loss/bundled", "eval_loss/notes", "eval_perplexity/notes"} <= set(evals[0])
-    losses = [evals[0]["eval_loss/bundled"], evals[0]["eval_loss/notes"]]
+    assert len(evals) == 1 and {"eval_loss/chat", "eval_loss/notes", "eval_perplexity/notes"} <= set(evals[0])
+    losses = [evals[0]["eval_loss/chat"], evals[0]["eval_loss/notes"]]
     assert min(losses) <= evals[0]["eval_loss"] <= max(losses)  # over both sources' targets together
     assert summary["eval_loss/notes"] == evals[0]["eval_loss/notes"]
     lines = [line.get_label() for line in plot_loss(load_run(run_dir)).axes[0].get_lines()]
-    assert {"eval loss", "eval loss: bundled", "eval loss: notes"} <= set(lines)
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
+    assert {"eval loss", "eval loss: chat", "eval loss: notes"} <= set(lines)
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
-    assert {"eval/loss", "eval/bundled/loss", "eval/notes/loss", "eval/notes/perplexity"} <= set(
-        events.Tags()["scalars"]
-    )
+    assert {"eval/loss", "eval/chat/loss", "eval/notes/loss", "eval/notes/perplexity"} <= set(events.Tags()["scalars"])
 
 
 def test_compiled_layers_train_as_eager_does(straight, tmp_path, shared_cache):
