@@ -268,6 +268,11 @@ def key_figures(run: Run) -> dict[str, str]:
         "peak RSS per rank (max over ranks)": f"{peak:.2f} GiB" if peak else "n/a",
         "resumed at steps": ", ".join(map(str, m.restarts)) or "none",
     }
+    if m.eval and (by_source := [k for k in m.eval[-1] if k.startswith("eval_loss/")]):  # a mixture
+        last = m.eval[-1]
+        out[f"eval loss by source (step {last['step']})"] = ", ".join(
+            f"{k.split('/', 1)[1]} {_fmt(last[k])}" for k in by_source
+        )
     if counts := worker_counts(m.train):
         out["workers"] = counts
     elif s.get("world_size"):

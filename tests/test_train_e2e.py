@@ -116,7 +116,7 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from raytrain_cpu.main import run
-    from raytrain_cpu.report import load_run, plot_loss
+    from raytrain_cpu.report import key_figures, load_run, plot_loss
     from raytrain_cpu.tokenizer import BUNDLED_WIKITEXT
 
     lines = (BUNDLED_WIKITEXT / "valid.txt").read_text().splitlines(keepends=True)
@@ -146,6 +146,11 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     losses = [evals[0]["eval_loss/chat"], evals[0]["eval_loss/notes"]]
     assert min(losses) <= evals[0]["eval_loss"] <= max(losses)  # over both sources' targets together
     assert summary["eval_loss/notes"] == evals[0]["eval_loss/notes"]
+    figures = key_figures(load_run(run_dir))
+    assert (
+        figures["eval loss by source (step 6)"].startswith("chat ")
+        and ", notes " in figures["eval loss by source (step 6)"]
+    )
     lines = [line.get_label() for line in plot_loss(load_run(run_dir)).axes[0].get_lines()]
     assert {"eval loss", "eval loss: chat", "eval loss: notes"} <= set(lines)
     events = EventAccumulator(str(run_dir / "tensorboard"))
