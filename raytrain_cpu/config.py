@@ -543,6 +543,9 @@ class TrainConfig:
     """Evaluate every this many steps (and always at the end); 0 evaluates only at the end."""
     eval_batches: int = 0
     """Micro batches per evaluation per worker; 0 evaluates the whole eval split."""
+    eval_on_start: bool = False
+    """Also evaluate before the first step (step 0 in metrics.jsonl): the starting model's loss,
+    the baseline a fine-tuning run (and each source of a mixture) improves on. Not on a resume."""
     checkpoint_every: int = 100
     """Checkpoint every this many steps (and always at the end); 0 only at the end."""
     record_block_ids: bool = False

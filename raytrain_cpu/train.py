@@ -834,6 +834,14 @@ def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink
     st.window_t, st.window_tokens, st.window_wait = time.perf_counter(), 0, 0.0
 
 
+def evaluate_and_log(w: Worker, st: Loop, engine, shards: dict[str, Any], sink) -> None:
+    """Every rank evaluates (each source of a mixture); rank 0 writes the row and the line."""
+    st.eval_metrics = evaluate(engine, shards, w.cfg.train.micro_batch_size, w.cfg.train.eval_batches)
+    if sink is not None:
+        sink.write({"step": st.step, **st.eval_metrics, "time": time.time()})
+        w.log(eval_line(st.step, st.eval_metrics))
+
+
 def release_free_pages(w: Worker, st: Loop, free_pages: FreePages) -> None:
     """scaling.free_memory_growth_mib, on this rank alone (no collective: a release costs the
     next step its page faults, nothing else)."""
@@ -1075,6 +1083,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     free_pages = FreePages(cfg.scaling.free_memory_growth_mib * 2**20, st.step + cpu.WARMUP_STEPS + 1)
 
     # ---- loop
+    if eval_shards and t.eval_on_start and st.step == 0:  # the starting model's loss: the baseline
+        evaluate_and_log(w, st, engine, eval_shards, sink)
     while st.step < t.max_steps:
         with profiled(w, st.step + 1):
             train_step(w, st, engine, batches, guard, clock, block_log)
@@ -1087,10 +1097,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             w.log(f"stopping: {guard.stop_reason}")
             break  # every rank reaches this at the same step: the decision was all-reduced
         if eval_shards and ((t.eval_every and st.step % t.eval_every == 0) or st.step == t.max_steps):
-            st.eval_metrics = evaluate(engine, eval_shards, t.micro_batch_size, t.eval_batches)
-            if sink is not None:
-                sink.write({"step": st.step, **st.eval_metrics, "time": time.time()})
-                w.log(eval_line(st.step, st.eval_metrics))
+            evaluate_and_log(w, st, engine, eval_shards, sink)
         reason = checkpoint_reason(w, st)
         if reason:
             save_checkpoint(w, st, engine, reason, loaded, block_log)

@@ -27,6 +27,7 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
         "train.checkpoint_every=6",
         "train.record_block_ids=true",
         "train.eval_every=6",
+        "train.eval_on_start=true",  # a baseline at step 0, not again on the resume
         "train.lr=1e-2",
         "run.num_to_keep=2",
         "train.profile_step=3",
@@ -93,6 +94,7 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
     assert second["optimizer_step_at_resume"] == 6  # Adam's state came back, not a fresh optimizer
     steps = [m for m in _metrics(run_dir) if "loss" in m]
     assert [m["step"] for m in steps] == list(range(1, 13))
+    assert [m["step"] for m in _metrics(run_dir) if "eval_loss" in m] == [0, 6, 12]
     for m in steps[6:]:  # the LR schedule continues where it stopped
         assert m["lr"] == pytest.approx(cfg.train.lr * lr_factor(m["step"], cfg.train, 12), rel=1e-6)
     assert steps[-1]["loss"] < steps[6]["loss"] + 0.2
@@ -112,7 +114,8 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
 def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, make_config, tmp_path, capsys):
     """data.mix: chat fine-tuning on the bundled examples with a small text corpus kept in, 1:3.
     The blocks trained on follow the weights exactly, each source is evaluated on its own eval
-    data, and the sinks, the summary and the console name each source."""
+    data (also before the first step), and the sinks, the summary and the console name each
+    source."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from raytrain_cpu.main import run
@@ -125,7 +128,8 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     notes = f"{{path: {tmp_path / 'notes.txt'}, eval_path: {tmp_path / 'notes_eval.txt'}, format: text, weight: 3}}"
     mix = f"data.mix=[{{source: bundled, name: chat, weight: 1}}, {notes}]"
     sft = ["data.format=chat", "data.seq_len=128"]  # as tests/test_finetune.py: the prompts fit
-    cfg = make_config(*sft, mix, "train.max_steps=6", "train.record_block_ids=true", "train.eval_batches=2")
+    steps = ["train.max_steps=6", "train.eval_batches=2", "train.eval_on_start=true", "train.record_block_ids=true"]
+    cfg = make_config(*sft, mix, *steps)
     summary = run(cfg)
 
     out = capsys.readouterr().out
@@ -142,10 +146,13 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     assert len(trained) == 6 * 8 and len(set(trained)) == len(trained)
     assert sum(b >= summary["data_mix"][0]["blocks"] for b in trained) == 36  # 3 of every 4 blocks: the notes'
     evals = [m for m in _metrics(run_dir) if "eval_loss" in m]
-    assert len(evals) == 1 and {"eval_loss/chat", "eval_loss/notes", "eval_perplexity/notes"} <= set(evals[0])
-    losses = [evals[0]["eval_loss/chat"], evals[0]["eval_loss/notes"]]
-    assert min(losses) <= evals[0]["eval_loss"] <= max(losses)  # over both sources' targets together
-    assert summary["eval_loss/notes"] == evals[0]["eval_loss/notes"]
+    assert [m["step"] for m in evals] == [0, 6]  # train.eval_on_start: the starting model's, then the end's
+    assert {"eval_loss/chat", "eval_loss/notes", "eval_perplexity/notes"} <= set(evals[-1])
+    for key in ("eval_loss", "eval_loss/chat", "eval_loss/notes"):
+        assert evals[1][key] < evals[0][key], key  # each source improved on its baseline
+    losses = [evals[-1]["eval_loss/chat"], evals[-1]["eval_loss/notes"]]
+    assert min(losses) <= evals[-1]["eval_loss"] <= max(losses)  # over both sources' targets together
+    assert summary["eval_loss/notes"] == evals[-1]["eval_loss/notes"]
     figures = key_figures(load_run(run_dir))
     assert (
         figures["eval loss by source (step 6)"].startswith("chat ")
