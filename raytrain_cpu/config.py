@@ -256,8 +256,9 @@ MIX_RESOLUTION = 1000  # mixture shares are kept to 1/1000 of the blocks
 class MixSource:
     """One source of a data mixture (an entry of data.mix) and its share of the training blocks."""
 
-    weight: float = 0.0
-    """Its share of the training blocks, relative to the other entries' (3 and 1: 75% and 25%)."""
+    weight: float = -1.0  # -1: not given, which the check names (a weight is required)
+    """Its share of the training blocks, relative to the other entries' (3 and 1: 75% and 25%);
+    0 evaluates it without training on it (general text watched while fine-tuning on another)."""
     name: str = ""
     """Its label in logs and in eval metrics (eval_loss/<name>); '' takes the path's or hub id's last
     part, or 'bundled'."""
@@ -381,8 +382,8 @@ class DataConfig:
     (source, path, eval_path, hub_id, ...), e.g. [{path: notes/, weight: 3}, {source: bundled,
     weight: 1}]. Training blocks are drawn by weight, evenly interleaved (a small source repeats
     within the run, a large one is only partly read); each source is evaluated on its own. The
-    other data settings apply to all; data.source/path/eval_path are left out. [] trains on one
-    source."""
+    other data settings apply to all; data.source/path/eval_path are left out. A weight of 0
+    evaluates a source without training on it. [] trains on one source."""
 
     def __post_init__(self) -> None:
         # DataConfig(**asdict) (a checkpoint's data settings, read back by export and generate)
@@ -457,7 +458,12 @@ class DataConfig:
             )
         names: dict[str, int] = {}
         for i, entry in enumerate(self.mix):
-            _require(entry.weight > 0, f"data.mix[{i}].weight", f"got {entry.weight}; give each source a weight > 0.")
+            _require(
+                entry.weight >= 0,
+                f"data.mix[{i}].weight",
+                f"{'is missing' if entry.weight == -1 else f'got {entry.weight}'}; give each source a weight "
+                "(> 0 trains on it, 0 only evaluates it).",
+            )
             part = self.mix_part(i)  # validates the entry as a source of its own
             entry.source, entry.path, entry.eval_path = part.source, part.path, part.eval_path  # as resolved
             entry.name = entry.name or entry.default_name()
@@ -472,9 +478,14 @@ class DataConfig:
                 f"{entry.name!r} is data.mix[{names.get(entry.name)}]'s name too; give each source its own name.",
             )
             names[entry.name] = i
+        _require(
+            any(e.weight > 0 for e in self.mix),
+            "data.mix",
+            "every source has weight 0 (evaluated only): give the ones to train on a weight > 0.",
+        )
         for i, count in enumerate(mix_counts([e.weight for e in self.mix])):
             _require(
-                count > 0,
+                count > 0 or self.mix[i].weight == 0,
                 f"data.mix[{i}].weight",
                 f"{self.mix[i].weight} is under 1/{MIX_RESOLUTION} of all the weights; raise it or leave the source out.",
             )

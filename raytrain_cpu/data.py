@@ -642,7 +642,9 @@ def _tokenizer_fingerprint(path: str) -> str:
     return path
 
 
-def cache_key(cfg: Config, train: SourceSpec, evals: SourceSpec | None, tokenizer_path: str) -> str:
+def cache_key(
+    cfg: Config, train: SourceSpec, evals: SourceSpec | None, tokenizer_path: str, eval_only: bool = False
+) -> str:
     d = cfg.data
     payload = {
         "format": CACHE_FORMAT,
@@ -654,6 +656,8 @@ def cache_key(cfg: Config, train: SourceSpec, evals: SourceSpec | None, tokenize
         "seq_len": d.seq_len,
         "bad_rows": d.bad_rows,
     }
+    if eval_only:  # no training blocks: a cache of its own, never taken for one that trains
+        payload["eval_only"] = True
     if d.format != "text":  # text caches keep their old keys
         from raytrain_cpu.sft import template_fingerprint
 
@@ -948,7 +952,8 @@ def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
     caches = []
     for entry, part in zip(cfg.data.mix, cfg.data.parts()):
         named = lambda m, name=entry.name: log(m.replace("[data] ", f"[data] {name}: ", 1))  # noqa: E731
-        caches.append(_prepare_source(dataclasses.replace(cfg, data=part), force=force, log=named))
+        part_cfg = dataclasses.replace(cfg, data=part)
+        caches.append(_prepare_source(part_cfg, force=force, log=named, eval_only=entry.weight == 0))
     return _write_mixture(cfg, caches, log)
 
 
@@ -997,9 +1002,38 @@ def _write_mixture(cfg: Config, caches: list[Path], log) -> Path:
     tmp = out / f".meta.json.tmp-{uuid.uuid4().hex[:8]}"
     tmp.write_text(json.dumps(meta, indent=2))
     os.replace(tmp, out / "meta.json")
-    shares = ", ".join(f"{s['name']} {s['share']:.1%} ({s['blocks']:,} blocks)" for s in meta["sources"])
+    shares = ", ".join(
+        f"{s['name']} {s['share']:.1%} ({s['blocks']:,} blocks)" if s["share"] else f"{s['name']} evaluated only"
+        for s in meta["sources"]
+    )
     log(f"[data] a mixture of {len(caches)} sources: {shares}")
     return out
+
+
+def _pack_training_text(
+    train: SourceSpec, evals: SourceSpec | None, cfg: DataConfig, tokenizer, actors: int, tmp: Path, pad_id, log
+) -> dict:
+    """Packs the training text into tmp/train (and the held-out documents into tmp/eval when the
+    source has no evaluation text of its own); returns the stats."""
+    t0 = time.perf_counter()
+    log(f"[data] 1/{2 if evals else 1} tokenizing the training text with up to {actors} actors (one a file) ...")
+    stats = _pack(train, cfg, tokenizer, actors, tmp / "train", None if evals else tmp / "eval", pad_id)
+    log(
+        f"[data] tokenized {stats['documents']:,} docs, {stats['tokens']:,} tokens -> {stats['blocks']:,} "
+        f"blocks in {time.perf_counter() - t0:.1f}s"
+    )
+    if cfg.format != "text":
+        log(
+            f"[data] {cfg.format}: {stats['loss_tokens']:,} response tokens carry the loss; padding "
+            f"{stats['padding_frac']:.1%} of the blocks; {stats['truncated_examples']} examples truncated to "
+            f"data.seq_len={cfg.seq_len}"
+        )
+    if stats["blocks"] == 0:
+        raise DataError(
+            f"the training text gives {stats['tokens']} tokens, less than one block of data.seq_len="
+            f"{cfg.seq_len}; lower data.seq_len or add text."
+        )
+    return stats
 
 
 def mixture_sources(cache: Path, meta: dict) -> list[tuple[str, Path, dict]]:
@@ -1010,12 +1044,15 @@ def mixture_sources(cache: Path, meta: dict) -> list[tuple[str, Path, dict]]:
     return [(s["name"], Path(s["cache"]), read_meta(Path(s["cache"]))) for s in meta["sources"]]
 
 
-def _prepare_source(cfg: Config, *, force: bool, log) -> Path:
+def _prepare_source(cfg: Config, *, force: bool, log, eval_only: bool = False) -> Path:
+    """One source's cache; `eval_only` (a mixture's weight-0 source) packs only its evaluation
+    text, where it has one of its own (a held-out evaluation needs the training text)."""
     import ray
 
     tokenizer_path = resolve_tokenizer_path(cfg.model.tokenizer, cfg.model.name_or_path)
     train, evals = source_specs(cfg.data)
-    key = cache_key(cfg, train, evals, tokenizer_path)
+    eval_only = eval_only and evals is not None
+    key = cache_key(cfg, train, evals, tokenizer_path, eval_only)
     final = cache_root(cfg) / key
     if (final / "meta.json").is_file() and not force:
         log(f"[data] using the cached blocks in {final}")
@@ -1029,26 +1066,14 @@ def _prepare_source(cfg: Config, *, force: bool, log) -> Path:
     pad_id = _local_special_id(Path(tokenizer[0]).parent, "pad_token")
     pad_id = tokenizer[1] if pad_id is None else pad_id
     try:
-        log(f"[data] preparing {train.kind} source ({len(train.paths)} files) -> {final}")
-        log(f"[data] 1/{2 if evals else 1} tokenizing the training text with up to {actors} actors (one a file) ...")
-        stats = _pack(train, cfg.data, tokenizer, actors, tmp / "train", None if evals else tmp / "eval", pad_id)
-        log(
-            f"[data] tokenized {stats['documents']:,} docs, {stats['tokens']:,} tokens -> {stats['blocks']:,} "
-            f"blocks in {time.perf_counter() - t0:.1f}s"
-        )
-        if cfg.data.format != "text":
-            log(
-                f"[data] {cfg.data.format}: {stats['loss_tokens']:,} response tokens carry the loss; padding "
-                f"{stats['padding_frac']:.1%} of the blocks; {stats['truncated_examples']} examples truncated to "
-                f"data.seq_len={cfg.data.seq_len}"
-            )
-        if stats["blocks"] == 0:
-            raise DataError(
-                f"the training text gives {stats['tokens']} tokens, less than one block of data.seq_len="
-                f"{cfg.data.seq_len}; lower data.seq_len or add text."
-            )
+        if eval_only:
+            log(f"[data] evaluated only: packing its evaluation text, not its training text -> {final}")
+            stats = dict.fromkeys(("documents", "tokens", "skipped_rows", "dropped_tail_tokens", "blocks"), 0)
+        else:
+            log(f"[data] preparing {train.kind} source ({len(train.paths)} files) -> {final}")
+            stats = _pack_training_text(train, evals, cfg.data, tokenizer, actors, tmp, pad_id, log)
         if evals:
-            log("[data] 2/2 tokenizing the evaluation text ...")
+            log(f"[data] {'1/1' if eval_only else '2/2'} tokenizing the evaluation text ...")
             estats = _pack(evals, cfg.data, tokenizer, actors, tmp / "eval", None, pad_id)
             log(f"[data] tokenized {estats['documents']:,} eval docs -> {estats['blocks']:,} blocks")
             stats["eval_blocks"] = estats["blocks"]

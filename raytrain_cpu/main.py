@@ -816,7 +816,7 @@ def note_epochs(meta: dict[str, Any], needed: int) -> None:
                 flush=True,
             )
         return
-    epochs = [f"{s['name']} {needed * s['share'] / s['blocks']:.2f}" for s in meta["sources"]]
+    epochs = [f"{s['name']} {needed * s['share'] / s['blocks']:.2f}" for s in meta["sources"] if s["share"]]
     print(f"[raytrain] {needed} blocks needed; epochs of each source: {', '.join(epochs)}", flush=True)
 
 

@@ -118,7 +118,9 @@ def test_round_trip_through_plain_dict():
         (["scaling.num_workers=2", "scaling.min_workers=3"], "scaling.min_workers", "above scaling.num_workers=2"),
         (["scaling.resize_check_s=0"], "scaling.resize_check_s", "> 0"),
         (["data.mix=[{path: /no/such/dir, weight: 1}]"], "data.mix[0].path", "does not exist"),
-        (["data.mix=[{source: bundled, weight: 0}]"], "data.mix[0].weight", "> 0"),
+        (["data.mix=[{source: bundled}]"], "data.mix[0].weight", "is missing; give each source a weight"),
+        (["data.mix=[{source: bundled, weight: -1.5}]"], "data.mix[0].weight", "0 only evaluates it"),
+        (["data.mix=[{source: bundled, weight: 0}]"], "data.mix", "every source has weight 0"),
         (["data.mix=[{source: bundled, weight: 1, colour: red}]"], "data.mix[0].colour", "valid keys are weight"),
         (["data.mix=[bundled]"], "data.mix[0]", "section"),
         (["data.mix=[{weight: 1}, {weight: 2}]"], "data.mix[1].name", "give each source its own name"),
@@ -198,12 +200,13 @@ def test_a_mixture_resolves_each_source_and_shares_the_rest(tmp_path, monkeypatc
         check_sources(glob.data)  # the files are listed before Ray starts, an entry's named as such
     assert MixSource(path="s3://bucket/corpus/web.jsonl.gz", source="jsonl").default_name() == "web"
     assert MixSource(hub_id="allenai/c4", source="hub").default_name() == "c4"
-    assert [mix_counts(w) for w in ([3, 1], [1, 1, 1], [0.75, 0.25], [0.7, 0.3], [2, 3e-3])] == [
+    assert [mix_counts(w) for w in ([3, 1], [1, 1, 1], [0.75, 0.25], [0.7, 0.3], [2, 3e-3], [0.7, 0, 0.3])] == [
         [3, 1],
         [1, 1, 1],
         [3, 1],
         [7, 3],
         [999, 1],
+        [7, 0, 3],  # weight 0: evaluated, never drawn
     ]
 
 

@@ -187,6 +187,10 @@ def test_a_mixture_interleaves_by_share_and_each_source_runs_on():
     assert np.bincount(src).tolist() == [3000, 1000]
     for s in (0, 1):
         assert own[src == s].tolist() == list(range((src == s).sum()))
+    assert mix_pattern([3, 0, 1]) == [0, 0, 2, 0]  # weight 0: evaluated only, never in the stream
+    src0, own0 = mix_positions(np.arange(4000), tuple(mix_pattern([3, 0, 1])))
+    np.testing.assert_array_equal(src0, np.where(src == 1, 2, 0))
+    np.testing.assert_array_equal(own0, own)
     later_src, later_own = mix_positions(np.arange(1234, 2222), pattern)  # a resumed stretch
     np.testing.assert_array_equal(later_src, src[1234:2222])
     np.testing.assert_array_equal(later_own, own[1234:2222])

@@ -112,10 +112,10 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
 
 
 def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, make_config, tmp_path, capsys):
-    """data.mix: chat fine-tuning on the bundled examples with a small text corpus kept in, 1:3.
-    The blocks trained on follow the weights exactly, each source is evaluated on its own eval
-    data (also before the first step), and the sinks, the summary and the console name each
-    source."""
+    """data.mix: chat fine-tuning on the bundled examples with a small text corpus kept in, 1:3,
+    and the bundled wikitext watched at weight 0. The blocks trained on follow the weights
+    exactly, each source is evaluated on its own eval data (also before the first step), and the
+    sinks, the summary and the console name each source."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from raytrain_cpu.main import run
@@ -126,32 +126,38 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     (tmp_path / "notes.txt").write_text("".join(lines[:300]))
     (tmp_path / "notes_eval.txt").write_text("".join(lines[300:400]))
     notes = f"{{path: {tmp_path / 'notes.txt'}, eval_path: {tmp_path / 'notes_eval.txt'}, format: text, weight: 3}}"
-    mix = f"data.mix=[{{source: bundled, name: chat, weight: 1}}, {notes}]"
+    watched = "{source: bundled, format: text, name: wiki, weight: 0}"  # evaluated, not trained on
+    mix = f"data.mix=[{{source: bundled, name: chat, weight: 1}}, {notes}, {watched}]"
     sft = ["data.format=chat", "data.seq_len=128"]  # as tests/test_finetune.py: the prompts fit
     steps = ["train.max_steps=6", "train.eval_batches=2", "train.eval_on_start=true", "train.record_block_ids=true"]
     cfg = make_config(*sft, mix, *steps)
     summary = run(cfg)
 
     out = capsys.readouterr().out
-    assert "[data] a mixture of 2 sources: chat 25.0%" in out and "notes 75.0%" in out
-    assert "epochs of each source: chat 0." in out
+    assert "[data] a mixture of 3 sources: chat 25.0%" in out and "notes 75.0%" in out and "wiki evaluated only" in out
+    assert "epochs of each source: chat 0." in out and "wiki 0" not in out
     assert "eval loss" in out and "(by source: chat " in out
     assert [(s["name"], s["data_format"], s["share"]) for s in summary["data_mix"]] == [
         ("chat", "chat", 0.25),
         ("notes", "text", 0.75),
+        ("wiki", "text", 0.0),
     ]
     assert summary["data_format"] == "mixed"
+    wiki = summary["data_mix"][2]
+    assert wiki["blocks"] == 0 and wiki["eval_blocks"] > 0  # weight 0: only its evaluation text was packed
     run_dir = Path(summary["run_dir"])
     trained = [int(b) for r in (0, 1) for b in (run_dir / "block_ids" / f"rank{r}.txt").read_text().split()]
     assert len(trained) == 6 * 8 and len(set(trained)) == len(trained)
-    assert sum(b >= summary["data_mix"][0]["blocks"] for b in trained) == 36  # 3 of every 4 blocks: the notes'
+    chat_blocks, notes_blocks = (s["blocks"] for s in summary["data_mix"][:2])
+    assert sum(b >= chat_blocks for b in trained) == 36  # 3 of every 4 blocks: the notes'
+    assert max(trained) < chat_blocks + notes_blocks  # none of wiki's
     evals = [m for m in _metrics(run_dir) if "eval_loss" in m]
     assert [m["step"] for m in evals] == [0, 6]  # train.eval_on_start: the starting model's, then the end's
-    assert {"eval_loss/chat", "eval_loss/notes", "eval_perplexity/notes"} <= set(evals[-1])
+    assert {"eval_loss/chat", "eval_loss/notes", "eval_loss/wiki", "eval_perplexity/notes"} <= set(evals[-1])
     for key in ("eval_loss", "eval_loss/chat", "eval_loss/notes"):
         assert evals[1][key] < evals[0][key], key  # each source improved on its baseline
-    losses = [evals[-1]["eval_loss/chat"], evals[-1]["eval_loss/notes"]]
-    assert min(losses) <= evals[-1]["eval_loss"] <= max(losses)  # over both sources' targets together
+    losses = [evals[-1][f"eval_loss/{name}"] for name in ("chat", "notes", "wiki")]
+    assert min(losses) <= evals[-1]["eval_loss"] <= max(losses)  # over all the sources' targets together
     assert summary["eval_loss/notes"] == evals[-1]["eval_loss/notes"]
     figures = key_figures(load_run(run_dir))
     assert (
