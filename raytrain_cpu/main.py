@@ -1135,7 +1135,9 @@ def print_summary(s: dict[str, Any]) -> None:
 
 def _by_source(s: dict[str, Any]) -> str:
     """' (wiki 62.10, notes 18.40)': a mixture's eval perplexity of each source."""
-    each = [f"{k.split('/', 1)[1]} {v:.2f}" for k, v in s.items() if k.startswith("eval_perplexity/") and v is not None]
+    from raytrain_cpu.metrics import by_source
+
+    each = [f"{name} {v:.2f}" for name, v in by_source(s, "eval_perplexity").items()]
     return f" ({', '.join(each)})" if each else ""
 
 

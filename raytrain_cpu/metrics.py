@@ -310,6 +310,13 @@ TB_TAGS = {
 }
 
 
+def by_source(row: dict[str, Any], metric: str = "eval_loss") -> dict[str, float]:
+    """A mixture's figure of each source in a metrics row or a summary ({name: row[metric/name]});
+    {} for a single source."""
+    prefix = f"{metric}/"
+    return {k.removeprefix(prefix): v for k, v in row.items() if k.startswith(prefix) and v is not None}
+
+
 def tb_tag(key: str) -> str | None:
     """The TensorBoard tag of a metrics.jsonl key: TB_TAGS's, and eval/<source>/loss for a
     mixture's eval_loss/<source> (eval_perplexity likewise); None: not sent."""

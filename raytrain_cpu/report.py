@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from raytrain_cpu.metrics import METRICS_FILE, RunMetrics, count_events, format_duration, read_metrics
+from raytrain_cpu.metrics import METRICS_FILE, RunMetrics, by_source, count_events, format_duration, read_metrics
 
 FIGSIZE = (8.0, 4.5)  # inches
 DPI = 100  # so each PNG is 800 x 450 pixels
@@ -152,10 +152,9 @@ def plot_loss(run: Run):
         ax.plot(xs, ys, label="train loss", color="tab:blue", linewidth=1.2)
     if exs:
         ax.plot(exs, eys, label="eval loss", color="tab:orange", marker="o", linewidth=1.5)
-    sources = sorted({k for r in run.metrics.eval for k in r if k.startswith("eval_loss/")})
-    for key in sources:  # a mixture: each source's eval loss
-        sxs, sys_ = _series(run.metrics.eval, lambda r: run.tokens_at(r["step"]), key)
-        ax.plot(sxs, sys_, label=f"eval loss: {key.split('/', 1)[1]}", marker=".", linewidth=1, linestyle="--")
+    for name in sorted({name for r in run.metrics.eval for name in by_source(r)}):  # a mixture's sources
+        sxs, sys_ = _series(run.metrics.eval, lambda r: run.tokens_at(r["step"]), f"eval_loss/{name}")
+        ax.plot(sxs, sys_, label=f"eval loss: {name}", marker=".", linewidth=1, linestyle="--")
     if not xs and not exs:
         _no_data(ax, "loss")
     elif max(ys + eys) > 10 * min(ys + eys):
@@ -268,11 +267,8 @@ def key_figures(run: Run) -> dict[str, str]:
         "peak RSS per rank (max over ranks)": f"{peak:.2f} GiB" if peak else "n/a",
         "resumed at steps": ", ".join(map(str, m.restarts)) or "none",
     }
-    if m.eval and (by_source := [k for k in m.eval[-1] if k.startswith("eval_loss/")]):  # a mixture
-        last = m.eval[-1]
-        out[f"eval loss by source (step {last['step']})"] = ", ".join(
-            f"{k.split('/', 1)[1]} {_fmt(last[k])}" for k in by_source
-        )
+    if m.eval and (last := by_source(m.eval[-1])):  # a mixture
+        out[f"eval loss by source (step {m.eval[-1]['step']})"] = ", ".join(f"{k} {_fmt(v)}" for k, v in last.items())
     if counts := worker_counts(m.train):
         out["workers"] = counts
     elif s.get("world_size"):

@@ -191,20 +191,8 @@ def evaluate(engine, shards: dict[str, Any], micro: int, max_batches: int) -> di
     import torch
 
     engine.eval()
-    sums = []  # loss sum, targets: per source
     with torch.no_grad():
-        for shard in shards.values():
-            loss_sum = tokens = 0.0
-            for i, batch in enumerate(shard.iter_torch_batches(batch_size=micro, dtypes=torch.long)):
-                if max_batches and i >= max_batches:
-                    break
-                labels = batch_labels(batch)
-                out = engine(input_ids=batch["input_ids"], labels=labels)  # every rank runs it (ZeRO-3 gathers)
-                n = loss_tokens(labels)
-                if n:  # a block of prompts only has no target: its mean loss is NaN, and weight 0
-                    loss_sum += float(out.loss.detach()) * n
-                    tokens += n
-            sums += [loss_sum, tokens]
+        sums = [x for shard in shards.values() for x in _eval_sums(engine, shard, micro, max_batches)]
     engine.train()
     sums = _allreduce_sum(sums)
     loss_sums, token_counts = sums[0::2], sums[1::2]
@@ -217,9 +205,26 @@ def evaluate(engine, shards: dict[str, Any], micro: int, max_batches: int) -> di
     return out
 
 
+def _eval_sums(engine, shard, micro: int, max_batches: int) -> list[float]:
+    """This rank's summed loss and target count over its eval blocks of one source."""
+    import torch
+
+    loss_sum = tokens = 0.0
+    for i, batch in enumerate(shard.iter_torch_batches(batch_size=micro, dtypes=torch.long)):
+        if max_batches and i >= max_batches:
+            break
+        labels = batch_labels(batch)
+        out = engine(input_ids=batch["input_ids"], labels=labels)  # every rank runs it (ZeRO-3 gathers)
+        n = loss_tokens(labels)
+        if n:  # a block of prompts only has no target: its mean loss is NaN, and weight 0
+            loss_sum += float(out.loss.detach()) * n
+            tokens += n
+    return [loss_sum, tokens]
+
+
 def eval_line(step: int, metrics: dict[str, float]) -> str:
     """'step 100 eval loss 4.1000 ppl 60.34', and each mixture source's loss after it."""
-    per_source = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in metrics.items() if k.startswith("eval_loss/"))
+    per_source = ", ".join(f"{name} {v:.4f}" for name, v in obs.by_source(metrics).items())
     return f"step {step} eval loss {metrics['eval_loss']:.4f} ppl {metrics['eval_perplexity']:.2f}" + (
         f" (by source: {per_source})" if per_source else ""
     )
