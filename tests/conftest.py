@@ -104,6 +104,24 @@ def one_vcpu():
     os.sched_setaffinity(0, everything)
 
 
+@pytest.fixture(autouse=True)
+def log_streams_outlive_capture():
+    """A logging handler made during a test that captures sys.stderr (capsys) writes to pytest's
+    capture stream, which closes with the test: Ray Data sets its loggers up on its first run in a
+    process. Each later record through it printed "--- Logging error ---" and a traceback, which a
+    later test checking the console (tests/test_data.py) saw or not by the order tests ran in."""
+    import logging
+
+    yield
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
+    for handler in (h for logger in loggers for h in logger.handlers):
+        if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
+            handler.stream = sys.__stderr__  # fd 2, which pytest's capture reads (setStream flushes the closed one)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray started once (starting Ray costs ~10 s here); run() reuses it."""
