@@ -246,9 +246,22 @@ def source_of(path: str) -> str | None:
     return kinds.pop() if len(kinds) == 1 else None
 
 
-# The settings that say where one source's text comes from: a data.mix entry may set these
-# (each defaulting as in data:) and its format; the rest of data: applies to every source.
-SOURCE_KEYS = ("source", "path", "eval_path", "hub_id", "hub_config", "train_split", "eval_split", "text_column")
+# What a data.mix entry may set. Where its text is (SOURCE_KEYS) is its own: data.source, path
+# and eval_path are refused beside data.mix. How to read it (INHERITED_KEYS) the entry takes from
+# data: unless it sets its own. The rest of data: applies to every source.
+SOURCE_KEYS = ("source", "path", "eval_path")
+INHERITED_KEYS = (
+    "hub_id",
+    "hub_config",
+    "train_split",
+    "eval_split",
+    "text_column",
+    "format",
+    "messages_column",
+    "prompt_column",
+    "response_column",
+    "system_column",
+)
 MIX_RESOLUTION = 1000  # mixture shares are kept to 1/1000 of the blocks
 
 
@@ -268,24 +281,33 @@ class MixSource:
     """As data.path, for this source."""
     eval_path: str = ""
     """As data.eval_path, for this source ('' holds out data.eval_fraction of its documents)."""
-    hub_id: str = "wikitext"
-    """As data.hub_id, for this source."""
-    hub_config: str = "wikitext-2-raw-v1"
+    hub_id: str = ""
+    """As data.hub_id, for this source ('' takes data.hub_id; so do the keys below)."""
+    hub_config: str = ""
     """As data.hub_config, for this source."""
-    train_split: str = "train"
+    train_split: str = ""
     """As data.train_split, for this source."""
-    eval_split: str = "validation"
+    eval_split: str = ""
     """As data.eval_split, for this source."""
-    text_column: str = "text"
+    text_column: str = ""
     """As data.text_column, for this source."""
     format: str = ""
-    """As data.format, for this source; '' takes data.format. A 'text' source in a chat or
-    instruction mixture (pre-training text kept in a fine-tuning run) trains on every token."""
+    """As data.format, for this source. A 'text' source in a chat or instruction mixture
+    (pre-training text kept in a fine-tuning run) trains on every token."""
+    messages_column: str = ""
+    """As data.messages_column, for this source."""
+    prompt_column: str = ""
+    """As data.prompt_column, for this source."""
+    response_column: str = ""
+    """As data.response_column, for this source."""
+    system_column: str = ""
+    """As data.system_column, for this source."""
 
-    def default_name(self) -> str:
+    def default_name(self, hub_id: str) -> str:
+        """The name of an entry without one: its path's or hub id's last part, or 'bundled'."""
         if self.source == "bundled":
             return "bundled"
-        where = self.hub_id if self.source == "hub" else self.path
+        where = hub_id if self.source == "hub" else self.path
         if is_glob(where):
             where = where[: min(where.index(ch) for ch in "*?[" if ch in where)]
         last = Path(where.rstrip("/").split("://")[-1]).name.split(".")[0]
@@ -294,7 +316,7 @@ class MixSource:
 
 def mix_entry_keys(message: str, i: int) -> str:
     """An error about one source (data.path, data.hub_id) as one about mixture entry i's keys."""
-    return re.sub(rf"\bdata\.({'|'.join((*SOURCE_KEYS, 'format'))})\b", rf"data.mix[{i}].\1", message)
+    return re.sub(rf"\bdata\.({'|'.join((*SOURCE_KEYS, *INHERITED_KEYS))})\b", rf"data.mix[{i}].\1", message)
 
 
 def mix_counts(weights: list[float]) -> list[int]:
@@ -466,7 +488,7 @@ class DataConfig:
             )
             part = self.mix_part(i)  # validates the entry as a source of its own
             entry.source, entry.path, entry.eval_path = part.source, part.path, part.eval_path  # as resolved
-            entry.name = entry.name or entry.default_name()
+            entry.name = entry.name or entry.default_name(part.hub_id)
             _require(
                 re.fullmatch(r"[\w.-]+", entry.name) is not None,
                 f"data.mix[{i}].name",
@@ -492,10 +514,10 @@ class DataConfig:
         self.source = "mix"
 
     def mix_part(self, i: int) -> DataConfig:
-        """Mixture entry i as a data config of one source (the shared settings, its own source keys);
-        its errors name the entry's keys (data.mix[i].path)."""
+        """Mixture entry i as a data config of one source: where its text is, the keys it sets, the
+        rest from data:. Its errors name the entry's keys (data.mix[i].path)."""
         entry = self.mix[i]
-        own = {k: getattr(entry, k) for k in SOURCE_KEYS} | ({"format": entry.format} if entry.format else {})
+        own = {k: getattr(entry, k) for k in SOURCE_KEYS} | {k: v for k in INHERITED_KEYS if (v := getattr(entry, k))}
         try:
             return dataclasses.replace(self, mix=[], **own)
         except ConfigError as e:

@@ -198,8 +198,18 @@ def test_a_mixture_resolves_each_source_and_shares_the_rest(tmp_path, monkeypatc
     glob = load_config(None, ["data.mix=[{source: bundled, weight: 1}, {source: text, path: 'none/*.txt', weight: 1}]"])
     with pytest.raises(DataError, match=r"^data.mix\[1\].path: 'none/\*.txt' holds no .txt"):
         check_sources(glob.data)  # the files are listed before Ray starts, an entry's named as such
-    assert MixSource(path="s3://bucket/corpus/web.jsonl.gz", source="jsonl").default_name() == "web"
-    assert MixSource(hub_id="allenai/c4", source="hub").default_name() == "c4"
+    assert MixSource(path="s3://bucket/corpus/web.jsonl.gz", source="jsonl").default_name("wikitext") == "web"
+    assert MixSource(source="hub").default_name("allenai/c4") == "c4"
+    # How to read a source comes from data: unless the entry says otherwise; never silently dropped.
+    columns = load_config(
+        None,
+        [
+            "data.text_column=body",
+            "data.mix=[{path: notes/, weight: 1}, {path: notes/, name: other, text_column: content, weight: 1}]",
+        ],
+    )
+    assert [p.text_column for p in columns.data.parts()] == ["body", "content"]
+    assert [e.text_column for e in columns.data.mix] == ["", "content"]  # recorded as given
     assert [mix_counts(w) for w in ([3, 1], [1, 1, 1], [0.75, 0.25], [0.7, 0.3], [2, 3e-3], [0.7, 0, 0.3])] == [
         [3, 1],
         [1, 1, 1],
