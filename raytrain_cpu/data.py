@@ -1241,7 +1241,7 @@ def _read_blocks(split_dir: str, block_ids: np.ndarray, has_labels: bool) -> dic
     return {c: np.stack(v) for c, v in rows.items()}
 
 
-def train_stream(cache: Path, plan: StreamPlan):
+def train_stream(plan: StreamPlan):
     """The Ray Dataset rank `plan.rank` iterates: its blocks in global order, lazily fetched.
 
     No shuffle stage: the order is arithmetic on a seeded permutation, so the dataset is a

@@ -750,21 +750,22 @@ def quiet_worker_logs() -> None:
     os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
 
 
-def build_datasets(cache: Path, meta: dict, cfg: Config, worlds: list[int], start: int) -> dict[str, Any]:
+def build_datasets(
+    meta: dict, sources: list[tuple[str, Path, dict]], cfg: Config, worlds: list[int], start: int
+) -> dict[str, Any]:
     """Each rank's stream for each worker count the run may have (one, unless elastic), named
     train_w{W}_rank{r} / eval_w{W}_rank{r} (a mixture: one eval stream per source, ..._{name}):
-    all lazy, a worker iterates only its own."""
+    all lazy, a worker iterates only its own. `sources`: data.mixture_sources of the cache's meta."""
     from ray.data import DataContext
 
     from raytrain_cpu import datathrottle
-    from raytrain_cpu.data import StreamPlan, eval_dataset, eval_stream, mixture_sources, train_stream
+    from raytrain_cpu.data import StreamPlan, eval_dataset, eval_stream, train_stream
 
     # These streams' scheduling loops run inside the training workers: keep them from spinning.
     datathrottle.install(DataContext.get_current())
 
     end = cfg.train.max_steps * cfg.train.derive_global_batch(worlds[-1])
     eval_blocks = cfg.train.eval_batches * cfg.train.micro_batch_size  # 0: the whole split
-    sources = mixture_sources(cache, meta)
     # Chat/instruction blocks carry labels (-100 where no loss); a mixture's text blocks then too.
     labelled = tuple(source_meta.get("data_format", "text") != "text" for _, _, source_meta in sources)
     out = {}
@@ -783,7 +784,7 @@ def build_datasets(cache: Path, meta: dict, cfg: Config, worlds: list[int], star
             pattern=tuple(meta.get("pattern", (0,))),
             source_labels=labelled,
         )
-        out[f"train_w{w}_rank{r}"] = train_stream(cache, plan)
+        out[f"train_w{w}_rank{r}"] = train_stream(plan)
         for (name, source_cache, source_meta), has_labels in zip(sources, labelled):
             n_eval = source_meta["eval_blocks"]
             if n_eval >= w:
@@ -1031,7 +1032,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
             f"{latest['data_key']} then, {meta['key']} now): the run goes on at block {start:,} of the new data",
             flush=True,
         )
-    datasets = build_datasets(cache, meta, cfg, worlds, start)
+    datasets = build_datasets(meta, sources, cfg, worlds, start)
 
     # ---- trainer
     loop_config = {

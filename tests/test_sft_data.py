@@ -438,7 +438,7 @@ def test_prepare_chat_cache_has_labels_streams_yield_them_bad_rows(ray_session, 
     assert checked > 100
     # the streams hand the labels to training
     plan = StreamPlan((str(cache / "train"),), (meta["blocks"],), 1234, 65536, 4, 1, 0, 0, 8, has_labels=True)
-    batch = next(iter(train_stream(cache, plan).iter_batches(batch_size=8, batch_format="numpy")))
+    batch = next(iter(train_stream(plan).iter_batches(batch_size=8, batch_format="numpy")))
     np.testing.assert_array_equal(batch["labels"], labels[batch["block_id"]])
     np.testing.assert_array_equal(batch["input_ids"], ids[batch["block_id"]])
     ev = eval_stream(cache, 1, 0, meta["eval_blocks"], has_labels=True)
