@@ -969,9 +969,10 @@ def _write_mixture(cfg: Config, caches: list[Path], log) -> Path:
     metas = [read_meta(c) for c in caches]
     formats = [m.get("data_format", "text") for m in metas]
     counts = mix_counts([e.weight for e in cfg.data.mix])
-    key = hashlib.sha256(
-        json.dumps({"format": CACHE_FORMAT, "sources": [m["key"] for m in metas], "counts": counts}).encode()
-    ).hexdigest()[:16]
+    # The names too: a run reads them back from this meta.json, which a mixture of the same
+    # sources under other names must not overwrite meanwhile.
+    mixture = {"sources": [m["key"] for m in metas], "names": [e.name for e in cfg.data.mix], "counts": counts}
+    key = hashlib.sha256(json.dumps({"format": CACHE_FORMAT, **mixture}).encode()).hexdigest()[:16]
     period = sum(counts)
     total = lambda k: sum(m.get(k, 0) for m in metas)  # noqa: E731
     meta = {
