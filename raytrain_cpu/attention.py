@@ -21,8 +21,13 @@ Which one runs is `model.attention`: "auto" times SDPA and the blocks at each of
 queries at the run's shape on every rank at start-up, and all ranks take the fastest by their
 summed times, so each host (AVX2, AVX-512, AMX) keeps what is fastest on it: on AMX 128
 queries a block (its small batched GEMMs cost more a call, and a taller block makes half as
-many); on the AMD Zen 5 host 64 and 128 are within a few percent. Anything outside plain causal self-attention without a mask
-(padding masks, packed-document masks, KV caches, attention dropout) goes to SDPA unchanged.
+many); on the AMD Zen 5 host 64 and 128 are within a few percent.
+
+Packed documents (data.attention_span=document): transformers builds a boolean mask, causal
+within each document, from the blocks' position ids; the blocks add it to each query block's
+scores in place of the causal square and skip the keys before the first document any of the
+block's rows is in (benchmarks/document_mask.py). Anything else (padding masks, whose padding
+rows see nothing, KV caches, attention dropout, masks under torch.compile) goes to SDPA unchanged.
 The blocks are custom operators: under model.compile inductor keeps each as one call and
 compiles the layer's other work around it.
 """
@@ -96,52 +101,112 @@ def _unblocked_layout(shape, like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(b, s, h, d).transpose(1, 2)
 
 
+def _block_bias(mask: torch.Tensor, i0: int, n: int, lo: int, e: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive form (0 or -inf) of rows [i0, i0 + n) and keys [lo, e) of a (B, 1, S, S)
+    boolean mask, as (B, 1, 1, n, e - lo) to add to a query block's scores; rows past S (the
+    last block's padding) see every key, and their outputs are dropped. None where the rows are
+    plainly causal over those keys (one document across the whole block, as most blocks of
+    long text are): the causal square is then all there is to add (blocks of one document each
+    at the bench model's shape: 0.94x the plain blocks' speed with this, 0.88x adding the whole
+    mask; benchmarks/document_mask.py)."""
+    rows = min(n, mask.shape[2] - i0)
+    seen = mask[:, 0, i0 : i0 + rows, lo:e]
+    square = torch.ones(rows, e - i0, dtype=torch.bool).tril_()
+    if bool(seen[..., : i0 - lo].all()) and torch.equal(seen[..., i0 - lo :], square.expand_as(seen[..., i0 - lo :])):
+        return None
+    bias = torch.zeros(mask.shape[0], n, e - lo, dtype=dtype)
+    bias[:, :rows].masked_fill_(seen.logical_not(), float("-inf"))
+    return bias.view(mask.shape[0], 1, 1, n, e - lo)
+
+
+# The last mask's plan: (mask, (block, dtype), plan). transformers hands every layer the same
+# mask object in a forward, and each layer's backward reads it again: the plan is made once.
+_last_plan: list[Any] = [None, None, None]
+
+
+def mask_plan(mask: torch.Tensor | None, seq: int, block: int, dtype: torch.dtype) -> list[tuple[int, Any]]:
+    """Per query block: (lo, bias), with lo the first key any of its rows sees under `mask` (the
+    keys before it belong to earlier documents: the block skips them) and bias its _block_bias
+    over keys [lo, end); without a mask (0, None) each."""
+    blocks = -(-seq // block)
+    if mask is None:
+        return [(0, None)] * blocks
+    if _last_plan[0] is mask and _last_plan[1] == (block, dtype):
+        return _last_plan[2]
+    plan = []
+    for i in range(blocks):
+        e = min((i + 1) * block, seq)
+        seen = mask[:, 0, i * block : e, :e].any(dim=1).any(dim=0)
+        lo = int(seen.to(torch.uint8).argmax())
+        plan.append((lo, _block_bias(mask, i * block, block, lo, e, dtype)))
+    _last_plan[:] = [mask, (block, dtype), plan]
+    return plan
+
+
 def _probs(
-    qi: torch.Tensor, k_e: torch.Tensor, i0: int, groups: int, causal: torch.Tensor, out: torch.Tensor | None
+    qi: torch.Tensor,
+    k_e: torch.Tensor,
+    i0: int,
+    groups: int,
+    causal: torch.Tensor,
+    out: torch.Tensor | None,
+    lo: int = 0,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax of one query block's scores against keys [0, e) (into `out` when given); the
-    block's own square is causal: `causal` (block x block) is 0 on and below its diagonal and
-    -inf above, added to the scores (2-4x faster than masked_fill_ with a broadcast boolean
-    mask, and the same for finite scores)."""
+    """Softmax of one query block's scores against keys [lo, e) (k_e; into `out` when given);
+    the block's own square is causal: `causal` (block x block) is 0 on and below its diagonal
+    and -inf above, added to the scores (2-4x faster than masked_fill_ with a broadcast boolean
+    mask, and the same for finite scores). A document mask's `bias` (mask_plan) replaces the
+    causal square: it is added over all the block's keys."""
     b, hk, gn, _ = qi.shape
-    n, e = gn // groups, k_e.shape[2]
-    s = torch.matmul(qi, k_e.transpose(-1, -2)).view(b, hk, groups, n, e)
-    s[..., i0:].add_(causal[:, : e - i0])
+    n, keys = gn // groups, k_e.shape[2]
+    s = torch.matmul(qi, k_e.transpose(-1, -2)).view(b, hk, groups, n, keys)
+    if bias is None:
+        s[..., i0 - lo :].add_(causal[:, : lo + keys - i0])
+    else:
+        s.add_(bias)
     if out is None:
-        return torch.softmax(s, -1).view(b, hk, gn, e)
+        return torch.softmax(s, -1).view(b, hk, gn, keys)
     torch.ops.aten._softmax.out(s, -1, False, out=out.view(s.shape))
     return out
 
 
 def probs_numel(b: int, kv_heads: int, queries: int, seq: int, block: int) -> int:
     """Elements of all query blocks' probabilities (`queries` = groups x block rows a block): the
-    causal triangle in blocks, each block against its key prefix (what the planner counts)."""
+    causal triangle in blocks, each block against its key prefix (what the planner counts). A
+    document mask's blocks take fewer (_each_block), within the same buffer."""
     return b * kv_heads * (queries // block) * plan.causal_block_probs(seq, block)
 
 
-def _each_block(qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, block: int, probs, kept: bool):
-    """Per query block of `qb` (_query_blocks): (i, e, k[:e], v[:e], its probabilities), with
-    e the block's end: the keys it sees. The probabilities are read from `probs` when `kept`,
-    else computed (and written there when it has room: the forward keeping them)."""
+def _each_block(
+    qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, block: int, probs, kept: bool, mask=None
+):
+    """Per query block of `qb` (_query_blocks): (i, lo, k[lo:e], v[lo:e], its probabilities),
+    with [lo, e) the keys it sees: up to the block's end, from the first key any of its rows
+    sees under `mask` (0 without one). The probabilities are read from `probs` when `kept`, else
+    computed (and written there when it has room: the forward keeping them); both passes take
+    the same mask_plan, so they lay the kept blocks out alike."""
     seq = k.shape[2]
     _, b, hk, gn, _ = qb.shape
     causal = torch.full((block, block), float("-inf"), dtype=qb.dtype).triu_(1)
     offset = 0
-    for i in range(qb.shape[0]):
+    for i, (lo, bias) in enumerate(mask_plan(mask, seq, block, qb.dtype)):
         e = min((i + 1) * block, seq)
         # Copied: the batched GEMMs copy a prefix view (not one dense batch of matrices) anyway.
-        k_e, v_e = k[:, :, :e].contiguous(), v[:, :, :e].contiguous()
-        p = probs[offset : offset + b * hk * gn * e].view(b, hk, gn, e) if probs.numel() else None
-        offset += b * hk * gn * e
-        yield i, e, k_e, v_e, p if kept else _probs(qb[i], k_e, i * block, groups, causal, p)
+        k_e, v_e = k[:, :, lo:e].contiguous(), v[:, :, lo:e].contiguous()
+        size = b * hk * gn * (e - lo)
+        p = probs[offset : offset + size].view(b, hk, gn, e - lo) if probs.numel() else None
+        offset += size
+        yield i, lo, k_e, v_e, p if kept else _probs(qb[i], k_e, i * block, groups, causal, p, lo, bias)
 
 
-def _accumulate(total: torch.Tensor, part: torch.Tensor, seen: int) -> None:
-    """total[:, :, :e] += part (e = part's keys) for a fp32 `total` whose first `seen` keys earlier
-    blocks wrote: the rest are copied in, not added to zeros (the same values, with no zero fill
-    and a conversion in place of an addition over the new keys)."""
-    total[:, :, :seen] += part[:, :, :seen]
-    total[:, :, seen : part.shape[2]].copy_(part[:, :, seen:])
+def _accumulate(total: torch.Tensor, part: torch.Tensor, lo: int, seen: int) -> None:
+    """total[:, :, lo:e] += part (part holds keys lo..e) for a fp32 `total` whose first `seen`
+    keys earlier blocks wrote (lo <= seen: a block's first row sees itself): the rest are
+    copied in, not added to zeros (the same values, with no zero fill and a conversion in place
+    of an addition over the new keys)."""
+    total[:, :, lo:seen] += part[:, :, : seen - lo]
+    total[:, :, seen : lo + part.shape[2]].copy_(part[:, :, seen - lo :])
 
 
 # Custom operators, not an autograd.Function: torch.compile (model.compile) keeps each one as
@@ -150,16 +215,17 @@ def _accumulate(total: torch.Tensor, part: torch.Tensor, seen: int) -> None:
 # place of q: the same memory, and the backward need not make them again) and the
 # probabilities, empty unless `keep`: kept, the backward reads them instead of recomputing each
 # block's scores and softmax (one of the seven batched GEMMs and half the softmax work; the same
-# bits either way).
+# bits either way). `mask`, when given, is packed documents' (B, 1, S, S) boolean mask (see
+# attention_forward), which the backward reads again where it recomputes the probabilities.
 @torch.library.custom_op("raytrain::causal_blocks", mutates_args=())
 def _causal_blocks_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int, keep: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, block: int, keep: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     groups = q.shape[1] // k.shape[1]
     qb = _query_blocks(q * scale, groups, block)
     ob = torch.empty_like(qb)
     probs = qb.new_empty(probs_numel(*qb.shape[1:4], k.shape[2], block) if keep else 0)
-    for i, _, _, v_e, p in _each_block(qb, k, v, groups, block, probs, kept=False):
+    for i, _, _, v_e, p in _each_block(qb, k, v, groups, block, probs, kept=False, mask=mask):
         torch.matmul(p, v_e, out=ob[i])
     return _unblocked(ob, groups, q.shape[2], q.dtype), probs, qb
 
@@ -171,28 +237,29 @@ def _causal_blocks_bwd(
     k: torch.Tensor,
     v: torch.Tensor,
     probs: torch.Tensor,
+    mask: torch.Tensor | None,
     scale: float,
     block: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients for q, k and v from the forward's scaled query blocks (`qb`), k, v and (when
-    kept) probabilities."""
+    """Gradients for q, k and v from the forward's scaled query blocks (`qb`), k, v, mask and
+    (when kept) probabilities."""
     groups, seq = qb.shape[3] // block, k.shape[2]
     gb = _query_blocks(grad_out, groups, block)
     dqb = torch.empty_like(qb)
     dk = torch.empty(k.shape, dtype=torch.float32)  # accumulated over the query blocks
     dv = torch.empty(v.shape, dtype=torch.float32)
-    for i, _, k_e, v_e, p in _each_block(qb, k, v, groups, block, probs, kept=probs.numel() > 0):
-        _accumulate(dv, torch.matmul(p.transpose(-1, -2), gb[i]), i * block)
+    for i, lo, k_e, v_e, p in _each_block(qb, k, v, groups, block, probs, kept=probs.numel() > 0, mask=mask):
+        _accumulate(dv, torch.matmul(p.transpose(-1, -2), gb[i]), lo, i * block)
         # softmax's backward: p * (dp - rowsum(dp * p)); padded query rows have dp = 0.
         ds = torch._softmax_backward_data(torch.matmul(gb[i], v_e.transpose(-1, -2)), p, -1, p.dtype)
         torch.matmul(ds, k_e, out=dqb[i])
-        _accumulate(dk, torch.matmul(ds.transpose(-1, -2), qb[i]), i * block)
+        _accumulate(dk, torch.matmul(ds.transpose(-1, -2), qb[i]), lo, i * block)
     dq = _unblocked(dqb.mul_(scale), groups, seq, qb.dtype)
     return dq, _unblocked(dk.unsqueeze(0), 1, seq, k.dtype), _unblocked(dv.unsqueeze(0), 1, seq, v.dtype)
 
 
 @_causal_blocks_fwd.register_fake
-def _(q, k, v, scale, block, keep):
+def _(q, k, v, mask, scale, block, keep):
     b, h, s, d = q.shape
     hk, nb, groups = k.shape[1], -(-s // block), h // k.shape[1]
     numel = probs_numel(b, hk, groups * block, s, block) if keep else 0
@@ -200,25 +267,25 @@ def _(q, k, v, scale, block, keep):
 
 
 @_causal_blocks_bwd.register_fake
-def _(grad_out, qb, k, v, probs, scale, block):
+def _(grad_out, qb, k, v, probs, mask, scale, block):
     b, hk, s, d = k.shape
     dq = _unblocked_layout((b, qb.shape[3] // block * hk, s, d), qb)
     return dq, _unblocked_layout(k.shape, k), _unblocked_layout(v.shape, v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _, k, v, ctx.scale, ctx.block, _ = inputs
+    _, k, v, mask, ctx.scale, ctx.block, _ = inputs
     _, probs, qb = output
     ctx.mark_non_differentiable(probs, qb)
     # Else autograd hands the backward a zero-filled gradient for each: as many bytes written
     # as the probabilities and q, for nothing.
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(qb, k, v, probs)
+    ctx.save_for_backward(qb, k, v, probs, mask)
 
 
 def _backward(ctx, grad_out, *_):
-    qb, k, v, probs = ctx.saved_tensors
-    return (*_causal_blocks_bwd(grad_out, qb, k, v, probs, ctx.scale, ctx.block), None, None, None)
+    qb, k, v, probs, mask = ctx.saved_tensors
+    return (*_causal_blocks_bwd(grad_out, qb, k, v, probs, mask, ctx.scale, ctx.block), None, None, None, None)
 
 
 _causal_blocks_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -231,17 +298,39 @@ def causal_blocks(
     scale: float | None = None,
     block: int = BLOCK,
     keep_probs: bool = False,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention, (B, H, S, D) out (a view of (B, S, H, D) memory); k and v may have fewer
     heads (grouped queries). `keep_probs`: keep the probabilities for the backward (probs_numel
-    elements in q's dtype)."""
-    return _causal_blocks_fwd(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale, block, keep_probs)[0]
+    elements in q's dtype). `mask`: a (B or 1, 1, S, S) boolean mask (True: attend) in place of
+    plain causality, every query seeing at least itself (packed documents)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _causal_blocks_fwd(q, k, v, mask, scale, block, keep_probs)[0]
+
+
+def _blocks_take_mask(attention_mask, query) -> bool:
+    """Whether the blocks take `attention_mask` in place of plain causality: a boolean
+    (B, 1, S, S) mask in which every query sees at least itself (transformers builds one, causal
+    within each document, from packed position ids), so the blocks' softmax has no empty row. A
+    padding mask has such rows (a padding query sees nothing) and goes to SDPA, which handles
+    them. The check reads the mask's diagonal, a value torch.compile cannot know while tracing:
+    compiled layers leave masked calls to SDPA."""
+    s = query.shape[2]
+    return (
+        attention_mask.dtype == torch.bool
+        and attention_mask.dim() == 4
+        and attention_mask.shape[1] == 1
+        and tuple(attention_mask.shape[2:]) == (s, s)
+        and not torch.compiler.is_compiling()
+        and bool(attention_mask.diagonal(dim1=-2, dim2=-1).all())
+    )
 
 
 def _plain_causal(module, query, key, value, attention_mask, dropout: float, kwargs: dict[str, Any]) -> bool:
-    """Whether this call is what the causal blocks compute; everything else goes to SDPA."""
+    """Whether this call is what the causal blocks compute (plain causal attention, or causal
+    within packed documents); everything else goes to SDPA."""
     return (
-        attention_mask is None
+        (attention_mask is None or _blocks_take_mask(attention_mask, query))
         and dropout == 0.0
         and getattr(module, "is_causal", True)
         and kwargs.get("is_causal") is not False
@@ -275,7 +364,7 @@ def attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     keep_probs = keep_probs and torch.is_grad_enabled()  # evaluation has no backward to keep them for
-    out = causal_blocks(query, key, value, scaling, block, keep_probs)
+    out = causal_blocks(query, key, value, scaling, block, keep_probs, mask=attention_mask)
     return out.transpose(1, 2), None  # (B, S, H, D) memory already: no copy
 
 

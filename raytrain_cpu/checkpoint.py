@@ -125,13 +125,19 @@ EXECUTION_SETTINGS = frozenset(
 BATCH_SPLIT_SETTINGS = frozenset({"train.micro_batch_size", "train.grad_accum_steps"})
 
 
+# Hashed settings an upgrade added whose default can compute something other than what the
+# checkpoints made before them trained with: a checkpoint without one is compared as having the
+# value that matches what it did (data.attention_span 'auto' takes 'document' for chat data).
+EARLIER_BEHAVIOUR = {"data.attention_span": "block"}
+
+
 def changed_settings(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """'key: old → new' for each hashed setting that differs between two resolved configs, other
     than EXECUTION_SETTINGS and BATCH_SPLIT_SETTINGS. A key only one side has is a field an
     upgrade added or removed since the checkpoint (its default keeps the old behaviour), except
     LoRA's, which are hashed only while LoRA is on: there one side lacking them means LoRA was
-    turned on or off."""
-    a, b = _flatten(hashed_settings(old)), _flatten(hashed_settings(new))
+    turned on or off. Keys in EARLIER_BEHAVIOUR that the old side lacks take their value there."""
+    a, b = EARLIER_BEHAVIOUR | _flatten(hashed_settings(old)), _flatten(hashed_settings(new))
 
     def differs(k: str) -> bool:
         if k in EXECUTION_SETTINGS or k in BATCH_SPLIT_SETTINGS:

@@ -399,6 +399,13 @@ class DataConfig:
     (see raytrain_cpu/sft.py); else the path of a Jinja template file."""
     train_on_prompt: bool = False
     """Chat/instruction: also train on system, user and prompt tokens (padding never is)."""
+    attention_span: str = "auto"
+    """What a token attends to in a packed block: 'document' (the earlier tokens of its own
+    document or example only, its positions counted from the document's start: as if each were
+    a sequence of its own), 'block' (every earlier token of the block, across documents), or
+    'auto': 'document' where any source is chat or instruction data (unrelated examples share
+    blocks), else 'block' (text: what pre-training packing commonly does). Resolved at start-up
+    and recorded with the checkpoints."""
     mix: list[MixSource] = field(default_factory=list)
     """A mixture: several sources, each a mapping of weight, name and where its text comes from
     (source, path, eval_path, hub_id, ...), e.g. [{path: notes/, weight: 3}, {source: bundled,
@@ -411,6 +418,10 @@ class DataConfig:
         # DataConfig(**asdict) (a checkpoint's data settings, read back by export and generate)
         # hands the entries over as mappings.
         self.mix = [MixSource(**e) if isinstance(e, dict) else e for e in self.mix]
+        _choice(self.attention_span, "data.attention_span", ("auto", "document", "block"))
+        if self.attention_span == "auto":  # resolved here, so checkpoints record what the run computed
+            formats = {e.format or self.format for e in self.mix} or {self.format}
+            self.attention_span = "block" if formats == {"text"} else "document"
         if self.mix or self.source == "mix":
             self._check_mix()
             return

@@ -666,7 +666,9 @@ def cache_key(
             "template": template_fingerprint(tokenizer_path, d),
             "train_on_prompt": d.train_on_prompt,
             "columns": [d.messages_column, d.prompt_column, d.response_column, d.system_column],
-            "packing": f"first-fit-{PACK_WINDOW}",  # how examples share blocks (_ExampleWriter)
+            # How examples share blocks (_ExampleWriter); "+positions": the blocks carry each
+            # token's position in its example (data.attention_span=document reads them).
+            "packing": f"first-fit-{PACK_WINDOW}+positions",
         }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -732,6 +734,7 @@ class _OpenBlock:
 
     ids: list[np.ndarray] = dataclasses.field(default_factory=list)
     labels: list[np.ndarray] = dataclasses.field(default_factory=list)
+    positions: list[np.ndarray] = dataclasses.field(default_factory=list)
     used: int = 0
 
 
@@ -745,7 +748,10 @@ class _ExampleWriter(_BlockWriter):
     in order (a window of 1), 10% with 4, 9.5% with 16, 8.8% with 64; so a small window takes
     most of the gain while keeping the cache close to the data's order, its memory bounded
     and the result deterministic. An example longer than seq_len is truncated to it (its
-    prompt fits, the tokenizer checked) and counted.
+    prompt fits, the tokenizer checked) and counted. Beside input_ids and labels, position_ids
+    holds each token's position in its example (the padding counts as one more), which is
+    where data.attention_span=document takes the examples' bounds from: a multi-turn example
+    holds several EOS tokens, so they cannot tell them.
     """
 
     def __init__(self, out: Path, seq_len: int, pad_id: int, window: int = PACK_WINDOW):
@@ -753,6 +759,7 @@ class _ExampleWriter(_BlockWriter):
         self.pad_id, self.window = pad_id, window
         self.open: list[_OpenBlock] = []  # oldest first
         self.labels: list[np.ndarray] = []
+        self.positions: list[np.ndarray] = []
         self.truncated = self.padding = self.loss_tokens = 0
 
     def add_example(self, ids: np.ndarray, labels: np.ndarray) -> None:
@@ -765,6 +772,7 @@ class _ExampleWriter(_BlockWriter):
             self.open.append(block)
         block.ids.append(ids)
         block.labels.append(labels)
+        block.positions.append(np.arange(len(ids), dtype=np.int32))
         block.used += len(ids)
         # Blocks are written in the order they opened: the oldest closes when full or pushed out.
         while self.open and (self.open[0].used == self.seq_len or len(self.open) > self.window):
@@ -779,6 +787,7 @@ class _ExampleWriter(_BlockWriter):
         self.loss_tokens += int((labels[1:] != -100).sum())  # targets after the model's shift
         self.blocks.append(ids)
         self.labels.append(labels)
+        self.positions.append(np.concatenate([*block.positions, np.arange(pad, dtype=np.int32)]))
         if len(self.blocks) >= BLOCKS_PER_FILE:
             self._flush()
 
@@ -788,14 +797,19 @@ class _ExampleWriter(_BlockWriter):
 
         if not self.blocks:
             return
-        ids = pa.FixedSizeListArray.from_arrays(pa.array(np.stack(self.blocks).reshape(-1)), self.seq_len)
-        labels = pa.FixedSizeListArray.from_arrays(pa.array(np.stack(self.labels).reshape(-1)), self.seq_len)
+        columns = {"input_ids": self.blocks, "labels": self.labels, "position_ids": self.positions}
         block_id = pa.array(np.arange(self.n_blocks, self.n_blocks + len(self.blocks), dtype=np.int64))
-        table = pa.table({"block_id": block_id, "input_ids": ids, "labels": labels})
+        table = pa.table(
+            {"block_id": block_id}
+            | {
+                name: pa.FixedSizeListArray.from_arrays(pa.array(np.stack(rows).reshape(-1)), self.seq_len)
+                for name, rows in columns.items()
+            }
+        )
         pq.write_table(table, self.out / f"part-{self.files:05d}.parquet")
         self.n_blocks += len(self.blocks)
         self.files += 1
-        self.blocks, self.labels = [], []
+        self.blocks, self.labels, self.positions = [], [], []
 
     def close(self) -> int:
         while self.open:
@@ -1199,6 +1213,9 @@ class StreamPlan:
     # Which sources' caches carry labels, where a mixture holds both kinds (); a text source's
     # labels are then its inputs: every token a target.
     source_labels: tuple[bool, ...] = ()
+    # data.attention_span=document: the EOS id that ends each text document, and the rows carry
+    # position_ids (_read_blocks); None: they don't.
+    documents_eos: int | None = None
 
     @property
     def local_range(self) -> tuple[int, int]:
@@ -1223,7 +1240,7 @@ class StreamPlan:
                 ids[epoch == e] = global_order(n, self.seed, int(e), self.window)[within[epoch == e]]
             block_id[sel] = first_id[s] + ids
             labelled = self.source_labels[s] if self.source_labels else self.has_labels
-            part = _read_blocks(self.train_dirs[s], ids, labelled)
+            part = _read_blocks(self.train_dirs[s], ids, labelled, self.documents_eos)
             if self.has_labels and not labelled:
                 part["labels"] = part["input_ids"]
             for column, values in part.items():
@@ -1231,15 +1248,36 @@ class StreamPlan:
         return {"pos": pos, "block_id": block_id, **rows}
 
 
-def _read_blocks(split_dir: str, block_ids: np.ndarray, has_labels: bool) -> dict[str, np.ndarray]:
-    """Rows `block_ids` of a cache split (BLOCKS_PER_FILE to a parquet file), stacked per column."""
+def _read_blocks(
+    split_dir: str, block_ids: np.ndarray, has_labels: bool, documents_eos: int | None = None
+) -> dict[str, np.ndarray]:
+    """Rows `block_ids` of a cache split (BLOCKS_PER_FILE to a parquet file), stacked per column:
+    input_ids, labels where the cache has them (chat/instruction) and, given `documents_eos`,
+    position_ids: the cache's own where it has labels (examples' bounds), else counted from the
+    EOS that ends each text document (document_positions)."""
     columns = ("input_ids", "labels") if has_labels else ("input_ids",)
+    if has_labels and documents_eos is not None:
+        columns += ("position_ids",)
     rows: dict[str, list[np.ndarray]] = {c: [] for c in columns}
     for b in block_ids:
         f, r = divmod(int(b), BLOCKS_PER_FILE)
         for c in columns:
             rows[c].append(_cache_file(f"{split_dir}/part-{f:05d}.parquet", c)[r])
-    return {c: np.stack(v) for c, v in rows.items()}
+    out = {c: np.stack(v) for c, v in rows.items()}
+    if documents_eos is not None and not has_labels:
+        out["position_ids"] = document_positions(out["input_ids"], documents_eos)
+    return out
+
+
+def document_positions(ids: np.ndarray, eos_id: int) -> np.ndarray:
+    """Each token's position in its document for (N, S) text blocks: 0 after every EOS (which
+    ends the document before it) and at each block's start (where a document cut by the block
+    before goes on); int32."""
+    n, s = ids.shape
+    column = np.broadcast_to(np.arange(s, dtype=np.int32), (n, s))
+    starts = np.zeros((n, s), dtype=np.int32)
+    starts[:, 1:] = np.where(ids[:, :-1] == eos_id, column[:, 1:], 0)
+    return column - np.maximum.accumulate(starts, axis=1)
 
 
 def train_stream(plan: StreamPlan):
@@ -1261,10 +1299,18 @@ def eval_dataset(world_size: int, rank: int, source: str = "") -> str:
     return f"eval_w{world_size}_rank{rank}" + (f"_{source}" if source else "")
 
 
-def eval_stream(cache: Path, world_size: int, rank: int, n_eval: int, max_blocks: int = 0, has_labels: bool = False):
+def eval_stream(
+    cache: Path,
+    world_size: int,
+    rank: int,
+    n_eval: int,
+    max_blocks: int = 0,
+    has_labels: bool = False,
+    documents_eos: int | None = None,
+):
     """Rank r evaluates eval blocks r, r+W, ... (its first `max_blocks`; 0: all); every rank
     gets the same count (ZeRO-3 needs every rank in every forward), so up to W-1 trailing
-    blocks are left out.
+    blocks are left out. Columns as in _read_blocks.
 
     Fetched by index like the training stream: an evaluation reads the blocks it evaluates,
     not the whole split (reading and filtering the split cost seconds an evaluation).
@@ -1278,7 +1324,7 @@ def eval_stream(cache: Path, world_size: int, rank: int, n_eval: int, max_blocks
 
     def fetch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         block_id = batch["id"].astype(np.int64) * world_size + rank
-        return {"block_id": block_id, **_read_blocks(split_dir, block_id, has_labels)}
+        return {"block_id": block_id, **_read_blocks(split_dir, block_id, has_labels, documents_eos)}
 
     return ray.data.range(per_rank, override_num_blocks=max(1, min(64, per_rank // 256))).map_batches(
         fetch, batch_format="numpy", batch_size=256, num_cpus=0.25

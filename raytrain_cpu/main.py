@@ -759,10 +759,16 @@ def build_datasets(
     from ray.data import DataContext
 
     from raytrain_cpu import datathrottle
-    from raytrain_cpu.data import StreamPlan, eval_dataset, eval_stream, train_stream
+    from raytrain_cpu.data import StreamPlan, eval_dataset, eval_stream, materialize_tokenizer, train_stream
+    from raytrain_cpu.tokenizer import resolve_tokenizer_path
 
     # These streams' scheduling loops run inside the training workers: keep them from spinning.
     datathrottle.install(DataContext.get_current())
+    documents_eos = None  # data.attention_span=document: the blocks carry each token's place in its document
+    if cfg.data.attention_span == "document":
+        _, documents_eos = materialize_tokenizer(
+            resolve_tokenizer_path(cfg.model.tokenizer, cfg.model.name_or_path), cfg
+        )
 
     end = cfg.train.max_steps * cfg.train.derive_global_batch(worlds[-1])
     eval_blocks = cfg.train.eval_batches * cfg.train.micro_batch_size  # 0: the whole split
@@ -783,12 +789,15 @@ def build_datasets(
             has_labels=any(labelled),
             pattern=tuple(meta.get("pattern", (0,))),
             source_labels=labelled,
+            documents_eos=documents_eos,
         )
         out[f"train_w{w}_rank{r}"] = train_stream(plan)
         for (name, source_cache, source_meta), has_labels in zip(sources, labelled):
             n_eval = source_meta["eval_blocks"]
             if n_eval >= w:
-                out[eval_dataset(w, r, name)] = eval_stream(source_cache, w, r, n_eval, eval_blocks, has_labels)
+                out[eval_dataset(w, r, name)] = eval_stream(
+                    source_cache, w, r, n_eval, eval_blocks, has_labels, documents_eos
+                )
     return out
 
 

@@ -172,10 +172,16 @@ def _optimizer_step(engine) -> int | None:
     return max(steps) if steps else None
 
 
-def batch_labels(batch):
-    """The batch's labels: the cached ones (-100 where chat/instruction data take no loss), or
-    the inputs themselves for plain text (the model shifts them: position t predicts t+1)."""
-    return batch["labels"] if "labels" in batch else batch["input_ids"]
+def model_inputs(batch) -> dict[str, Any]:
+    """A forward's inputs from a batch: input_ids; labels, the cached ones (-100 where chat or
+    instruction data take no loss) or the inputs themselves for plain text (the model shifts
+    them: position t predicts t+1); and position_ids where data.attention_span=document put them
+    in the stream. From those transformers masks attention to each document (the causal blocks
+    take that mask too) and counts the rotary positions from each document's start."""
+    inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"] if "labels" in batch else batch["input_ids"]}
+    if "position_ids" in batch:
+        inputs["position_ids"] = batch["position_ids"]
+    return inputs
 
 
 def loss_tokens(labels) -> int:
@@ -213,9 +219,9 @@ def _eval_sums(engine, shard, micro: int, max_batches: int) -> list[float]:
     for i, batch in enumerate(shard.iter_torch_batches(batch_size=micro, dtypes=torch.long)):
         if max_batches and i >= max_batches:
             break
-        labels = batch_labels(batch)
-        out = engine(input_ids=batch["input_ids"], labels=labels)  # every rank runs it (ZeRO-3 gathers)
-        n = loss_tokens(labels)
+        inputs = model_inputs(batch)
+        out = engine(**inputs)  # every rank runs it (ZeRO-3 gathers)
+        n = loss_tokens(inputs["labels"])
         if n:  # a block of prompts only has no target: its mean loss is NaN, and weight 0
             loss_sum += float(out.loss.detach()) * n
             tokens += n
@@ -499,7 +505,8 @@ def choose_attention(w: Worker, model) -> str:
         why = f" (auto: kept from the checkpoint at step {w.resumed.get('step')})"
     block = attention.block_of(chosen)
     probs = "" if block is None else f"; probabilities {'kept' if keep_probs(block) else 'recomputed'} for the backward"
-    w.log(f"[model] attention: {chosen}{why}{probs}")
+    span = "; within each document" if w.cfg.data.attention_span == "document" else ""
+    w.log(f"[model] attention: {chosen}{why}{probs}{span}")
     return chosen
 
 
@@ -762,7 +769,7 @@ def train_step(w: Worker, st: Loop, engine, batches, guard: StabilityGuard, cloc
         batch = next_batch(w, st, batches, clock, block_log)
         st.last_input_ids = batch["input_ids"]
         t0 = time.perf_counter()
-        loss = engine(input_ids=batch["input_ids"], labels=batch_labels(batch)).loss
+        loss = engine(**model_inputs(batch)).loss
         step_losses.append(float(loss.detach()))
         clock.add("forward", time.perf_counter() - t0)
         last_micro = micro_i == accum - 1

@@ -91,6 +91,35 @@ def test_kept_probabilities_give_the_same_bits_as_recomputed_ones(shape, block):
         assert torch.equal(r, k), name
 
 
+def _document_mask_of(lengths: list[int]) -> torch.Tensor:
+    """(1, 1, S, S) boolean: causal within each of the packed documents of `lengths`."""
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    causal = torch.ones(len(doc), len(doc), dtype=torch.bool).tril()
+    return (causal & (doc[:, None] == doc[None, :]))[None, None]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("block", attention.BLOCKS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_causal_blocks_under_a_document_mask_match_masked_sdpa(shape, block, keep):
+    q, k, v, grad = _inputs(shape)
+    seq = shape[3]
+    mask = _document_mask_of([seq // 3, 1, seq - seq // 3 - 1])  # a document of one token among them
+
+    def sdpa_fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+    def blocks_fn(q, k, v):
+        return attention.causal_blocks(q, k, v, block=block, keep_probs=keep, mask=mask)
+
+    ref = _output_and_grads(sdpa_fn, q, k, v, grad, torch.float64)
+    assert max(_rel_errors(_output_and_grads(blocks_fn, q, k, v, grad, torch.float32), ref)) < 1e-6
+    blocks = _rel_errors(_output_and_grads(blocks_fn, q, k, v, grad, torch.bfloat16), ref)
+    masked_sdpa = _rel_errors(_output_and_grads(sdpa_fn, q, k, v, grad, torch.bfloat16), ref)
+    for name, b, f in zip(("out", "dq", "dk", "dv"), blocks, masked_sdpa, strict=True):
+        assert b < 1.5 * f, f"{name}: {b:.2e} against masked SDPA's {f:.2e}"
+
+
 def _tiny_llama(attn: str, seq_len: int = 96, **overrides):
     from transformers import LlamaForCausalLM
 
@@ -135,6 +164,42 @@ def test_llama_on_causal_blocks_trains_like_sdpa_and_leaves_masked_cached_and_au
         a = sdpa.generate(prompt, max_new_tokens=5, do_sample=False)
         b = blocks.generate(prompt, max_new_tokens=5, do_sample=False)
     assert torch.equal(a, b)
+
+
+def test_llama_on_causal_blocks_keeps_packed_documents_apart(monkeypatch):
+    sdpa, _, _ = _tiny_llama("sdpa")
+    blocks, _, _ = _tiny_llama("causal_blocks")
+    ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(1))
+    lengths = [[40, 56], [10, 1, 85]]
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    masks = []
+    blocks_alone = attention.causal_blocks
+
+    def recording(*args, mask=None, **kwargs):
+        masks.append(mask)
+        return blocks_alone(*args, mask=mask, **kwargs)
+
+    monkeypatch.setattr(attention, "causal_blocks", recording)
+
+    # Each document gives the logits it gives alone (fp32, to rounding): nothing of the others.
+    with torch.no_grad():
+        packed = blocks(input_ids=ids, position_ids=positions, use_cache=False).logits
+        for r, row in enumerate(lengths):
+            starts = [0, *torch.tensor(row).cumsum(0).tolist()]
+            for a, b in zip(starts, starts[1:]):
+                alone = blocks(input_ids=ids[r : r + 1, a:b], use_cache=False).logits[0]
+                assert torch.allclose(packed[r, a:b], alone, atol=1e-5)
+    assert masks and masks[0] is not None  # the blocks ran, under transformers' packed mask
+
+    # And it trains like SDPA under the same mask: loss and gradients to rounding.
+    losses, grads = [], []
+    for model in (sdpa, blocks):
+        loss = model(input_ids=ids, labels=ids, position_ids=positions, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7)
 
 
 def test_auto_times_both_and_every_rank_takes_the_same_choice():
@@ -269,14 +334,17 @@ def test_the_custom_operators_pass_torch_library_opcheck():
     q, k, v, grad = _inputs((1, 4, 2, 70, 8))
     q = q.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # as projections hand it over
     k, v = k.requires_grad_(), v.requires_grad_()
-    _, probs, qb = torch.ops.raytrain.causal_blocks(q, k, v, 0.3, 64, True)
+    _, probs, qb = torch.ops.raytrain.causal_blocks(q, k, v, None, 0.3, 64, True)
     saved = (qb.detach(), k.detach(), v.detach())
     grad = grad.transpose(1, 2).contiguous().transpose(1, 2)  # as o_proj's backward hands it over
+    mask = _document_mask_of([30, 40])
     for op, args in (
-        (torch.ops.raytrain.causal_blocks.default, (q, k, v, 0.3, 64, False)),
-        (torch.ops.raytrain.causal_blocks.default, (q, k, v, 0.3, 64, True)),
-        (torch.ops.raytrain.causal_blocks_backward.default, (grad, *saved, probs[:0], 0.3, 64)),
-        (torch.ops.raytrain.causal_blocks_backward.default, (grad, *saved, probs.detach(), 0.3, 64)),
+        (torch.ops.raytrain.causal_blocks.default, (q, k, v, None, 0.3, 64, False)),
+        (torch.ops.raytrain.causal_blocks.default, (q, k, v, None, 0.3, 64, True)),
+        (torch.ops.raytrain.causal_blocks.default, (q, k, v, mask, 0.3, 64, False)),
+        (torch.ops.raytrain.causal_blocks_backward.default, (grad, *saved, probs[:0], None, 0.3, 64)),
+        (torch.ops.raytrain.causal_blocks_backward.default, (grad, *saved, probs.detach(), None, 0.3, 64)),
+        (torch.ops.raytrain.causal_blocks_backward.default, (grad, *saved, probs[:0], mask, 0.3, 64)),
     ):
         assert set(torch.library.opcheck(op, args).values()) == {"SUCCESS"}
 

@@ -100,6 +100,7 @@ def test_round_trip_through_plain_dict():
         (["data.seq_len=4096"], "data.seq_len", "max_position_embeddings"),
         (["data.source=parquet"], "data.path", "data.path="),
         (["data.bad_rows=ignore"], "data.bad_rows", "skip"),
+        (["data.attention_span=sequence"], "data.attention_span", "document, block"),
         (["train.global_batch_size=12"], "train.global_batch_size", "multiple"),
         (["deepspeed.zero_stage=4"], "deepspeed.zero_stage", "1, 2, 3"),
         (["train.profile_step=300"], "train.profile_step", "1..max_steps"),
@@ -328,6 +329,23 @@ def test_data_source_follows_data_path(tmp_path):
     (tmp_path / "d" / "b.txt").write_text("x")
     with pytest.raises(ConfigError, match="^data.source: cannot tell .* set data.source=text, jsonl or parquet"):
         load_config(None, [f"data.path={tmp_path / 'd'}"])
+
+
+def test_attention_span_auto_keeps_chat_examples_apart_and_text_packed(tmp_path):
+    """data.attention_span=auto is resolved when the config loads (checkpoints record what ran):
+    'document' where any source holds chat or instruction examples, 'block' for text."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"messages": []}\n')
+    cases = {
+        (): "block",
+        ("data.format=chat",): "document",
+        ("data.format=chat", "data.attention_span=block"): "block",
+        ("data.attention_span=document",): "document",
+        (f"data.mix=[{{source: bundled, weight: 3}}, {{path: {rows}, format: chat, weight: 1}}]",): "document",
+        ("data.mix=[{source: bundled, weight: 1}]",): "block",
+    }
+    for overrides, span in cases.items():
+        assert load_config(None, list(overrides)).data.attention_span == span, overrides
 
 
 def test_a_deepspeed_file_may_not_contradict_the_config(tmp_path):

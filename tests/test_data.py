@@ -14,6 +14,7 @@ from raytrain_cpu.data import (
     StreamPlan,
     _BlockWriter,
     _group_wikitext,
+    document_positions,
     file_documents,
     global_order,
     mix_pattern,
@@ -237,20 +238,28 @@ def test_a_mixture_plan_reads_each_source_through_its_own_epochs(tmp_path):
 
 def test_a_mixture_of_text_and_labelled_blocks_labels_the_text_with_its_inputs(tmp_path):
     """Chat examples (labels -100 off the responses) mixed with plain text: the stream carries
-    labels for every block, the text's being its inputs (every token a target)."""
+    labels for every block, the text's being its inputs (every token a target); asked for
+    positions, the chat blocks' come from their examples, the text's from its EOS tokens."""
     from raytrain_cpu.data import _ExampleWriter
 
     chat = _ExampleWriter(tmp_path / "chat", 4, pad_id=0)
     for i in range(6):
-        chat.add_example(np.array([1, 2, 3, 4], dtype=np.int32) + 10 * i, np.array([-100, -100, 3, 4], dtype=np.int32))
+        chat.add_example(np.array([1, 2, 3], dtype=np.int32) + 10 * i, np.array([-100, 2, 3], dtype=np.int32))
     chat.close()
     text = _cache_of(tmp_path / "text", 6, 500)
-    plan = StreamPlan((str(tmp_path / "chat"), text), (6, 6), 1, 64, 4, 1, 0, 0, 8, True, (0, 1), (True, False))
+    plan = StreamPlan((str(tmp_path / "chat"), text), (6, 6), 1, 64, 4, 1, 0, 0, 8, True, (0, 1), (True, False), 7)
     batch = plan.fetch({"id": np.arange(8)})
     is_text = batch["block_id"] >= 6
     assert is_text.tolist() == [False, True] * 4
     np.testing.assert_array_equal(batch["labels"][is_text], batch["input_ids"][is_text])
-    assert (batch["labels"][~is_text][:, :2] == -100).all() and (batch["labels"][~is_text][:, 2:] >= 3).all()
+    assert (batch["labels"][~is_text][:, :1] == -100).all() and (batch["labels"][~is_text][:, 1:3] >= 2).all()
+    assert (batch["position_ids"][~is_text] == [0, 1, 2, 0]).all()  # an example of 3, then one pad
+    np.testing.assert_array_equal(batch["position_ids"][is_text], document_positions(batch["input_ids"][is_text], 7))
+
+
+def test_document_positions_restart_after_each_eos():
+    ids = np.array([[5, 0, 3, 4, 0, 0, 7], [1, 2, 3, 4, 5, 6, 0]])
+    np.testing.assert_array_equal(document_positions(ids, 0), [[0, 1, 0, 1, 2, 0, 0], [0, 1, 2, 3, 4, 5, 6]])
 
 
 @pytest.mark.slow

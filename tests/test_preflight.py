@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,29 @@ def test_a_mixture_is_hashed_only_when_set_and_named_by_entry(make_config):
     with pytest.raises(ConfigError, match=r'settings: data.mix: "2 entries" → "1 entry"\. Either'):
         validate_before_ray(make_config("run.name=r", "data.mix=[{source: bundled, weight: 1}]"))
     assert config_hash(make_config(mix % 3).to_dict()) != config_hash(make_config(mix % 1).to_dict())
+
+
+def test_a_checkpoint_from_before_attention_span_resumes_as_it_trained(make_config):
+    """Checkpoints made before data.attention_span existed attended across documents: a text run
+    resumes as before ('auto' is 'block' for text), a chat run is told to keep 'block'."""
+    from raytrain_cpu.checkpoint import config_hash
+    from raytrain_cpu.main import validate_before_ray
+
+    for fmt, changed in (("text", None), ("chat", 'data.attention_span: "block" → "document"')):
+        old = make_config("run.name=r", f"data.format={fmt}").to_dict()
+        del old["data"]["attention_span"]
+        run_dir = fake_run_dir(make_config("run.name=r", f"data.format={fmt}"))
+        manifest_path = run_dir / "checkpoint_000002" / "manifest.json"
+        manifest = json.loads(manifest_path.read_text())
+        manifest_path.write_text(json.dumps(manifest | {"config_hash": config_hash(old)}))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+        if changed is None:
+            validate_before_ray(make_config("run.name=r", f"data.format={fmt}"))
+        else:
+            with pytest.raises(ConfigError, match=changed):
+                validate_before_ray(make_config("run.name=r", f"data.format={fmt}"))
+            validate_before_ray(make_config("run.name=r", f"data.format={fmt}", "data.attention_span=block"))
+        shutil.rmtree(run_dir)
 
 
 def test_without_config_yaml_the_hashes_are_named(make_config):

@@ -243,20 +243,25 @@ def pack_and_check(tmp_path, window: int) -> float:
     table = pq.read_table(tmp_path / "train")
     blocks = np.stack(table.column("input_ids").to_pylist())
     block_labels = np.stack(table.column("labels").to_pylist())
-    assert table.column("labels").type.list_size == seq and str(table.column("labels").type.value_type) == "int32"
+    block_positions = np.stack(table.column("position_ids").to_pylist())
+    for column in ("labels", "position_ids"):
+        assert table.column(column).type.list_size == seq and str(table.column(column).type.value_type) == "int32"
     # Each block: whole examples (in data order), then padding; every example in exactly one block.
+    # Positions count from each example's start, and from the padding's.
     seen = []
-    for ids, labels in zip(blocks, block_labels):
+    for ids, labels, positions in zip(blocks, block_labels, block_positions):
         pos, in_block = 0, []
         while pos < seq and ids[pos] >= 1000:
             k = int(ids[pos]) - 1000
             n = min(len(examples[k][0]), seq)
             np.testing.assert_array_equal(ids[pos : pos + n], examples[k][0][:n])
             np.testing.assert_array_equal(labels[pos : pos + n], examples[k][1][:n])
+            np.testing.assert_array_equal(positions[pos : pos + n], np.arange(n))
             in_block.append(k)
             pos += n
         assert in_block == sorted(in_block) and in_block
         assert (ids[pos:] == pad).all() and (labels[pos:] == IGNORE).all()  # padding: pad id, no loss
+        np.testing.assert_array_equal(positions[pos:], np.arange(seq - pos))
         seen += in_block
     assert sorted(seen) == list(range(len(examples)))
     stats = w.stats()
@@ -410,7 +415,7 @@ def test_prepare_chat_cache_has_labels_streams_yield_them_bad_rows(ray_session, 
     assert meta["data_format"] == "chat" and meta["skipped_rows"] == 0 and meta["eval_blocks"] > 0
     assert meta["train_source"]["paths"] == [str(BUNDLED_SFT / "chat_train.jsonl")]
     table = pq.read_table(cache / "train")
-    assert table.column_names == ["block_id", "input_ids", "labels"]
+    assert table.column_names == ["block_id", "input_ids", "labels", "position_ids"]
     ids, labels = (np.stack(table.column(c).to_pylist()) for c in ("input_ids", "labels"))
     assert ids.shape == labels.shape == (meta["blocks"], 128) and str(table.column("labels").type.value_type) == "int32"
     assert ((labels == IGNORE) | (labels == ids)).all()
@@ -436,14 +441,21 @@ def test_prepare_chat_cache_has_labels_streams_yield_them_bad_rows(ray_session, 
                 assert text[: -len(EOS)] in answers
                 checked += 1
     assert checked > 100
-    # the streams hand the labels to training
-    plan = StreamPlan((str(cache / "train"),), (meta["blocks"],), 1234, 65536, 4, 1, 0, 0, 8, has_labels=True)
-    batch = next(iter(train_stream(plan).iter_batches(batch_size=8, batch_format="numpy")))
-    np.testing.assert_array_equal(batch["labels"], labels[batch["block_id"]])
-    np.testing.assert_array_equal(batch["input_ids"], ids[batch["block_id"]])
-    ev = eval_stream(cache, 1, 0, meta["eval_blocks"], has_labels=True)
-    ev = next(iter(ev.iter_batches(batch_size=4, batch_format="numpy")))
-    assert ev["labels"].shape == ev["input_ids"].shape and (ev["labels"] == IGNORE).any()
+    # the streams hand the labels to training, and the examples' positions where asked to
+    # (data.attention_span=document: documents_eos given)
+    positions = np.stack(table.column("position_ids").to_pylist())
+    for documents_eos in (None, eos_id):
+        plan = StreamPlan(
+            (str(cache / "train"),), (meta["blocks"],), 1234, 65536, 4, 1, 0, 0, 8, True, documents_eos=documents_eos
+        )
+        batch = next(iter(train_stream(plan).iter_batches(batch_size=8, batch_format="numpy")))
+        np.testing.assert_array_equal(batch["labels"], labels[batch["block_id"]])
+        np.testing.assert_array_equal(batch["input_ids"], ids[batch["block_id"]])
+        ev = eval_stream(cache, 1, 0, meta["eval_blocks"], has_labels=True, documents_eos=documents_eos)
+        ev = next(iter(ev.iter_batches(batch_size=4, batch_format="numpy")))
+        assert ev["labels"].shape == ev["input_ids"].shape and (ev["labels"] == IGNORE).any()
+        assert ("position_ids" in batch) == ("position_ids" in ev) == (documents_eos is not None)
+    np.testing.assert_array_equal(batch["position_ids"], positions[batch["block_id"]])
 
     # A bad row fails through Ray with its file, line and role, and leaves no cache behind
     # (skipping and counting bad rows is tested above without Ray: it is the same actor code).

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from conftest import BF16_LOSS_TOL, STEPS, run_losses, straight_overrides
 
 pytestmark = pytest.mark.slow
@@ -115,7 +116,9 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     """data.mix: chat fine-tuning on the bundled examples with a small text corpus kept in, 1:3,
     and the bundled wikitext watched at weight 0. The blocks trained on follow the weights
     exactly, each source is evaluated on its own eval data (also before the first step), and the
-    sinks, the summary and the console name each source."""
+    sinks, the summary and the console name each source. With chat in it, data.attention_span=auto
+    keeps every document and example to itself: the chat blocks' positions come from their
+    cache, the text's from its EOS tokens."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from raytrain_cpu.main import run
@@ -146,6 +149,7 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     wiki = summary["data_mix"][2]
     assert wiki["blocks"] == 0 and wiki["eval_blocks"] > 0  # weight 0: only its evaluation text was packed
     run_dir = Path(summary["run_dir"])
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["attention_span"] == "document"
     trained = [int(b) for r in (0, 1) for b in (run_dir / "block_ids" / f"rank{r}.txt").read_text().split()]
     assert len(trained) == 6 * 8 and len(set(trained)) == len(trained)
     chat_blocks, notes_blocks = (s["blocks"] for s in summary["data_mix"][:2])
