@@ -23,6 +23,7 @@ from typing import Any
 
 from raytrain_cpu.bench import (
     against_baseline,
+    attention_inputs,
     interleaved_runs,
     kernel_bench_parser,
     time_kernel_steps,
@@ -71,13 +72,7 @@ def child(_: int, spec: dict[str, Any], out) -> None:
     model, docs = spec["shape"].split("/")
     h, hk, s, d = MODELS[model]
     b = max(1, spec["tokens"] // s)
-    gen = torch.Generator().manual_seed(0)
-
-    def projected(heads: int) -> torch.Tensor:  # (b, s, heads, d) memory, a (b, heads, s, d) view
-        return torch.randn(b, s, heads, d, generator=gen).to(torch.bfloat16).transpose(1, 2).requires_grad_()
-
-    q, k, v = projected(h), projected(hk), projected(hk)
-    grad = torch.randn(b, s, h, d, generator=gen).to(torch.bfloat16).transpose(1, 2)
+    q, k, v, grad = attention_inputs(b, h, hk, s, d)
     variant = spec["variant"]
     mask, counts = document_mask(b, s, DOCUMENTS[docs]) if variant.endswith("documents") else (None, [])
     if variant.startswith("sdpa"):

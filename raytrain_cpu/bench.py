@@ -1023,6 +1023,22 @@ def interleaved_runs(child: Callable, args: argparse.Namespace, variants: tuple[
     return rows
 
 
+def attention_inputs(b: int, h: int, hk: int, s: int, d: int) -> tuple[Any, Any, Any, Any]:
+    """Seeded bf16 q, k, v (leaves) and the output's gradient of one attention call, each a
+    (b, heads, s, d) view of (b, s, heads, d) memory: as Hugging Face's Llama hands them over
+    from its projections, and o_proj's backward the gradient (benchmarks/attention.py and
+    benchmarks/document_mask.py)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+
+    def projected(heads: int) -> torch.Tensor:
+        return torch.randn(b, s, heads, d, generator=gen).to(torch.bfloat16).transpose(1, 2)
+
+    q, k, v = (projected(n).requires_grad_() for n in (h, hk, hk))
+    return q, k, v, projected(h)
+
+
 def time_kernel_steps(run: Callable[[], Any], leaves: Sequence, steps: int) -> dict[str, float]:
     """A one-kernel bench's timing: `run()` (a forward and backward) once to warm up, then
     `steps` times, the gradients of `leaves` cleared before each; the median milliseconds and
