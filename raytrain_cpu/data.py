@@ -1245,6 +1245,8 @@ class StreamPlan:
                 part["labels"] = part["input_ids"]
             for column, values in part.items():
                 rows.setdefault(column, np.empty((len(pos), values.shape[1]), values.dtype))[sel] = values
+        if len(self.n_blocks) > 1:  # a mixture: each row's source, for the training loss by source
+            rows["source"] = src
         return {"pos": pos, "block_id": block_id, **rows}
 
 

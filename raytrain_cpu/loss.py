@@ -60,7 +60,14 @@ class LinearCrossEntropy(torch.autograd.Function):
     row by row the same arithmetic, so one chunk gives the same bits."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        rows: int,
+        token_losses: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         count = (targets != IGNORE_INDEX).sum().to(torch.float32)  # nll_loss's total_weight
         one = torch.ones((), dtype=torch.float32)
@@ -74,6 +81,10 @@ class LinearCrossEntropy(torch.autograd.Function):
             h, t = hidden[s : s + rows], targets[s : s + rows]
             logp = torch.log_softmax(torch.mm(h, weight.t()).float(), dim=-1)
             total += torch.nn.functional.nll_loss(logp, t, ignore_index=IGNORE_INDEX, reduction="sum")
+            if token_losses is not None:  # each token's loss besides (0 where ignored): its row's, its source's
+                token_losses[s : s + rows] = torch.nn.functional.nll_loss(
+                    logp, t, ignore_index=IGNORE_INDEX, reduction="none"
+                )
             if not (want_h or want_w):
                 continue
             g = torch.ops.aten.nll_loss_backward(one, logp, t, None, 1, IGNORE_INDEX, count)  # 1: mean
@@ -93,7 +104,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         if not bool(grad_out == 1):  # DeepSpeed divides the loss by the accumulation steps
             grad_h = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
             grad_w = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, None, None, None
 
 
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -102,26 +113,35 @@ def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], pad], dim=1).reshape(-1)
 
 
-def _head_forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-    """The output layer: logits as nn.Linear makes them, or with targets the mean loss."""
+def _head_forward(
+    self, hidden: torch.Tensor, targets: torch.Tensor | None = None, token_losses: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The output layer: logits as nn.Linear makes them, or with targets the mean loss (and each
+    token's into `token_losses` when given)."""
     if targets is None:
         return torch.nn.Linear.forward(self, hidden)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    return LinearCrossEntropy.apply(flat, self.weight, targets, chunk_rows(self.weight.shape[0]))
+    return LinearCrossEntropy.apply(flat, self.weight, targets, chunk_rows(self.weight.shape[0]), token_losses)
 
 
-def _causal_lm_forward(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs: Any):
-    """The model's forward; with labels, the loss without logits (output.logits is None)."""
+def _causal_lm_forward(self, input_ids=None, labels=None, logits_to_keep=0, row_losses=False, **kwargs: Any):
+    """The model's forward; with labels, the loss without logits (output.logits is None), and
+    with `row_losses` also output.row_losses: each row's summed loss over its targets (the
+    training loop adds them up by mixture source)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     plain = isinstance(logits_to_keep, int) and logits_to_keep == 0
     if labels is None or not plain or kwargs.get("num_items_in_batch") is not None or "return_dict" in kwargs:
         return type(self).forward(self, input_ids=input_ids, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     out = self.model(input_ids=input_ids, **kwargs)
-    loss = self.lm_head(out.last_hidden_state, targets=shifted_targets(labels))
-    return CausalLMOutputWithPast(
+    tokens = torch.zeros(labels.numel(), dtype=torch.float32) if row_losses else None
+    loss = self.lm_head(out.last_hidden_state, targets=shifted_targets(labels), token_losses=tokens)
+    result = CausalLMOutputWithPast(
         loss=loss, past_key_values=out.past_key_values, hidden_states=out.hidden_states, attentions=out.attentions
     )
+    if tokens is not None:
+        result["row_losses"] = tokens.view(labels.shape).sum(dim=1)
+    return result
 
 
 def supported(model) -> str | None:

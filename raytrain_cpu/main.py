@@ -1129,8 +1129,8 @@ def print_summary(s: dict[str, Any]) -> None:
         "\n== raytrain_cpu summary ==\n"
         f"steps            {s['steps']}{resumed}\n"
         f"tokens seen      {num('tokens_seen', ',')}\n"
-        f"final loss       {num('final_loss', '.4f')}\n"
-        f"eval perplexity  {num('eval_perplexity', '.2f')}{_by_source(s)}\n"
+        f"final loss       {num('final_loss', '.4f')}{_by_source(s, 'final_loss', '.4f')}\n"
+        f"eval perplexity  {num('eval_perplexity', '.2f')}{_by_source(s, 'eval_perplexity', '.2f')}\n"
         f"tokens/s         {num('tokens_per_s', ',.0f')} on {workers(s['world_size'])}\n"
         f"wall time        {num('wall_s', '.0f')}s\n"
         f"checkpoint       {s['checkpoint_path']}\n"
@@ -1143,11 +1143,11 @@ def print_summary(s: dict[str, Any]) -> None:
         print(f"error: the run stopped early at step {s['steps']}: {s['guard_stop']}", file=sys.stderr, flush=True)
 
 
-def _by_source(s: dict[str, Any]) -> str:
-    """' (wiki 62.10, notes 18.40)': a mixture's eval perplexity of each source."""
+def _by_source(s: dict[str, Any], metric: str, fmt: str) -> str:
+    """' (wiki 62.10, notes 18.40)': a mixture's `metric` of each source (final_loss/<name>, ...)."""
     from raytrain_cpu.metrics import by_source
 
-    each = [f"{name} {v:.2f}" for name, v in by_source(s, "eval_perplexity").items()]
+    each = [f"{name} {v:{fmt}}" for name, v in by_source(s, metric).items()]
     return f" ({', '.join(each)})" if each else ""
 
 

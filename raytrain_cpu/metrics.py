@@ -239,7 +239,8 @@ class Progress:
         step = row["step"]
         parts = [f"step {step}/{self.total} ({100 * step / self.total:.0f}%)"]
         if row.get("loss") is not None:
-            parts.append(f"loss {row['loss']:.4f}")
+            each = ", ".join(f"{name} {v:.4f}" for name, v in by_source(row, "loss").items())
+            parts.append(f"loss {row['loss']:.4f}" + (f" ({each})" if each else ""))
         if row.get("lr") is not None:
             parts.append(f"lr {row['lr']:.2e}")
         if row.get("grad_norm") is not None:
@@ -319,10 +320,13 @@ def by_source(row: dict[str, Any], metric: str = "eval_loss") -> dict[str, float
 
 def tb_tag(key: str) -> str | None:
     """The TensorBoard tag of a metrics.jsonl key: TB_TAGS's, and eval/<source>/loss for a
-    mixture's eval_loss/<source> (eval_perplexity likewise); None: not sent."""
+    mixture's eval_loss/<source> (eval_perplexity likewise), train/<source>/loss for its
+    loss/<source>; None: not sent."""
     metric, _, source = key.partition("/")
     if source and metric in ("eval_loss", "eval_perplexity"):
         return f"eval/{source}/{metric.removeprefix('eval_')}"
+    if source and metric == "loss":
+        return f"train/{source}/loss"
     return TB_TAGS.get(key)
 
 

@@ -152,6 +152,9 @@ def plot_loss(run: Run):
         ax.plot(xs, ys, label="train loss", color="tab:blue", linewidth=1.2)
     if exs:
         ax.plot(exs, eys, label="eval loss", color="tab:orange", marker="o", linewidth=1.5)
+    for name in sorted({name for r in run.metrics.train for name in by_source(r, "loss")}):  # a mixture's
+        sxs, sys_ = _series(run.metrics.train, "tokens_seen", f"loss/{name}")
+        ax.plot(sxs, sys_, label=f"train loss: {name}", linewidth=0.8, alpha=0.8)
     for name in sorted({name for r in run.metrics.eval for name in by_source(r)}):  # a mixture's sources
         sxs, sys_ = _series(run.metrics.eval, lambda r: run.tokens_at(r["step"]), f"eval_loss/{name}")
         ax.plot(sxs, sys_, label=f"eval loss: {name}", marker=".", linewidth=1, linestyle="--")

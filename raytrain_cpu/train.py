@@ -257,6 +257,9 @@ class Worker:
     # This attempt's settings as configured, before the worker settles 'auto' ones (model.dtype):
     # what a resume compares with the checkpoint's, which recorded them so too.
     settings: dict[str, Any] = field(default_factory=dict)
+    # A mixture's source names, in the stream's order, where the fused loss reports each row's
+    # loss (the training loss by source: loss/<name>); () otherwise.
+    loss_sources: tuple[str, ...] = ()
 
     @property
     def is_main(self) -> bool:
@@ -288,6 +291,8 @@ class Loop:
     last: dict[str, Any] = field(default_factory=dict)  # the latest logged row
     eval_metrics: dict[str, Any] = field(default_factory=dict)
     last_input_ids: Any = None  # the export check's probe input
+    # Per mixture source since the last log row: [summed loss, targets] (Worker.loss_sources).
+    source_sums: Any = None
 
     def wall(self) -> float:
         return max(time.perf_counter() - self.t_start, 1e-9)
@@ -525,6 +530,8 @@ def install_fused_loss(w: Worker, model) -> None:
     else:
         rows = loss.chunk_rows(causal_lm.config.vocab_size)
         w.log(f"[model] loss: fused with the output layer, up to {rows:,} tokens per chunk")
+        if len(w.cfg.data.mix) > 1:  # it also hands back each row's loss: the loss by source
+            w.loss_sources = tuple(e.name for e in w.cfg.data.mix)
 
 
 def install_fused_layer_ops(w: Worker, model) -> None:
@@ -769,8 +776,12 @@ def train_step(w: Worker, st: Loop, engine, batches, guard: StabilityGuard, cloc
         batch = next_batch(w, st, batches, clock, block_log)
         st.last_input_ids = batch["input_ids"]
         t0 = time.perf_counter()
-        loss = engine(**model_inputs(batch)).loss
+        inputs = model_inputs(batch)
+        out = engine(**inputs, row_losses=True) if w.loss_sources else engine(**inputs)
+        loss = out.loss
         step_losses.append(float(loss.detach()))
+        if w.loss_sources:
+            add_by_source(w, st, batch["source"], out.row_losses, inputs["labels"])
         clock.add("forward", time.perf_counter() - t0)
         last_micro = micro_i == accum - 1
         # The guard all-reduces the step's loss on the last micro batch and may poison it
@@ -787,6 +798,26 @@ def train_step(w: Worker, st: Loop, engine, batches, guard: StabilityGuard, cloc
     st.step += 1
     st.steps_this_attempt += 1
     st.window_tokens += w.tokens_per_step
+
+
+def add_by_source(w: Worker, st: Loop, source, row_losses, labels) -> None:
+    """Adds a micro batch's rows' summed losses and target counts to their sources' sums."""
+    import torch
+
+    if st.source_sums is None:
+        st.source_sums = torch.zeros(len(w.loss_sources), 2, dtype=torch.float64)
+    targets = (labels[:, 1:] != -100).sum(dim=1)
+    st.source_sums.index_add_(0, source, torch.stack([row_losses.detach(), targets], dim=1).double())
+
+
+def loss_by_source(w: Worker, st: Loop) -> dict[str, float]:
+    """loss/<name>: each mixture source's mean loss over its targets since the last log row, over
+    every rank (an all-reduce every rank joins); sources without targets there are left out."""
+    if st.source_sums is None:
+        return {}
+    sums = _allreduce_sum(st.source_sums.flatten().tolist())
+    st.source_sums.zero_()
+    return {f"loss/{name}": sums[2 * i] / sums[2 * i + 1] for i, name in enumerate(w.loss_sources) if sums[2 * i + 1]}
 
 
 @contextlib.contextmanager
@@ -834,6 +865,7 @@ def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink
         "mem_rss_max_gib": mem_max / obs.GIB,
         "mem_peak_max_gib": peak_max / obs.GIB,
         "skipped_steps": engine.skipped_steps,
+        **loss_by_source(w, st),
     }
     peak = w.loop_config.get("peak_flops")  # per worker; MFU is logged only when it is known
     mfu = obs.mfu(st.last["tokens_per_s"], w.loop_config["n_params"], w.cfg.data.seq_len, peak and peak * w.world)
@@ -1005,6 +1037,7 @@ def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu
         "steps": st.step,
         "tokens_seen": st.step * w.tokens_per_step,
         "final_loss": st.last.get("loss"),
+        **{f"final_{k}": v for k, v in st.last.items() if k.startswith("loss/")},  # a mixture's: final_loss/<name>
         "eval_loss": st.eval_metrics.get("eval_loss"),
         "eval_perplexity": st.eval_metrics.get("eval_perplexity"),
         "eval_tokens": st.eval_metrics.get("eval_tokens"),  # the targets evaluated (responses only in SFT)

@@ -251,6 +251,7 @@ def test_a_mixture_of_text_and_labelled_blocks_labels_the_text_with_its_inputs(t
     batch = plan.fetch({"id": np.arange(8)})
     is_text = batch["block_id"] >= 6
     assert is_text.tolist() == [False, True] * 4
+    np.testing.assert_array_equal(batch["source"], is_text)  # each row's source: the loss by source
     np.testing.assert_array_equal(batch["labels"][is_text], batch["input_ids"][is_text])
     assert (batch["labels"][~is_text][:, :1] == -100).all() and (batch["labels"][~is_text][:, 1:3] >= 2).all()
     assert (batch["position_ids"][~is_text] == [0, 1, 2, 0]).all()  # an example of 3, then one pad

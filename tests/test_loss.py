@@ -82,6 +82,32 @@ def test_chunks_match_hugging_face(monkeypatch, dtype):
     assert all(torch.equal(a, b) for a, b in zip(grads_hf, grads_ours, strict=True))
 
 
+@pytest.mark.parametrize("chunk", [16, None])
+def test_row_losses_are_each_rows_summed_loss_and_change_nothing_else(monkeypatch, chunk):
+    """row_losses=True (a mixture's training loss by source): output.row_losses holds each row's
+    summed loss over its targets, as cross_entropy gives it row by row; the loss and the
+    gradients keep their bits."""
+    if chunk:
+        monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * VOCAB * chunk)
+    _, ours = _pair(torch.float32)
+    ids, labels = _batch()
+    loss, grads = _loss_and_grads(ours, ids, labels)
+    ours.zero_grad()
+    out = ours(input_ids=ids, labels=labels, row_losses=True)
+    out.loss.backward()
+    assert torch.equal(out.loss.detach(), loss)
+    assert all(torch.equal(p.grad, g) for p, g in zip(ours.parameters(), grads, strict=True))
+    with torch.no_grad():
+        logits = ours.lm_head(ours.model(input_ids=ids).last_hidden_state)
+    each = [
+        torch.nn.functional.cross_entropy(logits[r, :-1], labels[r, 1:], ignore_index=-100, reduction="sum")
+        for r in range(len(ids))
+    ]
+    assert torch.allclose(out.row_losses, torch.stack(each), rtol=1e-5)
+    targets = (labels[:, 1:] != -100).sum()
+    assert float(out.row_losses.sum() / targets) == pytest.approx(float(loss), rel=1e-6)
+
+
 def test_no_targets_means_nan_loss_and_no_gradient():
     """Every label ignored: Hugging Face's mean is NaN (0/0); the fused loss says the same and
     sends no gradient."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -116,7 +117,8 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     """data.mix: chat fine-tuning on the bundled examples with a small text corpus kept in, 1:3,
     and the bundled wikitext watched at weight 0. The blocks trained on follow the weights
     exactly, each source is evaluated on its own eval data (also before the first step), and the
-    sinks, the summary and the console name each source. With chat in it, data.attention_span=auto
+    sinks, the summary and the console name each source, with each trained source's training loss
+    (from the fused loss's rows) beside the evaluations. With chat in it, data.attention_span=auto
     keeps every document and example to itself: the chat blocks' positions come from their
     cache, the text's from its EOS tokens."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -140,6 +142,7 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     assert "[data] a mixture of 3 sources: chat 25.0%" in out and "notes 75.0%" in out and "wiki evaluated only" in out
     assert "epochs of each source: chat 0." in out and "wiki 0" not in out
     assert "eval loss" in out and "(by source: chat " in out
+    assert re.search(r"step 6/6 \(100%\) \| loss [0-9.]+ \(chat [0-9.]+, notes [0-9.]+\) \|", out)
     assert [(s["name"], s["data_format"], s["share"]) for s in summary["data_mix"]] == [
         ("chat", "chat", 0.25),
         ("notes", "text", 0.75),
@@ -155,6 +158,9 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     chat_blocks, notes_blocks = (s["blocks"] for s in summary["data_mix"][:2])
     assert sum(b >= chat_blocks for b in trained) == 36  # 3 of every 4 blocks: the notes'
     assert max(trained) < chat_blocks + notes_blocks  # none of wiki's
+    trains = [m for m in _metrics(run_dir) if "loss" in m and "event" not in m]
+    assert {"loss/chat", "loss/notes"} <= set(trains[-1]) and "loss/wiki" not in trains[-1]  # wiki: not trained on
+    assert summary["final_loss/notes"] == trains[-1]["loss/notes"]
     evals = [m for m in _metrics(run_dir) if "eval_loss" in m]
     assert [m["step"] for m in evals] == [0, 6]  # train.eval_on_start: the starting model's, then the end's
     assert {"eval_loss/chat", "eval_loss/notes", "eval_loss/wiki", "eval_perplexity/notes"} <= set(evals[-1])
@@ -169,10 +175,11 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
         and ", notes " in figures["eval loss by source (step 6)"]
     )
     lines = [line.get_label() for line in plot_loss(load_run(run_dir)).axes[0].get_lines()]
-    assert {"eval loss", "eval loss: chat", "eval loss: notes"} <= set(lines)
+    assert {"eval loss", "eval loss: chat", "eval loss: notes", "train loss: chat", "train loss: notes"} <= set(lines)
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
-    assert {"eval/loss", "eval/chat/loss", "eval/notes/loss", "eval/notes/perplexity"} <= set(events.Tags()["scalars"])
+    tags = set(events.Tags()["scalars"])
+    assert {"eval/loss", "eval/chat/loss", "eval/notes/loss", "eval/notes/perplexity", "train/notes/loss"} <= tags
 
 
 def test_compiled_layers_train_as_eager_does(straight, tmp_path, shared_cache):
