@@ -530,7 +530,7 @@ def install_fused_loss(w: Worker, model) -> None:
     else:
         rows = loss.chunk_rows(causal_lm.config.vocab_size)
         w.log(f"[model] loss: fused with the output layer, up to {rows:,} tokens per chunk")
-        if len(w.cfg.data.mix) > 1:  # it also hands back each row's loss: the loss by source
+        if sum(e.weight > 0 for e in w.cfg.data.mix) > 1:  # it also hands back each row's loss: by source
             w.loss_sources = tuple(e.name for e in w.cfg.data.mix)
 
 
