@@ -511,6 +511,8 @@ def choose_attention(w: Worker, model) -> str:
     block = attention.block_of(chosen)
     probs = "" if block is None else f"; probabilities {'kept' if keep_probs(block) else 'recomputed'} for the backward"
     span = "; within each document" if w.cfg.data.attention_span == "document" else ""
+    if span and block is not None and m.compile:  # the blocks take no mask while traced (attention.py)
+        span += " (SDPA in the compiled layers: the blocks take no mask under torch.compile)"
     w.log(f"[model] attention: {chosen}{why}{probs}{span}")
     return chosen
 
