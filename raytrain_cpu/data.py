@@ -504,9 +504,13 @@ class Tokenize:
 
 
 def _local_special_id(tokenizer_dir: Path, name: str) -> int | None:
-    """Id of a special token (eos_token, pad_token) of a saved fast tokenizer, from its JSON files."""
-    from tokenizers import Tokenizer
+    """Id of a special token (eos_token, pad_token) of a saved fast tokenizer, from its JSON files,
+    or None when they don't say.
 
+    Reading tokenizer_config.json and tokenizer.json directly skips transformers'
+    AutoTokenizer machinery, whose first use costs ~2 s of imports (measured here), a
+    quarter of preparing 18 MB of text on 2 CPUs.
+    """
     for fname in ("tokenizer_config.json", "special_tokens_map.json"):
         f = tokenizer_dir / fname
         if not f.is_file():
@@ -514,28 +518,24 @@ def _local_special_id(tokenizer_dir: Path, name: str) -> int | None:
         tok = json.loads(f.read_text()).get(name)
         tok = tok.get("content") if isinstance(tok, dict) else tok
         if isinstance(tok, str):
-            return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id(tok)
+            tokenizer_json = tokenizer_dir / "tokenizer.json"
+            return _token_id(str(tokenizer_json), tokenizer_json.stat().st_mtime_ns, tok)
     return None
+
+
+@functools.lru_cache(maxsize=16)
+def _token_id(tokenizer_json: str, mtime_ns: int, token: str) -> int | None:
+    """A token's id in a tokenizer.json, parsed once per file version: the driver asks for its
+    EOS when checking the tokenizer, preparing each source of a mixture and building the
+    streams, and a large vocabulary's file (Llama-3's, 9 MB) takes a noticeable time to parse."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(tokenizer_json).token_to_id(token)
 
 
 def _local_eos_id(tokenizer_dir: Path) -> int | None:
-    """EOS id of a saved fast tokenizer read from its JSON files, or None when they don't say.
-
-    Reading tokenizer_config.json and tokenizer.json directly skips transformers'
-    AutoTokenizer machinery, whose first use costs ~2 s of imports (measured here), a
-    quarter of preparing 18 MB of text on 2 CPUs.
-    """
-    from tokenizers import Tokenizer
-
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        f = tokenizer_dir / name
-        if not f.is_file():
-            continue
-        eos = json.loads(f.read_text()).get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        if isinstance(eos, str):
-            return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id(eos)
-    return None
+    """EOS id of a saved fast tokenizer read from its JSON files, or None when they don't say."""
+    return _local_special_id(tokenizer_dir, "eos_token")
 
 
 def materialize_tokenizer(path: str, cfg: Config) -> tuple[str, int]:
@@ -1208,14 +1208,17 @@ class StreamPlan:
     rank: int
     start: int  # global positions already consumed (a multiple of the global batch)
     end: int  # global positions the whole run consumes
-    has_labels: bool = False  # chat/instruction caches carry labels (-100 where no loss)
     pattern: tuple[int, ...] = (0,)  # a mixture's period (mix_pattern); one source: (0,)
-    # Which sources' caches carry labels, where a mixture holds both kinds (); a text source's
-    # labels are then its inputs: every token a target.
+    # Which sources' caches carry labels (chat/instruction: -100 where no loss); () none. Where
+    # any does, a text source's labels are its inputs: every token a target.
     source_labels: tuple[bool, ...] = ()
     # data.attention_span=document: the EOS id that ends each text document, and the rows carry
     # position_ids (_read_blocks); None: they don't.
     documents_eos: int | None = None
+
+    @property
+    def has_labels(self) -> bool:
+        return any(self.source_labels)
 
     @property
     def local_range(self) -> tuple[int, int]:
@@ -1239,7 +1242,7 @@ class StreamPlan:
             for e in np.unique(epoch):
                 ids[epoch == e] = global_order(n, self.seed, int(e), self.window)[within[epoch == e]]
             block_id[sel] = first_id[s] + ids
-            labelled = self.source_labels[s] if self.source_labels else self.has_labels
+            labelled = self.has_labels and self.source_labels[s]
             part = _read_blocks(self.train_dirs[s], ids, labelled, self.documents_eos)
             if self.has_labels and not labelled:
                 part["labels"] = part["input_ids"]
@@ -1336,6 +1339,21 @@ def eval_stream(
 # ----------------------------------------------------------------------------- CLI
 
 
+# What `python -m raytrain_cpu.data prepare` prints of a cache's meta.json, where it says them
+# (a mixture's has no tokens_per_s, a text cache no padding; only a mixture lists its sources).
+PREPARED_FIGURES = (
+    "blocks",
+    "eval_blocks",
+    "tokens",
+    "skipped_rows",
+    "tokens_per_s",
+    "truncated_examples",
+    "padding_frac",
+    "loss_tokens",
+    "sources",
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -1368,11 +1386,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "cache": str(cache),
-                **{
-                    k: meta[k] for k in ("blocks", "eval_blocks", "tokens", "skipped_rows", "tokens_per_s") if k in meta
-                },
-                **{k: meta[k] for k in ("truncated_examples", "padding_frac", "loss_tokens") if k in meta},
-                **({"sources": meta["sources"]} if "sources" in meta else {}),
+                **{k: meta[k] for k in PREPARED_FIGURES if k in meta},
             },
             indent=2,
         )

@@ -786,7 +786,6 @@ def build_datasets(
             r,
             start,
             end,
-            has_labels=any(labelled),
             pattern=tuple(meta.get("pattern", (0,))),
             source_labels=labelled,
             documents_eos=documents_eos,

@@ -184,9 +184,14 @@ def model_inputs(batch) -> dict[str, Any]:
     return inputs
 
 
+def row_targets(labels):
+    """Each row's targets: its labels after the shift that are not -100."""
+    return (labels[:, 1:] != -100).sum(dim=1)
+
+
 def loss_tokens(labels) -> int:
-    """Targets the loss is averaged over: labels after the shift that are not -100."""
-    return int((labels[:, 1:] != -100).sum())
+    """Targets the loss is averaged over."""
+    return int(row_targets(labels).sum())
 
 
 def evaluate(engine, shards: dict[str, Any], micro: int, max_batches: int) -> dict[str, float]:
@@ -808,8 +813,8 @@ def add_by_source(w: Worker, st: Loop, source, row_losses, labels) -> None:
 
     if st.source_sums is None:
         st.source_sums = torch.zeros(len(w.loss_sources), 2, dtype=torch.float64)
-    targets = (labels[:, 1:] != -100).sum(dim=1)
-    st.source_sums.index_add_(0, source, torch.stack([row_losses.detach(), targets], dim=1).double())
+    sums = torch.stack([row_losses.detach(), row_targets(labels)], dim=1).double()
+    st.source_sums.index_add_(0, source, sums)
 
 
 def loss_by_source(w: Worker, st: Loop) -> dict[str, float]:

@@ -247,7 +247,7 @@ def test_a_mixture_of_text_and_labelled_blocks_labels_the_text_with_its_inputs(t
         chat.add_example(np.array([1, 2, 3], dtype=np.int32) + 10 * i, np.array([-100, 2, 3], dtype=np.int32))
     chat.close()
     text = _cache_of(tmp_path / "text", 6, 500)
-    plan = StreamPlan((str(tmp_path / "chat"), text), (6, 6), 1, 64, 4, 1, 0, 0, 8, True, (0, 1), (True, False), 7)
+    plan = StreamPlan((str(tmp_path / "chat"), text), (6, 6), 1, 64, 4, 1, 0, 0, 8, (0, 1), (True, False), 7)
     batch = plan.fetch({"id": np.arange(8)})
     is_text = batch["block_id"] >= 6
     assert is_text.tolist() == [False, True] * 4

@@ -446,7 +446,17 @@ def test_prepare_chat_cache_has_labels_streams_yield_them_bad_rows(ray_session, 
     positions = np.stack(table.column("position_ids").to_pylist())
     for documents_eos in (None, eos_id):
         plan = StreamPlan(
-            (str(cache / "train"),), (meta["blocks"],), 1234, 65536, 4, 1, 0, 0, 8, True, documents_eos=documents_eos
+            (str(cache / "train"),),
+            (meta["blocks"],),
+            1234,
+            65536,
+            4,
+            1,
+            0,
+            0,
+            8,
+            source_labels=(True,),
+            documents_eos=documents_eos,
         )
         batch = next(iter(train_stream(plan).iter_batches(batch_size=8, batch_format="numpy")))
         np.testing.assert_array_equal(batch["labels"], labels[batch["block_id"]])
