@@ -584,6 +584,22 @@ def checkpoint_of(path: str | Path) -> Path:
     return latest_reported(p) or p
 
 
+def best_of(run_dir: str | Path) -> Path:
+    """A run directory's best checkpoint under run.best_metric: the one its latest checkpoint's
+    manifest names (train.EvalWatch), which Ray Train keeps while it ranks first."""
+    run_dir = Path(run_dir)
+    latest = latest_reported(run_dir) if run_dir.is_dir() else None
+    if latest is None:
+        raise CheckpointError(f"--best takes a run directory, and {run_dir} holds no reported checkpoint")
+    best = (read_manifest(latest).get("eval_watch") or {}).get("best_checkpoint")
+    if not best:
+        raise CheckpointError(
+            f"{run_dir} did not rank its checkpoints (run.best_metric was not set): drop --best for its latest "
+            f"checkpoint, or pass one of them{_siblings(latest)}"
+        )
+    return run_dir / best["name"]
+
+
 def _siblings(ckpt_dir: Path) -> str:
     """'; <run dir> holds checkpoint_000100, ...' for a mistyped checkpoint path, else ''."""
     run_dir = ckpt_dir.parent

@@ -592,6 +592,12 @@ class TrainConfig:
     the baseline a fine-tuning run (and each source of a mixture) improves on. Not on a resume."""
     checkpoint_every: int = 100
     """Checkpoint every this many steps (and always at the end); 0 only at the end."""
+    early_stop_patience: int = 0
+    """Stop once the watched eval metric (run.best_metric, else eval_loss) has gone this many
+    evaluations in a row without beating its best by more than train.early_stop_min_delta;
+    0: never. The run then checkpoints and ends as finished, before train.max_steps."""
+    early_stop_min_delta: float = 0.0
+    """How much lower than its best the watched eval metric must be to count as an improvement."""
     record_block_ids: bool = False
     """Append the id of every block each rank trains on to <run dir>/block_ids/rank<r>.txt
     (an audit trail of the data order; the resume tests count them)."""
@@ -614,6 +620,7 @@ class TrainConfig:
             "eval_every",
             "eval_batches",
             "checkpoint_every",
+            "early_stop_patience",
             "profile_step",
         ):
             _require(getattr(self, name) >= 0, f"train.{name}", "must be >= 0.")
@@ -628,6 +635,7 @@ class TrainConfig:
         )
         _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping).")
         _require(self.weight_decay >= 0, "train.weight_decay", f"got {self.weight_decay}; must be >= 0 (0: none).")
+        _require(self.early_stop_min_delta >= 0, "train.early_stop_min_delta", "must be >= 0.")
         _require(self.eps > 0, "train.eps", f"got {self.eps}; must be > 0 (AdamW divides by sqrt(v) + eps), e.g. 1e-8.")
         _require(
             self.profile_step <= self.max_steps,
@@ -880,7 +888,12 @@ class RunSettings:
     """'' starts a local Ray (or joins RAY_ADDRESS when set, as under `ray job submit`);
     'auto' joins a running cluster; or host:port."""
     num_to_keep: int = 2
-    """Checkpoints kept on storage (the newest ones)."""
+    """Checkpoints kept on storage: the newest ones, or with run.best_metric the best ones (and
+    the newest beside them, which a resume loads)."""
+    best_metric: str = ""
+    """Rank the checkpoints by an eval metric, lowest best: 'eval_loss', or 'eval_loss/<name>'
+    for one source of a mixture. run.num_to_keep then keeps the best, summary.json names the best,
+    and run.export_on_finish (and `export --best`) exports it. '': keep the newest."""
     max_failures: int = 0
     """Times Ray Train restarts the worker group after a failure (a worker or node lost); each restart
     resumes from the latest checkpoint; -1 retries forever. Spot preemptions Ray announced are
@@ -1045,6 +1058,8 @@ class Config:
                 "or stop, or guards.max_grad_norm=0.",
             )
 
+        if self.run.best_metric or self.train.early_stop_patience:
+            _check_watched_metric(self)
         if self.deepspeed.config_file:
             _check_deepspeed_file(self)
         if self.elastic:
@@ -1076,6 +1091,29 @@ class Config:
 
 def _or(items: list[Any]) -> str:
     return " or ".join(map(str, items)) if len(items) < 3 else f"{', '.join(map(str, items[:-1]))} or {items[-1]}"
+
+
+def _check_watched_metric(cfg: Config) -> None:
+    """run.best_metric and train.early_stop_patience need an eval metric the run reports, and
+    evaluations to read it from; ranking checkpoints needs one at each checkpoint's step."""
+    t, key = cfg.train, "run.best_metric" if cfg.run.best_metric else "train.early_stop_patience"
+    names = [m.name for m in cfg.data.mix]
+    metrics = ["eval_loss", *(f"eval_loss/{n}" for n in names)]
+    _choice(cfg.run.best_metric or "eval_loss", "run.best_metric", tuple(metrics))
+    _require(
+        t.eval_every > 0,
+        key,
+        "needs evaluations during the run, and train.eval_every=0 evaluates only at the end; set "
+        "train.eval_every (e.g. 100).",
+    )
+    if cfg.run.best_metric:
+        _require(
+            t.checkpoint_every > 0 and t.checkpoint_every % t.eval_every == 0,
+            "run.best_metric",
+            f"ranks each checkpoint by the evaluation at its step, and train.checkpoint_every="
+            f"{t.checkpoint_every} is not a multiple of train.eval_every={t.eval_every}; set "
+            f"train.checkpoint_every={max(t.checkpoint_every // t.eval_every, 1) * t.eval_every}.",
+        )
 
 
 def _check_elastic_batch(cfg: Config) -> None:

@@ -31,6 +31,7 @@ from raytrain_cpu.checkpoint import (
     MANIFEST,
     SNAPSHOT,
     CheckpointError,
+    best_of,
     checkpoint_of,
     out_of_space,
     verify_checkpoint,
@@ -366,9 +367,14 @@ def export_on_finish(ckpt_dir: Path, run_dir: Path, probe: dict[str, Any] | None
         info["export_max_abs_logit_diff"] = max_abs_logit_diff(info["export_dir"], probe)
         if "merged" in info:  # a LoRA run: the adapter on its base above, the merged model here
             info["merged_max_abs_logit_diff"] = max_abs_logit_diff(Path(info["export_dir"]) / MERGED, probe)
+    check = (
+        f"max |logit diff| vs the trained model: {info['export_max_abs_logit_diff']}"
+        if probe is not None
+        else "not compared with the trained model (it is not this attempt's last step)"
+    )
     log(
         f"[export] {info['export_dir']} ({info['dtype']}, {info['bytes'] / 2**20:.1f} MiB) from {ckpt_dir} "
-        f"in {info['export_s']:.1f}s; max |logit diff| vs the trained model: {info.get('export_max_abs_logit_diff')}"
+        f"in {info['export_s']:.1f}s; {check}"
     )
     summary_path = Path(run_dir) / ".worker_summary.json"
     if summary_path.is_file():
@@ -401,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("out_dir", help="where the model goes (created; must be empty unless --overwrite)")
     ap.add_argument(
+        "--best",
+        action="store_true",
+        help="with a run directory: its best checkpoint (run.best_metric), not its latest",
+    )
+    ap.add_argument(
         "--dtype", default="auto", choices=["auto", *DTYPES], help="weights dtype; auto = the training dtype"
     )
     ap.add_argument("--model-dir", default=None, help="config source (default: the model the run trained)")
@@ -418,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with progress_to_stderr():
             info = export_checkpoint(
-                args.checkpoint,
+                best_of(args.checkpoint) if args.best else args.checkpoint,
                 args.out_dir,
                 dtype=args.dtype,
                 model_dir=args.model_dir,

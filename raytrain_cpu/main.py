@@ -85,7 +85,9 @@ def check_checkpoint_room(cfg: Config, model_dir: str) -> None:
         n_params = count_parameters(model_dir)["total"]
     one = CHECKPOINT_BYTES_PER_PARAM * n_params
     free = shutil.disk_usage(cfg.run.run_dir).free
-    needed = one * (cfg.run.num_to_keep + 1)
+    kept = cfg.run.num_to_keep + bool(cfg.run.best_metric)  # ranked: the newest may be kept beside the best
+    which = f"{kept} (the best and the newest)" if cfg.run.best_metric else "that many"
+    needed = one * (kept + 1)
     what = (
         f"a checkpoint of this model takes about {_size(one)} ({n_params:,} parameters x "
         f"{CHECKPOINT_BYTES_PER_PARAM} bytes: fp32 master weights and Adam's two moments)"
@@ -98,7 +100,7 @@ def check_checkpoint_room(cfg: Config, model_dir: str) -> None:
     if free < needed:
         print(
             f"[raytrain] storage: {_size(free)} free in {cfg.run.run_dir}, and {what}; run.num_to_keep="
-            f"{cfg.run.num_to_keep} keeps that many beside the one being written: {_size(needed)}. Free space, or "
+            f"{cfg.run.num_to_keep} keeps {which} beside the one being written: {_size(needed)}. Free space, or "
             "lower run.num_to_keep.",
             flush=True,
         )
@@ -226,12 +228,21 @@ def finished_run(cfg: Config) -> dict[str, Any] | None:
     and summary.json with an attempt that trains no step.
     """
     latest = newest_checkpoint(cfg.run.run_dir)
-    if latest is None or latest["step"] < cfg.train.max_steps:
+    if latest is None:
         return None
+    if latest["step"] >= cfg.train.max_steps:
+        why = f"train.max_steps={cfg.train.max_steps}: nothing to train. Raise train.max_steps to train on"
+    elif stopped_early(cfg, latest):
+        why = (
+            f"where it stopped early (train.early_stop_patience={cfg.train.early_stop_patience}): nothing to train. "
+            "Raise train.early_stop_patience (or set it to 0) to train on"
+        )
+    else:
+        return None
+    export = f"{cfg.run.run_dir} <dir> --best" if cfg.run.best_metric else f"{latest['path']} <dir>"
     print(
-        f"[raytrain] run {cfg.run.name!r} is already at step {latest['step']} ({latest['path']}), "
-        f"train.max_steps={cfg.train.max_steps}: nothing to train. Raise train.max_steps to train on, or "
-        f"export it: python -m raytrain_cpu.export {latest['path']} <dir>",
+        f"[raytrain] run {cfg.run.name!r} is already at step {latest['step']} ({latest['path']}), {why}, or "
+        f"export it: python -m raytrain_cpu.export {export}",
         flush=True,
     )
     summary_file = cfg.run.run_dir / "summary.json"
@@ -239,6 +250,17 @@ def finished_run(cfg: Config) -> dict[str, Any] | None:
     if summary.get("steps") != latest["step"]:  # no summary of that step (a run stopped after its checkpoint)
         summary = {"steps": latest["step"], "world_size": latest["world_size"], "run_dir": str(cfg.run.run_dir)}
     return {**summary, "checkpoint_path": latest["path"]}
+
+
+def stopped_early(cfg: Config, manifest: dict[str, Any]) -> bool:
+    """Whether the checkpoint's evaluations already used up train.early_stop_patience (train.EvalWatch)."""
+    watch = manifest.get("eval_watch") or {}
+    patience = cfg.train.early_stop_patience
+    return (
+        bool(patience)
+        and watch.get("metric") == (cfg.run.best_metric or "eval_loss")
+        and watch["evals_since_best"] >= patience
+    )
 
 
 def check_lora_before_ray(cfg: Config, model_dir: str | None = None) -> dict[str, int] | None:
@@ -1008,6 +1030,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     for name, _, source_meta in sources:
         if source_meta["eval_blocks"] < world:  # else the summary's eval perplexity is n/a without a word why
             print(f"[raytrain] {no_evaluation(source_meta, world, name)}", flush=True)
+    check_watched_metric(cfg, sources, world)
 
     # ---- model
     if cfg.model.is_tiny:
@@ -1081,7 +1104,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
             storage_path=str(run_dir.parent),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.num_to_keep),
+            checkpoint_config=checkpoint_config(cfg),
             # Restarts resume from the latest reported checkpoint; announced preemptions (spot
             # notices) have their own, unlimited budget.
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures, max_preemption_failures=-1),
@@ -1117,6 +1140,32 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     return summary
 
 
+def checkpoint_config(cfg: Config):
+    """Ray Train keeps run.num_to_keep checkpoints: the newest, or under run.best_metric those
+    with the lowest `checkpoint_score` (the metric at their step; train.py), and always the newest
+    beside them, which a resume loads."""
+    import ray.train
+
+    if not cfg.run.best_metric:
+        return ray.train.CheckpointConfig(num_to_keep=cfg.run.num_to_keep)
+    return ray.train.CheckpointConfig(
+        num_to_keep=cfg.run.num_to_keep, checkpoint_score_attribute="checkpoint_score", checkpoint_score_order="min"
+    )
+
+
+def check_watched_metric(cfg: Config, sources: list[tuple[str, Any, dict[str, Any]]], world: int) -> None:
+    """run.best_metric and train.early_stop_patience read an eval metric: the data must give every
+    worker eval blocks of its source (of some source, for eval_loss), or it is never measured."""
+    if not (cfg.run.best_metric or cfg.train.early_stop_patience):
+        return
+    metric = cfg.run.best_metric or "eval_loss"
+    watched = [(name, m) for name, _, m in sources if metric == "eval_loss" or metric == f"eval_loss/{name}"]
+    if all(m["eval_blocks"] < world for _, m in watched):
+        name, m = watched[0]
+        key = "run.best_metric" if cfg.run.best_metric else "train.early_stop_patience"
+        raise ConfigError(f"{key} watches {metric}, which this run never measures: {no_evaluation(m, world, name)}")
+
+
 def print_summary(s: dict[str, Any]) -> None:
     from raytrain_cpu.checkpoint import workers
 
@@ -1133,13 +1182,25 @@ def print_summary(s: dict[str, Any]) -> None:
         f"tokens/s         {num('tokens_per_s', ',.0f')} on {workers(s['world_size'])}\n"
         f"wall time        {num('wall_s', '.0f')}s\n"
         f"checkpoint       {s['checkpoint_path']}\n"
+        f"{_best_line(s)}"
         f"run directory    {s['run_dir']} (metrics.jsonl, summary.json)\n"
         f"guards           {_guard_line(s)}\n"
         f"report           python -m raytrain_cpu.report {s['run_dir']}\n",
         flush=True,
     )
+    if s.get("early_stop"):
+        print(f"[raytrain] stopped early at step {s['steps']}: {s['early_stop']}", flush=True)
     if s.get("guard_stop"):
         print(f"error: the run stopped early at step {s['steps']}: {s['guard_stop']}", file=sys.stderr, flush=True)
+
+
+def _best_line(s: dict[str, Any]) -> str:
+    """'best checkpoint  <path> (eval_loss 4.0123 at step 300)' under run.best_metric, else ''."""
+    best = s.get("best_checkpoint")
+    if not best:
+        return ""
+    metric, value = next((k, v) for k, v in best.items() if k.startswith("eval_"))
+    return f"best checkpoint  {best['path']} ({metric} {value:.4f} at step {best['step']})\n"
 
 
 def _by_source(s: dict[str, Any], metric: str, fmt: str) -> str:

@@ -295,6 +295,7 @@ class Loop:
     growth_nodes: frozenset[str] = frozenset()  # rank 0: the nodes that had room when it last saved for growth
     last: dict[str, Any] = field(default_factory=dict)  # the latest logged row
     eval_metrics: dict[str, Any] = field(default_factory=dict)
+    watch: EvalWatch | None = None  # set by `resume`
     last_input_ids: Any = None  # the export check's probe input
     # Per mixture source since the last log row: [summed loss, targets] (Worker.loss_sources).
     source_sums: Any = None
@@ -332,6 +333,78 @@ class FreePages:
         self.releases += 1
         self.released += freed
         return freed
+
+
+@dataclass
+class EvalWatch:
+    """The watched eval metric (run.best_metric, else eval_loss): its best value, the evaluations
+    since it improved (train.early_stop_patience) and the best checkpoint (run.best_metric).
+    Every rank holds the same figures (evaluations are all-reduced), so every rank stops at the
+    same step; each checkpoint's manifest carries them (`state`), so a resume goes on counting."""
+
+    metric: str
+    patience: int  # 0: never stops
+    min_delta: float
+    ranks_checkpoints: bool  # run.best_metric is set
+    best: float = math.inf
+    best_step: int | None = None
+    evals_since_best: int = 0
+    best_checkpoint: dict[str, Any] | None = None  # {"name", "step", "value"}; names a dir of the run
+    value: float | None = None  # the latest evaluation's
+    value_step: int | None = None
+
+    @classmethod
+    def for_run(cls, cfg: Config, manifest: dict[str, Any]) -> EvalWatch:
+        watch = cls(
+            cfg.run.best_metric or "eval_loss",
+            cfg.train.early_stop_patience,
+            cfg.train.early_stop_min_delta,
+            bool(cfg.run.best_metric),
+        )
+        saved = manifest.get("eval_watch") or {}
+        if saved.get("metric") == watch.metric:  # the same metric: its count goes on
+            for k in ("best_step", "evals_since_best", "best_checkpoint"):
+                setattr(watch, k, saved[k])
+            watch.best = math.inf if saved["best"] is None else saved["best"]
+        return watch
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint's manifest records (plain JSON: no best yet is null, not Infinity)."""
+        best = self.best if math.isfinite(self.best) else None
+        return {
+            "metric": self.metric,
+            "best": best,
+            **{k: getattr(self, k) for k in ("best_step", "evals_since_best", "best_checkpoint")},
+        }
+
+    def after_eval(self, step: int, metrics: dict[str, float]) -> None:
+        value = metrics.get(self.metric)
+        if value is None:  # not evaluated (too few eval blocks for this many workers)
+            return
+        value = value if math.isfinite(value) else math.inf  # diverged: no improvement, ranked last
+        self.value, self.value_step = value, step
+        if value < self.best - self.min_delta:
+            self.best, self.best_step, self.evals_since_best = value, step, 0
+        else:
+            self.evals_since_best += 1
+
+    def score(self, step: int) -> float:
+        """The checkpoint at `step`'s rank for Ray Train (lower is better): its evaluation's value,
+        or +inf where none was made at that step (a preemption's), which ranks it last."""
+        return self.value if self.value_step == step else math.inf
+
+    def checkpointed(self, name: str, step: int) -> None:
+        if self.ranks_checkpoints and self.score(step) < (self.best_checkpoint or {}).get("value", math.inf):
+            self.best_checkpoint = {"name": name, "step": step, "value": self.value}
+
+    @property
+    def stop_reason(self) -> str | None:
+        if not self.patience or self.evals_since_best < self.patience:
+            return None
+        return (
+            f"{self.metric} has not improved on its best ({self.best:.4f} at step {self.best_step}) "
+            f"in {self.evals_since_best} evaluations (train.early_stop_patience={self.patience})"
+        )
 
 
 # ----------------------------------------------------------------------------- phases: set up
@@ -711,11 +784,12 @@ def reuse_reduce_scatter_buffer(on: bool, bucket_elements: int) -> None:
     )
 
 
-def resume(w: Worker, engine) -> Loop:
+def resume(w: Worker, engine, scheduler) -> Loop:
     """Restores the checkpoint Ray hands back (never DeepSpeed's `latest`), verified first."""
     import ray.train
 
     st = Loop()
+    manifest: dict[str, Any] = {}
     restored = ray.train.get_checkpoint()
     if restored is not None:
         with restored.as_directory() as d:  # shared storage: the directory itself, not a copy
@@ -725,8 +799,33 @@ def resume(w: Worker, engine) -> Loop:
         st.last_ckpt = Path(restored.path)
         st.opt_step_at_resume = _optimizer_step(engine)
         w.log(f"resumed from {restored.path} at step {st.step} (optimizer at step {st.opt_step_at_resume})")
+        for change in apply_optimizer_settings(engine, scheduler, w.cfg.train):
+            w.log(f"[resume] {change}")
+    st.watch = EvalWatch.for_run(w.cfg, manifest)
     st.expected_first = st.step * w.global_batch + w.rank * w.cfg.train.micro_batch_size  # see data.StreamPlan
     return st
+
+
+def apply_optimizer_settings(engine, scheduler, t) -> list[str]:
+    """A checkpoint brings back the optimizer settings it was saved with: torch's load_state_dict
+    restores each group's lr, betas, eps and weight decay, LambdaLR its base LR. The config's go
+    back in, so a resume may change them as it may the schedule's length; the next step's LR is
+    the schedule's at this step (it was the old schedule's). Returns 'key: old → new' for each
+    that changed. Groups as _param_groups made them: the first decays, the others do not."""
+    groups = engine.optimizer.param_groups
+    saved = {
+        "train.lr": scheduler.base_lrs[0],
+        "train.betas": [float(b) for b in groups[0]["betas"]],
+        "train.eps": groups[0]["eps"],
+        "train.weight_decay": groups[0]["weight_decay"],
+    }
+    now = {"train.lr": t.lr, "train.betas": list(t.betas), "train.eps": t.eps, "train.weight_decay": t.weight_decay}
+    scheduler.base_lrs = [t.lr] * len(groups)
+    for i, group in enumerate(groups):
+        group.update(betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay if i == 0 else 0.0)
+        group["initial_lr"] = t.lr
+        group["lr"] = t.lr * lr_factor(scheduler.last_epoch, t, t.max_steps)
+    return [f"{k}: {saved[k]} in the checkpoint → {now[k]}" for k in now if saved[k] != now[k]]
 
 
 def open_batches(w: Worker, st: Loop, shard):
@@ -888,6 +987,7 @@ def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink
 def evaluate_and_log(w: Worker, st: Loop, engine, shards: dict[str, Any], sink) -> None:
     """Every rank evaluates (each source of a mixture); rank 0 writes the row and the line."""
     st.eval_metrics = evaluate(engine, shards, w.cfg.train.micro_batch_size, w.cfg.train.eval_batches)
+    st.watch.after_eval(st.step, st.eval_metrics)
     if sink is not None:
         sink.write({"step": st.step, **st.eval_metrics, "time": time.time()})
         w.log(eval_line(st.step, st.eval_metrics))
@@ -915,13 +1015,15 @@ def release_free_pages(w: Worker, st: Loop, free_pages: FreePages) -> None:
 
 
 def checkpoint_reason(w: Worker, st: Loop) -> str | None:
-    """'final', 'periodic', 'preemption' (a spot notice: at once), 'growth' (an elastic run's
-    cluster has room for more workers: at once) or None."""
+    """'final', 'early_stop', 'periodic', 'preemption' (a spot notice: at once), 'growth' (an
+    elastic run's cluster has room for more workers: at once) or None."""
     import ray.train
 
     t = w.cfg.train
     if st.step == t.max_steps:
         return "final"
+    if st.watch.stop_reason:
+        return "early_stop"
     if t.checkpoint_every and st.step % t.checkpoint_every == 0:
         return "periodic"
     every = w.cfg.run.preemption_check_every
@@ -966,6 +1068,7 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
     from raytrain_cpu import cpu
 
     cfg = w.cfg
+    st.watch.checkpointed(ckpt_io.checkpoint_dir_name(st.step), st.step)
     manifest = {
         "step": st.step,
         "reason": reason,
@@ -983,6 +1086,7 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
         "lora": loaded.lora,  # export writes an adapter (and merges it) when set
         "data": cfg.to_dict()["data"],  # format and template: how export and generate render prompts
         "data_key": w.loop_config["data_key"],  # the packed blocks trained on (their files' fingerprints)
+        "eval_watch": st.watch.state(),  # the best so far and the evaluations since: a resume goes on counting
         "time": time.time(),
     }
     report = {
@@ -993,6 +1097,7 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
         "tokens_per_s": st.steps_this_attempt * w.tokens_per_step / st.wall(),
         "data_wait_frac": st.total_wait / st.wall(),
         **st.eval_metrics,
+        "checkpoint_score": st.watch.score(st.step),  # what Ray Train ranks by under run.best_metric
     }
     if block_log is not None:
         block_log.flush()
@@ -1067,10 +1172,20 @@ def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu
         "guard_events_this_attempt": guard.counts,
         "skipped_steps": engine.skipped_steps,  # DeepSpeed's count, kept across resumes
         "guard_stop": guard.stop_reason,
+        "early_stop": st.watch.stop_reason,
+        "best_checkpoint": best_checkpoint(w, st),
         "step_breakdown": breakdown,
         "cpu": {**cpu_setup, "load_peak_rss_bytes": loaded.load_peaks},
     }
     (w.run_dir / ".worker_summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def best_checkpoint(w: Worker, st: Loop) -> dict[str, Any] | None:
+    """run.best_metric's best checkpoint: {"path", "step", <metric>: value}; None when not ranking."""
+    best = st.watch.best_checkpoint
+    if best is None:
+        return None
+    return {"path": str(w.run_dir / best["name"]), "step": best["step"], st.watch.metric: best["value"]}
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -1110,7 +1225,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     time_mfu_peak(w, cpu_setup)
 
     # ---- resume
-    st = resume(w, engine)
+    st = resume(w, engine, scheduler)
     batches = open_batches(w, st, train_shard)
     # Kept open for the whole loop (flushed at each checkpoint), hence no `with`.
     block_log = open(w.run_dir / "block_ids" / f"rank{w.rank}.txt", "a") if loop_config["record_block_ids"] else None  # noqa: SIM115
@@ -1137,7 +1252,9 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     # ---- loop
     if eval_shards and t.eval_on_start and st.step == 0:  # the starting model's loss: the baseline
         evaluate_and_log(w, st, engine, eval_shards, sink)
-    while st.step < t.max_steps:
+    if st.watch.stop_reason:  # resumed from the checkpoint an early stop took (a restart after it)
+        w.log(f"stopped early at step {st.step}: {st.watch.stop_reason}")
+    while st.step < t.max_steps and not st.watch.stop_reason:
         with profiled(w, st.step + 1):
             train_step(w, st, engine, batches, guard, clock, block_log)
         guard.after_step(st.step, engine, scheduler)
@@ -1153,6 +1270,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         reason = checkpoint_reason(w, st)
         if reason:
             save_checkpoint(w, st, engine, reason, loaded, block_log)
+        if reason == "early_stop":
+            w.log(f"stopping early at step {st.step}: {st.watch.stop_reason}")
 
     # ---- finish: the export check's probe, the step-time breakdown, the summary, the export
     export_probe = (
@@ -1172,5 +1291,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     dist.barrier()
     if w.is_main and cfg.run.export_on_finish and st.last_ckpt is not None:
         del engine, loaded  # free this rank's shard before consolidating the whole model
-        probe = export_probe if st.last_ckpt.name.endswith(f"_{st.step:06d}") else None
-        export_io.export_on_finish(st.last_ckpt, w.run_dir, probe, w.log)
+        best = st.watch.best_checkpoint  # run.best_metric: the best checkpoint, else the final one
+        exported = w.run_dir / best["name"] if best else st.last_ckpt
+        probe = export_probe if exported.name == ckpt_io.checkpoint_dir_name(st.step) else None
+        export_io.export_on_finish(exported, w.run_dir, probe, w.log)

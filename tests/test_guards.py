@@ -163,6 +163,48 @@ def test_guard_config_errors(overrides, key):
         load_config(None, overrides)
 
 
+# ----------------------------------------------------------------------------- early stopping
+
+
+def test_early_stopping_counts_evaluations_without_improvement_and_resumes_counting():
+    """train.early_stop_patience counts evaluations that do not beat the best by more than
+    train.early_stop_min_delta (a diverged one among them); run.best_metric's best checkpoint is
+    the lowest evaluated one, never one without an evaluation at its step; both survive a resume."""
+    from raytrain_cpu.train import EvalWatch
+
+    cfg = load_config(
+        None, ["run.best_metric=eval_loss", "train.early_stop_patience=2", "train.early_stop_min_delta=0.01"]
+    )
+    watch = EvalWatch.for_run(cfg, {})
+    assert watch.state() == {
+        "metric": "eval_loss",
+        "best": None,
+        "best_step": None,
+        "evals_since_best": 0,
+        "best_checkpoint": None,
+    }
+    watch.after_eval(100, {"eval_loss": 4.0})
+    watch.checkpointed("checkpoint_000100", 100)
+    assert watch.score(100) == 4.0 and watch.score(150) == math.inf  # a preemption's checkpoint ranks last
+    watch.checkpointed("checkpoint_000150", 150)
+    watch.after_eval(200, {"eval_loss": 3.995})  # lower, but by less than min_delta: not an improvement
+    watch.checkpointed("checkpoint_000200", 200)
+    assert (watch.best, watch.best_step, watch.evals_since_best, watch.stop_reason) == (4.0, 100, 1, None)
+    assert watch.best_checkpoint == {"name": "checkpoint_000200", "step": 200, "value": 3.995}  # still the lowest
+
+    resumed = EvalWatch.for_run(cfg, {"eval_watch": json.loads(json.dumps(watch.state()))})
+    resumed.after_eval(300, {"eval_loss": math.nan})  # diverged
+    assert resumed.score(300) == math.inf
+    assert "eval_loss has not improved on its best (4.0000 at step 100) in 2 evaluations" in resumed.stop_reason
+    assert resumed.best_checkpoint["step"] == 200
+    resumed.after_eval(400, {"eval_loss": 3.0})  # improves again (a resume with more patience)
+    assert (resumed.evals_since_best, resumed.stop_reason) == (0, None)
+
+    other = load_config(None, ["data.mix=[{weight: 1, name: wiki}]", "run.best_metric=eval_loss/wiki"])
+    fresh = EvalWatch.for_run(other, {"eval_watch": watch.state()})  # another metric: counts afresh
+    assert (fresh.metric, fresh.evals_since_best, fresh.best_checkpoint) == ("eval_loss/wiki", 0, None)
+
+
 # ----------------------------------------------------------------------------- a real ZeRO-3 engine
 
 RANK_SCRIPT = textwrap.dedent(

@@ -113,6 +113,64 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
     assert kept == ["checkpoint_000006", "checkpoint_000012"]
 
 
+def test_the_best_checkpoint_is_kept_and_a_run_stops_early(ray_session, make_config, tmp_path, capsys):
+    """run.best_metric keeps the best checkpoint beside the newest, names it and exports it;
+    train.early_stop_patience stops a run whose eval loss stopped improving, counted across a
+    resume; running the stopped run again trains nothing."""
+    from raytrain_cpu.export import main as export_main
+    from raytrain_cpu.main import print_summary, run
+    from raytrain_cpu.train import lr_factor
+
+    overrides = [
+        "scaling.num_workers=1",
+        "train.eval_every=2",
+        "train.checkpoint_every=2",
+        "run.best_metric=eval_loss",
+        "run.num_to_keep=1",
+        "train.early_stop_patience=2",
+    ]
+    first = run(make_config(*overrides, "train.max_steps=4", "train.lr=1e-2"))
+    run_dir = Path(first["run_dir"])
+    evals = {m["step"]: m["eval_loss"] for m in _metrics(run_dir) if "eval_loss" in m}
+    assert evals[4] < evals[2]  # training: the newest is the best
+    assert first["best_checkpoint"] == {"path": str(run_dir / "checkpoint_000004"), "step": 4, "eval_loss": evals[4]}
+    assert first["early_stop"] is None
+
+    # The resume trains with a learning rate that wrecks the model: the eval loss rises.
+    capsys.readouterr()
+    second = run(make_config(*overrides, "train.max_steps=12", "train.lr=1.0"))
+    capsys.readouterr()
+    print_summary(second)  # what the command line prints at the end
+    out = capsys.readouterr().out
+    evals = {m["step"]: m["eval_loss"] for m in _metrics(run_dir) if "eval_loss" in m}
+    assert sorted(evals) == [2, 4, 6, 8] and min(evals.values()) == evals[4]
+    # The resume trains with the config's learning rate, not the one the checkpoint's optimizer held,
+    # on the schedule's new length from its first step on.
+    lrs = {m["step"]: m["lr"] for m in _metrics(run_dir) if "lr" in m}
+    cfg = make_config(*overrides, "train.max_steps=12", "train.lr=1.0")
+    assert lrs[5] == pytest.approx(lr_factor(5, cfg.train, 12), rel=1e-6)
+    assert second["steps"] == 8 and second["resumed_from_step"] == 4
+    assert (
+        "eval_loss has not improved on its best" in second["early_stop"] and "in 2 evaluations" in second["early_stop"]
+    )
+    assert f"best checkpoint  {run_dir / 'checkpoint_000004'} (eval_loss {evals[4]:.4f} at step 4)" in out
+    assert "[raytrain] stopped early at step 8: eval_loss has not improved" in out
+    assert second["best_checkpoint"]["step"] == 4
+    # Ray Train kept the best (4) and the newest (8), which a resume loads; 2 and 6 are gone.
+    assert sorted(p.name for p in run_dir.glob("checkpoint_0*")) == ["checkpoint_000004", "checkpoint_000008"]
+
+    # The same command again: already stopped, nothing trains (Ray is not started).
+    again = run(make_config(*overrides, "train.max_steps=12", "train.lr=1.0"))
+    assert (
+        again["steps"] == 8
+        and "where it stopped early (train.early_stop_patience=2): nothing to train" in capsys.readouterr().out
+    )
+
+    # export --best writes the best checkpoint's model
+    assert export_main([str(run_dir), str(tmp_path / "best"), "--best"]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint"] == str(run_dir / "checkpoint_000004")
+
+
 def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, make_config, tmp_path, capsys):
     """data.mix: chat fine-tuning on the bundled examples with a small text corpus kept in, 1:3,
     and the bundled wikitext watched at weight 0. The blocks trained on follow the weights
