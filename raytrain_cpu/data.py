@@ -971,6 +971,18 @@ def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
     return _write_mixture(cfg, caches, log)
 
 
+def prepare_evaluation(cfg: Config, *, log=print) -> Path:
+    """The cache of cfg's evaluation blocks for a command that only evaluates (evaluate.py): the
+    one training made (or would make) where it is there, or where the evaluation is held out of
+    the training text; else one of the evaluation text alone, packed without the training text."""
+    if cfg.data.mix:
+        return prepare(cfg, log=log)
+    train, evals = source_specs(cfg.data)
+    key = cache_key(cfg, train, evals, resolve_tokenizer_path(cfg.model.tokenizer, cfg.model.name_or_path))
+    trained = (cache_root(cfg) / key / "meta.json").is_file()
+    return _prepare_source(cfg, force=False, log=log, eval_only=evals is not None and not trained)
+
+
 def mix_pattern(counts: list[int]) -> list[int]:
     """One period of a mixture: source i appears counts[i] times, spread evenly (slot k of source
     i at (k + 1/2) / counts[i] of the period), so any stretch of the stream holds each source near
@@ -1073,6 +1085,8 @@ def _prepare_source(cfg: Config, *, force: bool, log, eval_only: bool = False) -
         log(f"[data] using the cached blocks in {final}")
         return final
     t0 = time.perf_counter()
+    if not ray.is_initialized():  # a one-process command (evaluate) whose data are not packed yet
+        ray.init(address="local", log_to_driver=False, include_dashboard=False)
     cpus = int(ray.cluster_resources().get("CPU", 1))
     actors = cfg.data.tokenize_actors or max(1, cpus)
     tmp = final.parent / f".{key}.tmp-{uuid.uuid4().hex[:8]}"

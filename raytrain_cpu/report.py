@@ -79,6 +79,8 @@ class Run:
         if s and s.get("steps", 0) >= self.last_step:
             if s.get("guard_stop"):
                 return f"stopped by a guard at step {s['steps']}"
+            if s.get("early_stop"):
+                return f"stopped early at step {s['steps']}: {s['early_stop']}"
             return "finished"
         last = max((r.get("time") or 0 for r in self.metrics.train + self.metrics.eval), default=0)
         ago = f"; last row written {format_duration(time.time() - last)} ago" if last else ""
@@ -270,6 +272,9 @@ def key_figures(run: Run) -> dict[str, str]:
         "peak RSS per rank (max over ranks)": f"{peak:.2f} GiB" if peak else "n/a",
         "resumed at steps": ", ".join(map(str, m.restarts)) or "none",
     }
+    if best := s.get("best_checkpoint"):  # run.best_metric
+        metric, value = next((k, v) for k, v in best.items() if k.startswith("eval_"))
+        out["best checkpoint"] = f"{Path(best['path']).name} ({metric} {_fmt(value)} at step {best['step']})"
     if m.eval and (last := by_source(m.eval[-1])):  # a mixture
         out[f"eval loss by source (step {m.eval[-1]['step']})"] = ", ".join(f"{k} {_fmt(v)}" for k, v in last.items())
     if counts := worker_counts(m.train):

@@ -203,34 +203,42 @@ def evaluate(engine, shards: dict[str, Any], micro: int, max_batches: int) -> di
 
     engine.eval()
     with torch.no_grad():
-        sums = [x for shard in shards.values() for x in _eval_sums(engine, shard, micro, max_batches)]
+        sums = [
+            x
+            for shard in shards.values()
+            for x in eval_sums(engine, shard.iter_torch_batches(batch_size=micro, dtypes=torch.long), max_batches)
+        ]
     engine.train()
-    sums = _allreduce_sum(sums)
-    loss_sums, token_counts = sums[0::2], sums[1::2]
-    loss = sum(loss_sums) / max(sum(token_counts), 1.0)
-    out = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(sum(token_counts))}
-    for name, loss_sum, tokens in zip(shards, loss_sums, token_counts):
-        if name:
-            out[f"eval_loss/{name}"] = loss_sum / max(tokens, 1.0)
-            out[f"eval_perplexity/{name}"] = math.exp(min(out[f"eval_loss/{name}"], 50.0))
-    return out
+    return eval_metrics(list(shards), _allreduce_sum(sums))
 
 
-def _eval_sums(engine, shard, micro: int, max_batches: int) -> list[float]:
-    """This rank's summed loss and target count over its eval blocks of one source."""
-    import torch
-
+def eval_sums(forward, batches, max_batches: int = 0) -> list[float]:
+    """[summed loss, target count] of `forward` (the engine: every rank runs it, as ZeRO-3
+    gathers) over batches of one source's eval blocks, the first `max_batches` (0: all)."""
     loss_sum = tokens = 0.0
-    for i, batch in enumerate(shard.iter_torch_batches(batch_size=micro, dtypes=torch.long)):
+    for i, batch in enumerate(batches):
         if max_batches and i >= max_batches:
             break
         inputs = model_inputs(batch)
-        out = engine(**inputs)  # every rank runs it (ZeRO-3 gathers)
+        out = forward(**inputs)
         n = loss_tokens(inputs["labels"])
         if n:  # a block of prompts only has no target: its mean loss is NaN, and weight 0
             loss_sum += float(out.loss.detach()) * n
             tokens += n
     return [loss_sum, tokens]
+
+
+def eval_metrics(names: list[str], sums: list[float]) -> dict[str, float]:
+    """eval_loss (token-weighted over all sources), eval_perplexity and eval_tokens from each
+    source's [loss sum, targets] in `sums`; for a mixture (named sources) each one's too."""
+    loss_sums, token_counts = sums[0::2], sums[1::2]
+    loss = sum(loss_sums) / max(sum(token_counts), 1.0)
+    out = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(sum(token_counts))}
+    for name, loss_sum, tokens in zip(names, loss_sums, token_counts):
+        if name:
+            out[f"eval_loss/{name}"] = loss_sum / max(tokens, 1.0)
+            out[f"eval_perplexity/{name}"] = math.exp(min(out[f"eval_loss/{name}"], 50.0))
+    return out
 
 
 def eval_line(step: int, metrics: dict[str, float]) -> str:
@@ -1172,7 +1180,7 @@ def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu
         "guard_events_this_attempt": guard.counts,
         "skipped_steps": engine.skipped_steps,  # DeepSpeed's count, kept across resumes
         "guard_stop": guard.stop_reason,
-        "early_stop": st.watch.stop_reason,
+        "early_stop": st.watch.stop_reason if st.step < w.cfg.train.max_steps else None,  # at the end: not early
         "best_checkpoint": best_checkpoint(w, st),
         "step_breakdown": breakdown,
         "cpu": {**cpu_setup, "load_peak_rss_bytes": loaded.load_peaks},

@@ -116,7 +116,9 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
 def test_the_best_checkpoint_is_kept_and_a_run_stops_early(ray_session, make_config, tmp_path, capsys):
     """run.best_metric keeps the best checkpoint beside the newest, names it and exports it;
     train.early_stop_patience stops a run whose eval loss stopped improving, counted across a
-    resume; running the stopped run again trains nothing."""
+    resume (which trains with the config's new learning rate); running the stopped run again
+    trains nothing; `evaluate` measures the best checkpoint as the run did."""
+    from raytrain_cpu.evaluate import main as evaluate_main
     from raytrain_cpu.export import main as export_main
     from raytrain_cpu.main import print_summary, run
     from raytrain_cpu.train import lr_factor
@@ -169,6 +171,26 @@ def test_the_best_checkpoint_is_kept_and_a_run_stops_early(ray_session, make_con
     # export --best writes the best checkpoint's model
     assert export_main([str(run_dir), str(tmp_path / "best"), "--best"]) == 0
     assert json.loads(capsys.readouterr().out)["checkpoint"] == str(run_dir / "checkpoint_000004")
+
+    # `python -m raytrain_cpu.evaluate`, one process: on the blocks the run's evaluation covered (its
+    # first 1 worker x train.eval_batches x micro batch), the best checkpoint and its export give the
+    # eval loss the run measured at step 4; a file of one's own is packed alone and evaluated.
+    blocks = cfg.train.eval_batches * cfg.train.micro_batch_size
+    assert evaluate_main([str(run_dir), "--best", f"--max-blocks={blocks}"]) == 0
+    ours = json.loads(capsys.readouterr().out)
+    assert ours["model"] == str(run_dir / "checkpoint_000004") and ours["eval_blocks"] == blocks
+    assert ours["eval_loss"] == pytest.approx(evals[4], abs=2e-2)  # bf16: the engine's forward against HF's
+    assert evaluate_main([str(tmp_path / "best"), f"--max-blocks={blocks}"]) == 0
+    assert json.loads(capsys.readouterr().out)["eval_loss"] == pytest.approx(ours["eval_loss"], abs=1e-6)
+    notes = tmp_path / "notes.txt"
+    notes.write_text((Path(__file__).parents[1] / "README.md").read_text()[:20000])
+    assert evaluate_main([str(run_dir), "--best", f"data.eval_path={notes}"]) == 0
+    out = capsys.readouterr()
+    assert "packing its evaluation text, not its training text" in out.err
+    theirs = json.loads(out.out)
+    assert theirs["eval_blocks"] > 20 and theirs["eval_loss"] != ours["eval_loss"]
+    assert evaluate_main([str(run_dir), "train.lr=1"]) == 2
+    assert "train.lr: evaluate takes data.* settings only" in capsys.readouterr().err
 
 
 def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, make_config, tmp_path, capsys):

@@ -1,0 +1,203 @@
+"""`python -m raytrain_cpu.evaluate <checkpoint | run dir | export | model dir> [data.key=value ...]`:
+a model's eval loss and perplexity, as training's evaluation measures them, on one process.
+
+The model: a checkpoint is first exported to a temporary directory (as `generate` does; a run
+directory stands for its latest checkpoint, or with --best its best); an export or any Hugging
+Face model directory is loaded as it is. The data: the settings the run trained with (the
+checkpoint's manifest, an export's raytrain.json; the embedded default's bundled wikitext for
+a model directory without either), changed by `data.*` overrides, and packed into blocks as
+training packs them, in the same data cache (a run's own evaluation blocks are found there, not
+tokenized again; other data is packed once, on a local Ray). The loss is token-weighted over
+the same targets (a chat run's response tokens), within each document where the run's
+data.attention_span says so, for each source of a mixture too.
+
+Why: the base model against its fine-tuned export on the same held-out blocks, a model on
+text of your own (`data.eval_path=notes.txt` evaluates that file alone, in the run's format),
+a checkpoint other than the one a run evaluated last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from raytrain_cpu.checkpoint import MANIFEST, CheckpointError, best_of, checkpoint_of, read_manifest
+from raytrain_cpu.config import Config, ConfigError, _set_dotted, parse_override
+
+MICRO_BATCH = 8  # blocks a forward: the loss sums do not depend on it
+
+
+def _run_dir_above(path: Path) -> Path | None:
+    """The run directory that holds `path` (a checkpoint, an export, its merged/), if any."""
+    for d in (path, *list(path.parents)[:3]):
+        if (d / "metrics.jsonl").is_file() and (d / "config.yaml").is_file():
+            return d
+    return None
+
+
+def _run_settings(path: Path) -> tuple[dict[str, Any], str | None]:
+    """The data settings a checkpoint or an export records, and the tokenizer the run read where
+    it is still there (its blocks are then found in the run's data cache; the export's own copy
+    makes the same blocks, under another key): ({}, None) for a plain model directory."""
+    from raytrain_cpu.export import RUN_INFO
+
+    if (path / MANIFEST).is_file():
+        info = read_manifest(path)
+    else:
+        info = json.loads((path / RUN_INFO).read_text()) if (path / RUN_INFO).is_file() else {}
+    tokenizer = info.get("tokenizer")
+    there = tokenizer and Path(tokenizer).exists()  # a local copy: a hub id is fetched no more
+    return info.get("data") or {}, tokenizer if there else None
+
+
+def evaluation_config(path: Path, model_dir: Path, overrides: list[str]) -> Config:
+    """The config whose data the model is evaluated on: the run's data settings, then
+    `overrides` (data.* only), the model and its tokenizer, the run's storage (its data cache)."""
+    data, tokenizer = _run_settings(path)
+    run_dir = _run_dir_above(path)
+    raw: dict[str, Any] = {
+        "model": {"name_or_path": str(model_dir), "tokenizer": tokenizer or str(model_dir)},
+        "data": data,
+        "run": {"storage_path": str(run_dir.parent) if run_dir else "./runs"},
+    }
+    given = dict(parse_override(item) for item in overrides)
+    for key, value in given.items():
+        if not key.startswith("data."):
+            raise ConfigError(
+                f"{key}: evaluate takes data.* settings only (the data to evaluate on), e.g. data.eval_path=…"
+            )
+        _set_dotted(raw, key, value)
+    if "data.eval_path" in given and "data.path" not in given:
+        # "Evaluate on this file": only it is read (prepare_evaluation packs it alone), but the
+        # config wants training text of the same kind: the file stands in for it.
+        raw["data"].update(source="auto", path=given["data.eval_path"], mix=[])
+    return Config.from_dict(raw)
+
+
+def prepared_sources(cfg: Config, log) -> tuple[list[tuple[str, Path, dict]], int | None]:
+    """Each source's packed cache (data.mixture_sources), prepared on a local Ray when missing,
+    and the EOS id that bounds documents under data.attention_span=document (else None)."""
+    from raytrain_cpu.data import check_sources, materialize_tokenizer, mixture_sources, prepare_evaluation, read_meta
+    from raytrain_cpu.tokenizer import resolve_tokenizer_path
+
+    check_sources(cfg.data)
+    cache = prepare_evaluation(cfg, log=log)
+    eos = None
+    if cfg.data.attention_span == "document":
+        _, eos = materialize_tokenizer(resolve_tokenizer_path(cfg.model.tokenizer, cfg.model.name_or_path), cfg)
+    return mixture_sources(cache, read_meta(cache)), eos
+
+
+def _batches(cache: Path, meta: dict[str, Any], n_blocks: int, eos: int | None):
+    """The first `n_blocks` eval blocks of a source's cache, MICRO_BATCH at a time, as tensors."""
+    import numpy as np
+    import torch
+
+    from raytrain_cpu.data import _read_blocks
+
+    has_labels = meta.get("data_format", "text") != "text"
+    for lo in range(0, n_blocks, MICRO_BATCH):
+        ids = np.arange(lo, min(lo + MICRO_BATCH, n_blocks))
+        blocks = _read_blocks(str(cache / "eval"), ids, has_labels, eos)
+        yield {k: torch.from_numpy(v.astype(np.int64)) for k, v in blocks.items()}
+
+
+def evaluate_model(
+    path: str | Path,
+    overrides: list[str] = (),
+    *,
+    best: bool = False,
+    max_blocks: int = 0,
+    dtype: str = "auto",
+    log=print,
+) -> dict[str, Any]:
+    """eval_loss, eval_perplexity, eval_tokens (and each mixture source's) of the model at
+    `path` on its run's evaluation data (or the data `overrides` name), over each source's first
+    `max_blocks` eval blocks (0: all of them); with eval_blocks and the checkpoint evaluated."""
+    import functools
+
+    import torch
+
+    from raytrain_cpu.export import _torch_dtype, load_exported
+    from raytrain_cpu.generate import _export_dir
+    from raytrain_cpu.train import eval_metrics, eval_sums
+
+    path = best_of(path) if best else checkpoint_of(path)
+    with ExitStack() as stack:
+        model_dir = _export_dir(path, stack)
+        cfg = evaluation_config(path, model_dir, list(overrides))
+        sources, eos = prepared_sources(cfg, log)
+        model = load_exported(model_dir, None if dtype == "auto" else _torch_dtype(dtype))
+        # use_cache=False: transformers builds the mask of packed documents from position_ids only without a cache.
+        forward = functools.partial(model, use_cache=False)
+        sums, blocks = [], 0
+        with torch.no_grad():
+            for name, cache, meta in sources:
+                n = meta["eval_blocks"] if not max_blocks else min(max_blocks, meta["eval_blocks"])
+                log(f"[evaluate] {name + ': ' if name else ''}{n} eval blocks of {meta['seq_len']} tokens from {cache}")
+                sums += eval_sums(forward, _batches(cache, meta, n, eos))
+                blocks += n
+    out = eval_metrics([name for name, _, _ in sources], sums)
+    if not out["eval_tokens"]:
+        raise ValueError("the evaluation data make no eval block with a target; give more text (data.eval_path=…)")
+    return {**out, "eval_blocks": blocks, "model": str(path)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m raytrain_cpu.evaluate",
+        description="The eval loss and perplexity of a checkpoint, a run's latest (or best) one, an export or a Hugging "
+        "Face model directory, on its run's evaluation data or on the data given by data.* overrides (one process).",
+    )
+    ap.add_argument(
+        "model", help="a checkpoint, a run directory (its latest checkpoint), an export or a model directory"
+    )
+    ap.add_argument("overrides", nargs="*", help="data.* settings, e.g. data.eval_path=notes.txt (that file alone)")
+    ap.add_argument("--best", action="store_true", help="with a run directory: its best checkpoint (run.best_metric)")
+    ap.add_argument("--max-blocks", type=int, default=0, help="evaluate each source's first N eval blocks (0: all)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: the dtype it was saved in")
+    args = ap.parse_intermixed_args(argv)  # overrides may follow the options
+    if args.max_blocks < 0:
+        print("error: --max-blocks must be >= 0 (0: all)", file=sys.stderr)
+        return 2
+    if not Path(args.model).is_dir():
+        print(
+            f"error: {args.model!r} is not a directory; give a checkpoint, a run directory or a model", file=sys.stderr
+        )
+        return 2
+    import logging
+
+    import ray.data  # noqa: F401  (sets up ray.data's console handler, to quiet it here)
+
+    from raytrain_cpu.data import DataError
+    from raytrain_cpu.export import progress_to_stderr
+    from raytrain_cpu.main import hide_core_log_lines
+    from raytrain_cpu.metrics import ray_console_handlers
+
+    # Packing new data runs on a local Ray: its progress and core-worker lines are not ours.
+    for handler in ray_console_handlers():
+        handler.setLevel(logging.ERROR)
+    hide_core_log_lines()
+
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731  stdout holds the JSON
+    try:
+        with progress_to_stderr():
+            result = evaluate_model(
+                args.model, args.overrides, best=args.best, max_blocks=args.max_blocks, dtype=args.dtype, log=log
+            )
+    except (CheckpointError, ConfigError, DataError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    log(
+        f"[evaluate] eval loss {result['eval_loss']:.4f} ppl {result['eval_perplexity']:.2f} over {result['eval_tokens']:,} targets"
+    )
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
