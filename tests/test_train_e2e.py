@@ -261,6 +261,15 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     tags = set(events.Tags()["scalars"])
     assert {"eval/loss", "eval/chat/loss", "eval/notes/loss", "eval/notes/perplexity", "train/notes/loss"} <= tags
 
+    # `evaluate` measures each source as the run's last evaluation did (its blocks: 2 workers x 2 x 4)
+    from raytrain_cpu.evaluate import main as evaluate_main
+
+    capsys.readouterr()
+    assert evaluate_main([str(run_dir), "--max-blocks=16"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    for key in ("eval_loss/chat", "eval_loss/notes", "eval_loss/wiki"):
+        assert again[key] == pytest.approx(evals[-1][key], abs=2e-2), key
+
 
 def test_compiled_layers_train_as_eager_does(straight, tmp_path, shared_cache):
     """model.compile: each decoder layer compiled, gathered whole by ZeRO-3; the losses follow the
