@@ -584,6 +584,9 @@ def checkpoint_of(path: str | Path) -> Path:
     return latest_reported(p) or p
 
 
+BEST_HELP = "with a run directory: its best checkpoint (run.best_metric), not its latest"  # --best of the CLIs
+
+
 def best_of(run_dir: str | Path) -> Path:
     """A run directory's best checkpoint under run.best_metric: the one its latest checkpoint's
     manifest names (train.EvalWatch), which Ray Train keeps while it ranks first."""

@@ -25,7 +25,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.checkpoint import MANIFEST, CheckpointError, best_of, checkpoint_of, read_manifest
+from raytrain_cpu.checkpoint import BEST_HELP, MANIFEST, CheckpointError, best_of, checkpoint_of, read_manifest
 from raytrain_cpu.config import Config, ConfigError, _set_dotted, parse_override
 
 MICRO_BATCH = 8  # blocks a forward: the loss sums do not depend on it
@@ -55,8 +55,15 @@ def _run_settings(path: Path) -> tuple[dict[str, Any], str | None]:
 
 
 def evaluation_config(path: Path, model_dir: Path, overrides: list[str]) -> Config:
-    """The config whose data the model is evaluated on: the run's data settings, then
-    `overrides` (data.* only), the model and its tokenizer, the run's storage (its data cache)."""
+    """The config whose data the model is evaluated on: the run's data settings, the model and
+    its tokenizer, the run's storage (its data cache), then `overrides` (data.*, model.tokenizer)."""
+    given = dict(parse_override(item) for item in overrides)
+    for key in given:
+        if not (key.startswith("data.") or key == "model.tokenizer"):
+            raise ConfigError(
+                f"{key}: evaluate takes data.* settings (the data to evaluate on) and model.tokenizer only, "
+                "e.g. data.eval_path=…"
+            )
     data, tokenizer = _run_settings(path)
     run_dir = _run_dir_above(path)
     raw: dict[str, Any] = {
@@ -64,12 +71,7 @@ def evaluation_config(path: Path, model_dir: Path, overrides: list[str]) -> Conf
         "data": data,
         "run": {"storage_path": str(run_dir.parent) if run_dir else "./runs"},
     }
-    given = dict(parse_override(item) for item in overrides)
     for key, value in given.items():
-        if not key.startswith("data."):
-            raise ConfigError(
-                f"{key}: evaluate takes data.* settings only (the data to evaluate on), e.g. data.eval_path=…"
-            )
         _set_dotted(raw, key, value)
     if "data.eval_path" in given and "data.path" not in given:
         # "Evaluate on this file": only it is read (prepare_evaluation packs it alone), but the
@@ -127,6 +129,7 @@ def evaluate_model(
     from raytrain_cpu.train import eval_metrics, eval_sums
 
     path = best_of(path) if best else checkpoint_of(path)
+    evaluation_config(path, path, list(overrides))  # bad settings fail before the export (minutes for a large model)
     with ExitStack() as stack:
         model_dir = _export_dir(path, stack)
         cfg = evaluation_config(path, model_dir, list(overrides))
@@ -156,8 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "model", help="a checkpoint, a run directory (its latest checkpoint), an export or a model directory"
     )
-    ap.add_argument("overrides", nargs="*", help="data.* settings, e.g. data.eval_path=notes.txt (that file alone)")
-    ap.add_argument("--best", action="store_true", help="with a run directory: its best checkpoint (run.best_metric)")
+    ap.add_argument(
+        "overrides",
+        nargs="*",
+        help="data.* settings (and model.tokenizer), e.g. data.eval_path=notes.txt (that file alone)",
+    )
+    ap.add_argument("--best", action="store_true", help=BEST_HELP)
     ap.add_argument("--max-blocks", type=int, default=0, help="evaluate each source's first N eval blocks (0: all)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: the dtype it was saved in")
     args = ap.parse_intermixed_args(argv)  # overrides may follow the options

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_cpu.checkpoint import (
+    BEST_HELP,
     DS_TAG,
     MANIFEST,
     SNAPSHOT,
@@ -406,11 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint", help="a checkpoint directory (holds manifest.json and ds/), or a run directory: its latest one"
     )
     ap.add_argument("out_dir", help="where the model goes (created; must be empty unless --overwrite)")
-    ap.add_argument(
-        "--best",
-        action="store_true",
-        help="with a run directory: its best checkpoint (run.best_metric), not its latest",
-    )
+    ap.add_argument("--best", action="store_true", help=BEST_HELP)
     ap.add_argument(
         "--dtype", default="auto", choices=["auto", *DTYPES], help="weights dtype; auto = the training dtype"
     )

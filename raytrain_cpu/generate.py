@@ -19,7 +19,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.checkpoint import MANIFEST, CheckpointError, best_of, checkpoint_of
+from raytrain_cpu.checkpoint import BEST_HELP, MANIFEST, CheckpointError, best_of, checkpoint_of
 
 
 def _export_dir(path: Path, stack: ExitStack) -> Path:
@@ -137,11 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt (for chat/instruction runs: the user's message)")
     src.add_argument("--chat", metavar="FILE", help="a JSON file with a list of {role, content} messages")
-    ap.add_argument(
-        "--best",
-        action="store_true",
-        help="with a run directory: its best checkpoint (run.best_metric), not its latest",
-    )
+    ap.add_argument("--best", action="store_true", help=BEST_HELP)
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")

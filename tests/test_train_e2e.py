@@ -190,7 +190,10 @@ def test_the_best_checkpoint_is_kept_and_a_run_stops_early(ray_session, make_con
     theirs = json.loads(out.out)
     assert theirs["eval_blocks"] > 20 and theirs["eval_loss"] != ours["eval_loss"]
     assert evaluate_main([str(run_dir), "train.lr=1"]) == 2
-    assert "train.lr: evaluate takes data.* settings only" in capsys.readouterr().err
+    assert (
+        "train.lr: evaluate takes data.* settings (the data to evaluate on) and model.tokenizer"
+        in capsys.readouterr().err
+    )
 
 
 def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, make_config, tmp_path, capsys):
