@@ -1199,8 +1199,7 @@ def _best_line(s: dict[str, Any]) -> str:
     best = s.get("best_checkpoint")
     if not best:
         return ""
-    metric, value = next((k, v) for k, v in best.items() if k.startswith("eval_"))
-    return f"best checkpoint  {best['path']} ({metric} {value:.4f} at step {best['step']})\n"
+    return f"best checkpoint  {best['path']} ({best['metric']} {best['value']:.4f} at step {best['step']})\n"
 
 
 def _by_source(s: dict[str, Any], metric: str, fmt: str) -> str:

@@ -273,8 +273,9 @@ def key_figures(run: Run) -> dict[str, str]:
         "resumed at steps": ", ".join(map(str, m.restarts)) or "none",
     }
     if best := s.get("best_checkpoint"):  # run.best_metric
-        metric, value = next((k, v) for k, v in best.items() if k.startswith("eval_"))
-        out["best checkpoint"] = f"{Path(best['path']).name} ({metric} {_fmt(value)} at step {best['step']})"
+        out["best checkpoint"] = (
+            f"{Path(best['path']).name} ({best['metric']} {_fmt(best['value'])} at step {best['step']})"
+        )
     if m.eval and (last := by_source(m.eval[-1])):  # a mixture
         out[f"eval loss by source (step {m.eval[-1]['step']})"] = ", ".join(f"{k} {_fmt(v)}" for k, v in last.items())
     if counts := worker_counts(m.train):

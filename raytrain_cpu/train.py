@@ -1189,11 +1189,16 @@ def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu
 
 
 def best_checkpoint(w: Worker, st: Loop) -> dict[str, Any] | None:
-    """run.best_metric's best checkpoint: {"path", "step", <metric>: value}; None when not ranking."""
+    """run.best_metric's best checkpoint: {"path", "step", "metric", "value"}; None when not ranking."""
     best = st.watch.best_checkpoint
     if best is None:
         return None
-    return {"path": str(w.run_dir / best["name"]), "step": best["step"], st.watch.metric: best["value"]}
+    return {
+        "path": str(w.run_dir / best["name"]),
+        "step": best["step"],
+        "metric": st.watch.metric,
+        "value": best["value"],
+    }
 
 
 # ----------------------------------------------------------------------------- the loop

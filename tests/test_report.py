@@ -184,7 +184,7 @@ def test_report_names_an_early_stop_and_the_best_checkpoint(tmp_path):
     rows += [{"step": 4, "loss": 4.0, "tokens_seen": 1024}, {"step": 4, "eval_loss": 4.7, "eval_perplexity": 110.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     why = "eval_loss has not improved on its best (4.5000 at step 2) in 1 evaluations (train.early_stop_patience=1)"
-    best = {"path": str(tmp_path / "checkpoint_000002"), "step": 2, "eval_loss": 4.5}
+    best = {"path": str(tmp_path / "checkpoint_000002"), "step": 2, "metric": "eval_loss", "value": 4.5}
     (tmp_path / "summary.json").write_text(json.dumps({"steps": 4, "early_stop": why, "best_checkpoint": best}))
     figures = key_figures(load_run(tmp_path))
     assert figures["status"] == f"stopped early at step 4: {why}"

@@ -135,7 +135,8 @@ def test_the_best_checkpoint_is_kept_and_a_run_stops_early(ray_session, make_con
     run_dir = Path(first["run_dir"])
     evals = {m["step"]: m["eval_loss"] for m in _metrics(run_dir) if "eval_loss" in m}
     assert evals[4] < evals[2]  # training: the newest is the best
-    assert first["best_checkpoint"] == {"path": str(run_dir / "checkpoint_000004"), "step": 4, "eval_loss": evals[4]}
+    best = {"path": str(run_dir / "checkpoint_000004"), "step": 4, "metric": "eval_loss", "value": evals[4]}
+    assert first["best_checkpoint"] == best
     assert first["early_stop"] is None
 
     # The resume trains with a learning rate that wrecks the model: the eval loss rises.
