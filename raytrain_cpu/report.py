@@ -165,6 +165,16 @@ def plot_loss(run: Run):
     elif max(ys + eys) > 10 * min(ys + eys):
         ax.set_yscale("log")  # a spike would flatten the rest of the curve on a linear axis
     _mark_restarts_and_events(run, ax, on_tokens=True)
+    if best := (run.summary or {}).get("best_checkpoint"):  # run.best_metric
+        ax.plot(
+            [run.tokens_at(best["step"])],
+            [best["value"]],
+            marker="*",
+            markersize=14,
+            color="tab:red",
+            linestyle="none",
+            label=f"best checkpoint ({best['metric']}, step {best['step']})",
+        )
     if xs or exs:
         ax.legend()
     return fig

@@ -189,6 +189,8 @@ def test_report_names_an_early_stop_and_the_best_checkpoint(tmp_path):
     figures = key_figures(load_run(tmp_path))
     assert figures["status"] == f"stopped early at step 4: {why}"
     assert figures["best checkpoint"] == "checkpoint_000002 (eval_loss 4.5000 at step 2)"
+    star = [line for line in plot_loss(load_run(tmp_path)).axes[0].get_lines() if line.get_label().startswith("best")]
+    assert star[0].get_label() == "best checkpoint (eval_loss, step 2)" and list(star[0].get_ydata()) == [4.5]
 
 
 def test_report_cli_explains_a_wrong_directory(tmp_path):
