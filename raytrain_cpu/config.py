@@ -598,6 +598,13 @@ class TrainConfig:
     0: never. The run then checkpoints and ends as finished, before train.max_steps."""
     early_stop_min_delta: float = 0.0
     """How much lower than its best the watched eval metric must be to count as an improvement."""
+    sample_prompt: str = ""
+    """A prompt the model completes greedily at each evaluation, to watch what a run learns: shown
+    on the console, in <run dir>/samples.jsonl and TensorBoard. Chat and instruction runs render it
+    as the user's message with the run's template, as `generate` does. Every rank takes part
+    (ZeRO-3 gathers the weights for each new token). '': none."""
+    sample_tokens: int = 32
+    """New tokens of train.sample_prompt's completion, at most."""
     record_block_ids: bool = False
     """Append the id of every block each rank trains on to <run dir>/block_ids/rank<r>.txt
     (an audit trail of the data order; the resume tests count them)."""
@@ -636,6 +643,7 @@ class TrainConfig:
         _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping).")
         _require(self.weight_decay >= 0, "train.weight_decay", f"got {self.weight_decay}; must be >= 0 (0: none).")
         _require(self.early_stop_min_delta >= 0, "train.early_stop_min_delta", "must be >= 0.")
+        _require(self.sample_tokens > 0, "train.sample_tokens", "must be a positive integer.")
         _require(self.eps > 0, "train.eps", f"got {self.eps}; must be > 0 (AdamW divides by sqrt(v) + eps), e.g. 1e-8.")
         _require(
             self.profile_step <= self.max_steps,
@@ -1060,6 +1068,12 @@ class Config:
 
         if self.run.best_metric or self.train.early_stop_patience:
             _check_watched_metric(self)
+        _require(
+            not self.train.sample_prompt or self.train.sample_tokens < self.data.seq_len,
+            "train.sample_tokens",
+            f"{self.train.sample_tokens} leaves no room for the prompt in data.seq_len={self.data.seq_len} (the "
+            "positions the model trains on); lower it.",
+        )
         if self.deepspeed.config_file:
             _check_deepspeed_file(self)
         if self.elastic:

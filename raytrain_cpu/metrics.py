@@ -32,6 +32,7 @@ from typing import Any
 
 GIB = 2**30
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # train.sample_prompt's completions, one row per evaluation
 
 # ----------------------------------------------------------------------------- reading
 
@@ -425,6 +426,14 @@ class MetricsSink:
             except Exception as e:
                 self.log(f"[metrics] MLflow logging failed ({e.__class__.__name__}: {e}); continuing without it")
                 self.mlflow = None
+
+    def write_sample(self, step: int, prompt: str, completion: str) -> None:
+        """train.sample_prompt's completion at `step`: a samples.jsonl row and TensorBoard text."""
+        with open(self.run_dir / SAMPLES_FILE, "a") as f:
+            f.write(json.dumps({"step": step, "prompt": prompt, "completion": completion, "time": time.time()}) + "\n")
+        if self.tb is not None:
+            self.tb.add_text("sample", f"**{prompt}** {completion}", step)
+            self.tb.flush()
 
     def close(self, finished: bool = True) -> None:
         if self.tb is not None:

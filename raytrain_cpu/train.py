@@ -415,6 +415,48 @@ class EvalWatch:
         )
 
 
+@dataclass
+class Sampler:
+    """train.sample_prompt: its token ids (rendered as `generate` renders a prompt), the tokenizer
+    that decodes the completion, and how many new tokens it may have."""
+
+    prompt: str
+    ids: list[int]
+    tokenizer: Any
+    max_new: int
+
+    @classmethod
+    def for_run(cls, w: Worker) -> Sampler | None:
+        from raytrain_cpu.generate import prompt_ids
+        from raytrain_cpu.tokenizer import load_tokenizer
+
+        t = w.cfg.train
+        if not t.sample_prompt:
+            return None
+        tokenizer = load_tokenizer(resolve_tokenizer_path(w.cfg.model.tokenizer, w.loop_config["model_dir"]))
+        ids = prompt_ids(tokenizer, {"data": w.cfg.to_dict()["data"]}, t.sample_prompt, None)
+        # Its end kept: prompt and completion fit the positions the model trains on.
+        return cls(t.sample_prompt, ids[-(w.cfg.data.seq_len - t.sample_tokens) :], tokenizer, t.sample_tokens)
+
+    def complete(self, engine) -> str:
+        """The greedy completion; every rank runs each forward (ZeRO-3 gathers) and takes rank 0's
+        token, so all stop at the same one even where their arithmetic could differ. No KV cache:
+        each new token runs the whole sequence, which is short."""
+        import torch
+        import torch.distributed as dist
+
+        seq, new = torch.tensor([self.ids]), []
+        for _ in range(self.max_new):
+            logits = engine(input_ids=seq, use_cache=False, logits_to_keep=1).logits[:, -1]
+            token = logits.argmax(-1, keepdim=True)
+            dist.broadcast(token, src=0)
+            if token.item() == self.tokenizer.eos_token_id:
+                break
+            new.append(token.item())
+            seq = torch.cat([seq, token], dim=1)
+        return self.tokenizer.decode(new, skip_special_tokens=True)
+
+
 # ----------------------------------------------------------------------------- phases: set up
 
 
@@ -992,13 +1034,24 @@ def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink
     st.window_t, st.window_tokens, st.window_wait = time.perf_counter(), 0, 0.0
 
 
-def evaluate_and_log(w: Worker, st: Loop, engine, shards: dict[str, Any], sink) -> None:
-    """Every rank evaluates (each source of a mixture); rank 0 writes the row and the line."""
+def evaluate_and_log(w: Worker, st: Loop, engine, shards: dict[str, Any], sink, sampler: Sampler | None) -> None:
+    """Every rank evaluates (each source of a mixture) and completes train.sample_prompt; rank 0
+    writes the rows and the lines."""
+    import torch
+
     st.eval_metrics = evaluate(engine, shards, w.cfg.train.micro_batch_size, w.cfg.train.eval_batches)
     st.watch.after_eval(st.step, st.eval_metrics)
     if sink is not None:
         sink.write({"step": st.step, **st.eval_metrics, "time": time.time()})
         w.log(eval_line(st.step, st.eval_metrics))
+    if sampler is not None:
+        engine.eval()
+        with torch.no_grad():
+            completion = sampler.complete(engine)
+        engine.train()
+        if sink is not None:
+            sink.write_sample(st.step, sampler.prompt, completion)
+            w.log(f"[sample] step {st.step}: {sampler.prompt!r} -> {completion!r}")
 
 
 def release_free_pages(w: Worker, st: Loop, free_pages: FreePages) -> None:
@@ -1263,8 +1316,9 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     free_pages = FreePages(cfg.scaling.free_memory_growth_mib * 2**20, st.step + cpu.WARMUP_STEPS + 1)
 
     # ---- loop
+    sampler = Sampler.for_run(w)
     if eval_shards and t.eval_on_start and st.step == 0:  # the starting model's loss: the baseline
-        evaluate_and_log(w, st, engine, eval_shards, sink)
+        evaluate_and_log(w, st, engine, eval_shards, sink, sampler)
     if st.watch.stop_reason:  # resumed from the checkpoint an early stop took (a restart after it)
         w.log(f"stopped early at step {st.step}: {st.watch.stop_reason}")
     while st.step < t.max_steps and not st.watch.stop_reason:
@@ -1279,7 +1333,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             w.log(f"stopping: {guard.stop_reason}")
             break  # every rank reaches this at the same step: the decision was all-reduced
         if eval_shards and ((t.eval_every and st.step % t.eval_every == 0) or st.step == t.max_steps):
-            evaluate_and_log(w, st, engine, eval_shards, sink)
+            evaluate_and_log(w, st, engine, eval_shards, sink, sampler)
         reason = checkpoint_reason(w, st)
         if reason:
             save_checkpoint(w, st, engine, reason, loaded, block_log)

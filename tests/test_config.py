@@ -142,6 +142,8 @@ def test_round_trip_through_plain_dict():
         (["run.best_metric=eval_loss", "train.eval_every=30"], "run.best_metric", "train.checkpoint_every=90"),
         (["train.early_stop_patience=-1"], "train.early_stop_patience", ">= 0"),
         (["train.early_stop_min_delta=-0.1"], "train.early_stop_min_delta", ">= 0"),
+        (["train.sample_prompt=Hello", "train.sample_tokens=256"], "train.sample_tokens", "no room for the prompt"),
+        (["train.sample_tokens=0"], "train.sample_tokens", "positive"),
         (["train"], "train", "section.key=value"),
         (["train=3"], "train", "section"),
     ],

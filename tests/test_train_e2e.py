@@ -219,7 +219,8 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     mix = f"data.mix=[{{source: bundled, name: chat, weight: 1}}, {notes}, {watched}]"
     sft = ["data.format=chat", "data.seq_len=128"]  # as tests/test_finetune.py: the prompts fit
     steps = ["train.max_steps=6", "train.eval_batches=2", "train.eval_on_start=true", "train.record_block_ids=true"]
-    cfg = make_config(*sft, mix, *steps)
+    sample = ["train.sample_prompt=What is the article Du Fu about?", "train.sample_tokens=8"]
+    cfg = make_config(*sft, mix, *steps, *sample)
     summary = run(cfg)
 
     out = capsys.readouterr().out
@@ -264,6 +265,14 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"eval/loss", "eval/chat/loss", "eval/notes/loss", "eval/notes/perplexity", "train/notes/loss"} <= tags
+
+    # train.sample_prompt: completed at each evaluation by both ranks together, shown and kept
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    prompt = "What is the article Du Fu about?"
+    assert [(s["step"], s["prompt"]) for s in samples] == [(0, prompt), (6, prompt)]
+    assert all(isinstance(s["completion"], str) for s in samples)
+    assert f"[sample] step 6: {prompt!r} -> {samples[1]['completion']!r}" in out
+    assert any(tag.startswith("sample") for tag in events.Tags()["tensors"])
 
     # `evaluate` measures each source as the run's last evaluation did (its blocks: 2 workers x 2 x 4)
     from raytrain_cpu.evaluate import main as evaluate_main
