@@ -22,6 +22,7 @@ from typing import Any
 from raytrain_cpu.bench import (
     against_baseline,
     attention_inputs,
+    attention_shape_label,
     interleaved_runs,
     kernel_bench_parser,
     time_kernel_steps,
@@ -63,7 +64,7 @@ def main() -> None:
     rows = interleaved_runs(child, args, VARIANTS)
     table = [
         {
-            "shape": f"{shape} (heads {h}/{hk} x {d}, seq {s}, batch {max(1, args.tokens // s)})",
+            "shape": attention_shape_label(shape, h, hk, s, d, args.tokens),
             "variant": variant,
             "ms per forward + backward, each run": ", ".join(f"{r['step_ms']:.1f}" for r in mine),
             "speed vs sdpa (medians)": speed,

@@ -24,6 +24,7 @@ from typing import Any
 from raytrain_cpu.bench import (
     against_baseline,
     attention_inputs,
+    attention_shape_label,
     interleaved_runs,
     kernel_bench_parser,
     time_kernel_steps,
@@ -98,7 +99,7 @@ def main() -> None:
     rows = interleaved_runs(child, args, VARIANTS)
     table = [
         {
-            "shape": f"{shape} (heads {h}/{hk} x {d}, seq {s}, batch {max(1, args.tokens // s)})",
+            "shape": attention_shape_label(shape, h, hk, s, d, args.tokens),
             "variant": variant,
             "documents a row": median(r["documents_per_row"] for r in mine),
             "ms per forward + backward, each run": ", ".join(f"{r['step_ms']:.1f}" for r in mine),

@@ -1039,6 +1039,12 @@ def attention_inputs(b: int, h: int, hk: int, s: int, d: int) -> tuple[Any, Any,
     return q, k, v, projected(h)
 
 
+def attention_shape_label(name: str, h: int, hk: int, s: int, d: int, tokens: int) -> str:
+    """An attention bench's shape column: 'name (heads h/hk x d, seq s, batch b)', b rows of s
+    making up `tokens`."""
+    return f"{name} (heads {h}/{hk} x {d}, seq {s}, batch {max(1, tokens // s)})"
+
+
 def time_kernel_steps(run: Callable[[], Any], leaves: Sequence, steps: int) -> dict[str, float]:
     """A one-kernel bench's timing: `run()` (a forward and backward) once to warm up, then
     `steps` times, the gradients of `leaves` cleared before each; the median milliseconds and

@@ -1083,6 +1083,11 @@ class Config:
         return dataclasses.asdict(self)
 
     @property
+    def watched_metric(self) -> str:
+        """The eval metric run.best_metric ranks by and train.early_stop_patience watches."""
+        return self.run.best_metric or "eval_loss"
+
+    @property
     def elastic(self) -> bool:
         return 0 < self.scaling.min_workers < self.scaling.num_workers
 
@@ -1113,7 +1118,7 @@ def _check_watched_metric(cfg: Config) -> None:
     t, key = cfg.train, "run.best_metric" if cfg.run.best_metric else "train.early_stop_patience"
     names = [m.name for m in cfg.data.mix]
     metrics = ["eval_loss", *(f"eval_loss/{n}" for n in names)]
-    _choice(cfg.run.best_metric or "eval_loss", "run.best_metric", tuple(metrics))
+    _choice(cfg.watched_metric, "run.best_metric", tuple(metrics))
     _require(
         t.eval_every > 0,
         key,

@@ -554,6 +554,14 @@ def materialize_tokenizer(path: str, cfg: Config) -> tuple[str, int]:
     return str(p / "tokenizer.json"), eos
 
 
+def documents_eos(cfg: Config) -> int | None:
+    """data.attention_span=document: the EOS id that ends each text document, which the streams
+    count positions from (_read_blocks); None where attention spans the block."""
+    if cfg.data.attention_span != "document":
+        return None
+    return materialize_tokenizer(resolve_tokenizer_path(cfg.model.tokenizer, cfg.model.name_or_path), cfg)[1]
+
+
 @contextlib.contextmanager
 def _console_errors_held() -> Iterator[list]:
     """Holds back the ERROR records Ray Data's loggers would print on the console while blocks are

@@ -83,15 +83,11 @@ def evaluation_config(path: Path, model_dir: Path, overrides: list[str]) -> Conf
 def prepared_sources(cfg: Config, log) -> tuple[list[tuple[str, Path, dict]], int | None]:
     """Each source's packed cache (data.mixture_sources), prepared on a local Ray when missing,
     and the EOS id that bounds documents under data.attention_span=document (else None)."""
-    from raytrain_cpu.data import check_sources, materialize_tokenizer, mixture_sources, prepare_evaluation, read_meta
-    from raytrain_cpu.tokenizer import resolve_tokenizer_path
+    from raytrain_cpu.data import check_sources, documents_eos, mixture_sources, prepare_evaluation, read_meta
 
     check_sources(cfg.data)
     cache = prepare_evaluation(cfg, log=log)
-    eos = None
-    if cfg.data.attention_span == "document":
-        _, eos = materialize_tokenizer(resolve_tokenizer_path(cfg.model.tokenizer, cfg.model.name_or_path), cfg)
-    return mixture_sources(cache, read_meta(cache)), eos
+    return mixture_sources(cache, read_meta(cache)), documents_eos(cfg)
 
 
 def _batches(cache: Path, meta: dict[str, Any], n_blocks: int, eos: int | None):

@@ -221,18 +221,21 @@ def rescale_checkpoint(latest: dict[str, Any], world: int) -> None:
 
 
 def finished_run(cfg: Config) -> dict[str, Any] | None:
-    """The summary of a run whose latest checkpoint already reached train.max_steps, else None.
+    """The summary of a run whose latest checkpoint already reached train.max_steps (or where
+    train.early_stop_patience stopped it), else None.
 
     Re-running a finished job (the same command, a resubmitted `ray job submit`) then succeeds
     without starting Ray and leaves the run as it was: training on would rewrite config.yaml
     and summary.json with an attempt that trains no step.
     """
+    from raytrain_cpu.train import EvalWatch
+
     latest = newest_checkpoint(cfg.run.run_dir)
     if latest is None:
         return None
     if latest["step"] >= cfg.train.max_steps:
         why = f"train.max_steps={cfg.train.max_steps}: nothing to train. Raise train.max_steps to train on"
-    elif stopped_early(cfg, latest):
+    elif EvalWatch.for_run(cfg, latest).stop_reason:  # its evaluations used up train.early_stop_patience
         why = (
             f"where it stopped early (train.early_stop_patience={cfg.train.early_stop_patience}): nothing to train. "
             "Raise train.early_stop_patience (or set it to 0) to train on"
@@ -250,17 +253,6 @@ def finished_run(cfg: Config) -> dict[str, Any] | None:
     if summary.get("steps") != latest["step"]:  # no summary of that step (a run stopped after its checkpoint)
         summary = {"steps": latest["step"], "world_size": latest["world_size"], "run_dir": str(cfg.run.run_dir)}
     return {**summary, "checkpoint_path": latest["path"]}
-
-
-def stopped_early(cfg: Config, manifest: dict[str, Any]) -> bool:
-    """Whether the checkpoint's evaluations already used up train.early_stop_patience (train.EvalWatch)."""
-    watch = manifest.get("eval_watch") or {}
-    patience = cfg.train.early_stop_patience
-    return (
-        bool(patience)
-        and watch.get("metric") == (cfg.run.best_metric or "eval_loss")
-        and watch["evals_since_best"] >= patience
-    )
 
 
 def check_lora_before_ray(cfg: Config, model_dir: str | None = None) -> dict[str, int] | None:
@@ -781,16 +773,11 @@ def build_datasets(
     from ray.data import DataContext
 
     from raytrain_cpu import datathrottle
-    from raytrain_cpu.data import StreamPlan, eval_dataset, eval_stream, materialize_tokenizer, train_stream
-    from raytrain_cpu.tokenizer import resolve_tokenizer_path
+    from raytrain_cpu.data import StreamPlan, documents_eos, eval_dataset, eval_stream, train_stream
 
     # These streams' scheduling loops run inside the training workers: keep them from spinning.
     datathrottle.install(DataContext.get_current())
-    documents_eos = None  # data.attention_span=document: the blocks carry each token's place in its document
-    if cfg.data.attention_span == "document":
-        _, documents_eos = materialize_tokenizer(
-            resolve_tokenizer_path(cfg.model.tokenizer, cfg.model.name_or_path), cfg
-        )
+    eos = documents_eos(cfg)  # data.attention_span=document: the blocks carry each token's place in its document
 
     end = cfg.train.max_steps * cfg.train.derive_global_batch(worlds[-1])
     eval_blocks = cfg.train.eval_batches * cfg.train.micro_batch_size  # 0: the whole split
@@ -810,15 +797,13 @@ def build_datasets(
             end,
             pattern=tuple(meta.get("pattern", (0,))),
             source_labels=labelled,
-            documents_eos=documents_eos,
+            documents_eos=eos,
         )
         out[f"train_w{w}_rank{r}"] = train_stream(plan)
         for (name, source_cache, source_meta), has_labels in zip(sources, labelled):
             n_eval = source_meta["eval_blocks"]
             if n_eval >= w:
-                out[eval_dataset(w, r, name)] = eval_stream(
-                    source_cache, w, r, n_eval, eval_blocks, has_labels, documents_eos
-                )
+                out[eval_dataset(w, r, name)] = eval_stream(source_cache, w, r, n_eval, eval_blocks, has_labels, eos)
     return out
 
 
@@ -1158,7 +1143,7 @@ def check_watched_metric(cfg: Config, sources: list[tuple[str, Any, dict[str, An
     worker eval blocks of its source (of some source, for eval_loss), or it is never measured."""
     if not (cfg.run.best_metric or cfg.train.early_stop_patience):
         return
-    metric = cfg.run.best_metric or "eval_loss"
+    metric = cfg.watched_metric
     watched = [(name, m) for name, _, m in sources if metric == "eval_loss" or metric == f"eval_loss/{name}"]
     if all(m["eval_blocks"] < world for _, m in watched):
         name, m = watched[0]

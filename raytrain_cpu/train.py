@@ -364,7 +364,7 @@ class EvalWatch:
     @classmethod
     def for_run(cls, cfg: Config, manifest: dict[str, Any]) -> EvalWatch:
         watch = cls(
-            cfg.run.best_metric or "eval_loss",
+            cfg.watched_metric,
             cfg.train.early_stop_patience,
             cfg.train.early_stop_min_delta,
             bool(cfg.run.best_metric),
@@ -446,14 +446,17 @@ class Sampler:
         import torch.distributed as dist
 
         seq, new = torch.tensor([self.ids]), []
-        for _ in range(self.max_new):
-            logits = engine(input_ids=seq, use_cache=False, logits_to_keep=1).logits[:, -1]
-            token = logits.argmax(-1, keepdim=True)
-            dist.broadcast(token, src=0)
-            if token.item() == self.tokenizer.eos_token_id:
-                break
-            new.append(token.item())
-            seq = torch.cat([seq, token], dim=1)
+        engine.eval()
+        with torch.no_grad():
+            for _ in range(self.max_new):
+                logits = engine(input_ids=seq, use_cache=False, logits_to_keep=1).logits[:, -1]
+                token = logits.argmax(-1, keepdim=True)
+                dist.broadcast(token, src=0)
+                if token.item() == self.tokenizer.eos_token_id:
+                    break
+                new.append(token.item())
+                seq = torch.cat([seq, token], dim=1)
+        engine.train()
         return self.tokenizer.decode(new, skip_special_tokens=True)
 
 
@@ -1037,18 +1040,13 @@ def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink
 def evaluate_and_log(w: Worker, st: Loop, engine, shards: dict[str, Any], sink, sampler: Sampler | None) -> None:
     """Every rank evaluates (each source of a mixture) and completes train.sample_prompt; rank 0
     writes the rows and the lines."""
-    import torch
-
     st.eval_metrics = evaluate(engine, shards, w.cfg.train.micro_batch_size, w.cfg.train.eval_batches)
     st.watch.after_eval(st.step, st.eval_metrics)
     if sink is not None:
         sink.write({"step": st.step, **st.eval_metrics, "time": time.time()})
         w.log(eval_line(st.step, st.eval_metrics))
     if sampler is not None:
-        engine.eval()
-        with torch.no_grad():
-            completion = sampler.complete(engine)
-        engine.train()
+        completion = sampler.complete(engine)
         if sink is not None:
             sink.write_sample(st.step, sampler.prompt, completion)
             w.log(f"[sample] step {st.step}: {sampler.prompt!r} -> {completion!r}")
