@@ -131,8 +131,11 @@ def _causal_lm_forward(self, input_ids=None, labels=None, logits_to_keep=0, row_
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     plain = isinstance(logits_to_keep, int) and logits_to_keep == 0
-    if labels is None or not plain or kwargs.get("num_items_in_batch") is not None or "return_dict" in kwargs:
+    # peft's wrapper always passes return_dict (None): only a tuple asked for needs Hugging Face's forward.
+    as_tuple = kwargs.get("return_dict") is False
+    if labels is None or not plain or kwargs.get("num_items_in_batch") is not None or as_tuple:
         return type(self).forward(self, input_ids=input_ids, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    kwargs.pop("return_dict", None)
     out = self.model(input_ids=input_ids, **kwargs)
     tokens = torch.zeros(labels.numel(), dtype=torch.float32) if row_losses else None
     loss = self.lm_head(out.last_hidden_state, targets=shifted_targets(labels), token_losses=tokens)

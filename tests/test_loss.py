@@ -134,6 +134,23 @@ def test_calls_without_labels_run_the_model_unchanged():
         assert torch.equal(out.loss, hf(input_ids=ids, labels=labels).loss)
 
 
+def test_under_peft_the_fused_loss_still_runs():
+    """peft's wrapper calls the model with return_dict=None and None for inputs it does not use:
+    the fused loss (no logits, row_losses) still runs under it, with Hugging Face's loss's bits."""
+    from peft import LoraConfig, get_peft_model
+
+    hf, ours = _pair()
+    ids, labels = _batch()
+    # As raytrain's LoRA wraps a model (lora.peft_config): a causal-LM task, whose wrapper passes them.
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM")
+    wrapped_hf, wrapped = get_peft_model(hf, config), get_peft_model(ours, config)
+    wrapped.load_state_dict(wrapped_hf.state_dict())
+    out = wrapped(input_ids=ids, labels=labels, row_losses=True)
+    assert out.logits is None and out.row_losses.shape == (len(ids),)
+    assert torch.equal(out.loss, wrapped_hf(input_ids=ids, labels=labels).loss)
+    assert wrapped(input_ids=ids, labels=labels, return_dict=False)[0].shape == ()  # a tuple asked for: HF's
+
+
 def test_other_heads_keep_hugging_face_loss():
     from transformers import GPT2Config, GPT2LMHeadModel
 
