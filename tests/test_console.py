@@ -253,40 +253,77 @@ def test_verbose_shows_ray_lines(verbose, order, ray_children):
         assert forwarded == ["[rank 0] done"], lines
 
 
+def _broken_model(root: Path) -> Path:
+    """The tiny model with an activation transformers does not have in its config.json: it passes
+    the driver's checks and fails on the workers."""
+    import json
+
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.model import write_tiny_model
+    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+
+    model = root / "model"
+    write_tiny_model(load_config(None, []), load_tokenizer(resolve_tokenizer_path("bundled", "tiny")), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"hidden_act": "no_such_activation"}))
+    return model
+
+
+@pytest.fixture(scope="module")
+def cli_children(tmp_path_factory, shared_cache):
+    """The two CLI runs below, started at once: each is mostly Ray starting and workers loading, so
+    side by side they take about the longer one's time (one after the other: 39 s + 28 s here).
+    Their consoles go to files (a pipe nobody reads could fill); a run a test left is interrupted
+    at teardown as a user would (a kill would leave its Ray running), then killed."""
+    import signal
+
+    root = tmp_path_factory.mktemp("cli_children")
+    common = [f"run.storage_path={root}", f"data.cache_dir={shared_cache}", "data.tokenize_actors=1"]
+    runs = {
+        # Trains "forever", checkpointing every 4 steps: Ctrl-C stops it.
+        "stopped": [*common, "run.name=stopped", "train.max_steps=100000", "train.checkpoint_every=4"]
+        + ["train.eval_every=0", "data.seq_len=64", "train.micro_batch_size=4"],
+        # Fails on its workers past run.max_failures (0).
+        "broken": [*common, "run.name=broken", f"model.name_or_path={_broken_model(root)}", "train.max_steps=2"],
+    }
+    children = {}
+    for name, args in runs.items():
+        out, err = (open(root / f"{name}.{k}", "w") for k in ("out", "err"))  # noqa: SIM115 - closed below
+        p = subprocess.Popen(
+            [sys.executable, "-m", "raytrain_cpu.main", *args], cwd=ROOT, env=child_env(), stdout=out, stderr=err
+        )
+        children[name] = {"p": p, "run_dir": root / name, "files": (out, err), "err": root / f"{name}.err"}
+    yield children
+    for child in children.values():
+        p = child["p"]
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in child["files"]:
+            f.close()
+
+
 @pytest.mark.slow
-def test_ctrl_c_stops_the_run_and_says_where_it_can_resume(tmp_path, shared_cache):
+def test_ctrl_c_stops_the_run_and_says_where_it_can_resume(cli_children):
     """Ray Train turns Ctrl-C into an abort and exits the driver with SystemExit(1), logging only to
     the files the quiet console keeps. The CLI says what stopped and where the run resumes, exit 130."""
     import signal
 
     from raytrain_cpu.checkpoint import latest_reported, verify_checkpoint
 
-    run_dir = tmp_path / "stopped"
-    args = [f"run.storage_path={tmp_path}", "run.name=stopped", f"data.cache_dir={shared_cache}"]
-    args += ["train.max_steps=100000", "train.checkpoint_every=4", "train.eval_every=0", "data.seq_len=64"]
-    args += ["data.tokenize_actors=1", "train.micro_batch_size=4"]
-    p = subprocess.Popen(
-        [sys.executable, "-m", "raytrain_cpu.main", *args],
-        cwd=ROOT,
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.time() + 300
-        while latest_reported(run_dir) is None and p.poll() is None and time.time() < deadline:
-            time.sleep(1)
-        assert p.poll() is None, p.communicate()[1][-3000:]
-        p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:  # a failed wait: stop its Ray as a user would (a kill would leave it running)
-            p.send_signal(signal.SIGINT)
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    child = cli_children["stopped"]
+    p, run_dir = child["p"], child["run_dir"]
+    deadline = time.time() + 300
+    while latest_reported(run_dir) is None and p.poll() is None and time.time() < deadline:
+        time.sleep(1)
+    assert p.poll() is None, child["err"].read_text()[-3000:]
+    p.send_signal(signal.SIGINT)
+    p.wait(timeout=120)
+    err = child["err"].read_text()
     assert p.returncode == 130, err[-3000:]
     latest = latest_reported(run_dir)
     assert f"[raytrain] interrupted: run 'stopped' stopped before step 100000; its latest checkpoint is {latest}" in err
@@ -294,32 +331,15 @@ def test_ctrl_c_stops_the_run_and_says_where_it_can_resume(tmp_path, shared_cach
 
 
 @pytest.mark.slow
-def test_a_failed_run_ends_with_its_cause_in_one_line(tmp_path, shared_cache):
+def test_a_failed_run_ends_with_its_cause_in_one_line(cli_children):
     """Workers that fail past run.max_failures (here: a model config.json that passes the driver's
     checks, with an activation transformers does not have) end the CLI with exit 1 and one line:
     the failed rank's error and where the run resumes, not Ray's WorkerGroupError traceback."""
-    import json
-
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.model import write_tiny_model
-    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
-
-    model = tmp_path / "model"
-    write_tiny_model(load_config(None, []), load_tokenizer(resolve_tokenizer_path("bundled", "tiny")), model)
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps(config | {"hidden_act": "no_such_activation"}))
-    args = [f"model.name_or_path={model}", f"run.storage_path={tmp_path}", "run.name=broken"]
-    args += [f"data.cache_dir={shared_cache}", "train.max_steps=2", "data.tokenize_actors=1"]
-    p = subprocess.run(
-        [sys.executable, "-m", "raytrain_cpu.main", *args],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 1, p.stderr[-3000:]
-    last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: run 'broken' failed (rank "), p.stderr[-3000:]
+    child = cli_children["broken"]
+    child["p"].wait(timeout=300)
+    err = child["err"].read_text()
+    assert child["p"].returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: run 'broken' failed (rank "), err[-3000:]
     assert "no_such_activation" in last and "it had saved no checkpoint yet" in last
-    assert "Traceback" not in p.stderr and "WorkerGroupError" not in p.stderr
+    assert "Traceback" not in err and "WorkerGroupError" not in err
