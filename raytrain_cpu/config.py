@@ -385,7 +385,9 @@ class DataConfig:
     """'text' (documents packed back to back, every token trained), 'chat' (rows with a list of
     {role, content} messages) or 'instruction' (rows with prompt/response fields, or Alpaca's
     instruction/input/output): rendered with the chat template, loss only on the assistant's
-    tokens, several examples packed per block and padded, none split."""
+    tokens, several examples packed per block and padded, none split. 'preference' (rows with
+    a prompt and a chosen and a rejected response) trains with DPO (train.dpo_beta) against the
+    model as it started: each pair shares a block, each response attending to its own prompt."""
     messages_column: str = "messages"
     """Field holding the messages, for format 'chat'."""
     prompt_column: str = "prompt"
@@ -393,7 +395,14 @@ class DataConfig:
     response_column: str = "response"
     """Field holding the response, for format 'instruction'."""
     system_column: str = ""
-    """Optional field holding a system message, for format 'instruction'; '' for none."""
+    """Optional field holding a system message, for formats 'instruction' and 'preference'; ''
+    for none."""
+    chosen_column: str = "chosen"
+    """Field holding the preferred response, for format 'preference': text, or a list of
+    {role, content} messages whose last is the assistant's answer (the ones before it are the
+    prompt when the row has no data.prompt_column field)."""
+    rejected_column: str = "rejected"
+    """Field holding the dispreferred response, for format 'preference' (as data.chosen_column)."""
     chat_template: str = ""
     """'' renders with the tokenizer's own chat template, or the plain template when it has none
     (see raytrain_cpu/sft.py); else the path of a Jinja template file."""
@@ -451,7 +460,9 @@ class DataConfig:
                 f"is set, but data.source={self.source} reads {reads.get(self.source)}: set data.source=auto (or "
                 f"text, jsonl, parquet) to read {key}, or leave it out.",
             )
-        _choice(self.format, "data.format", ("text", "chat", "instruction"))
+        _choice(self.format, "data.format", ("text", "chat", "instruction", "preference"))
+        if self.format == "preference":
+            self._check_preference()
         if self.format != "text":
             _require(
                 self.source != "text",
@@ -476,8 +487,27 @@ class DataConfig:
         _require(self.shuffle_window > 0, "data.shuffle_window", "must be a positive number of blocks.")
         _require(self.prefetch_batches >= 0, "data.prefetch_batches", "must be >= 0.")
 
+    def _check_preference(self) -> None:
+        _require(
+            self.attention_span == "document",
+            "data.attention_span",
+            "is 'block', and data.format=preference puts a pair's chosen and rejected responses in one block: each "
+            "must see only its own prompt. Set data.attention_span=document (or auto).",
+        )
+        _require(
+            not self.train_on_prompt,
+            "data.train_on_prompt",
+            "DPO compares the responses' likelihoods; the prompt is the same in both and takes no part. Leave it false.",
+        )
+
     def _check_mix(self) -> None:
         _require(bool(self.mix), "data.source", "'mix' needs data.mix entries (a list of sources with weights).")
+        _require(
+            "preference" not in {self.format, *(e.format for e in self.mix)},
+            "data.format",
+            "'preference' trains on one source, not a mixture (its DPO loss and a text source's loss are "
+            "not one objective); train on one preference source, with data.mix left out.",
+        )
         for key, value, default in (
             ("source", self.source, "mix"),
             ("path", self.path, ""),
@@ -605,6 +635,10 @@ class TrainConfig:
     (ZeRO-3 gathers the weights for each new token). '': none."""
     sample_tokens: int = 32
     """New tokens of train.sample_prompt's completion, at most."""
+    dpo_beta: float = 0.1
+    """DPO's beta, for data.format=preference: the loss is -log sigmoid(beta x (how much more the
+    model prefers the chosen response than the reference did, in log-likelihood)). A larger
+    beta keeps the model closer to the reference; 0.1 is the DPO paper's and TRL's default."""
     record_block_ids: bool = False
     """Append the id of every block each rank trains on to <run dir>/block_ids/rank<r>.txt
     (an audit trail of the data order; the resume tests count them)."""
@@ -644,6 +678,7 @@ class TrainConfig:
         _require(self.weight_decay >= 0, "train.weight_decay", f"got {self.weight_decay}; must be >= 0 (0: none).")
         _require(self.early_stop_min_delta >= 0, "train.early_stop_min_delta", "must be >= 0.")
         _require(self.sample_tokens > 0, "train.sample_tokens", "must be a positive integer.")
+        _require(self.dpo_beta > 0, "train.dpo_beta", f"got {self.dpo_beta}; must be > 0 (e.g. 0.1).")
         _require(self.eps > 0, "train.eps", f"got {self.eps}; must be > 0 (AdamW divides by sqrt(v) + eps), e.g. 1e-8.")
         _require(
             self.profile_step <= self.max_steps,
@@ -1118,6 +1153,8 @@ def _check_watched_metric(cfg: Config) -> None:
     t, key = cfg.train, "run.best_metric" if cfg.run.best_metric else "train.early_stop_patience"
     names = [m.name for m in cfg.data.mix]
     metrics = ["eval_loss", *(f"eval_loss/{n}" for n in names)]
+    if cfg.data.format == "preference":
+        metrics.append("eval_dpo_loss")
     _choice(cfg.watched_metric, "run.best_metric", tuple(metrics))
     _require(
         t.eval_every > 0,

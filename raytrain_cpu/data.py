@@ -299,7 +299,7 @@ def _jsonl_rows(raw: bytes, path: str, bad_rows: str) -> tuple[list[tuple[str, i
 def file_examples(path: str, raw: bytes, spec: SourceSpec, data: DataConfig) -> tuple[list[str], int]:
     """Chat/instruction rows of one file as JSON payloads {ref, messages} for the tokenizer actors;
     a row without messages/prompt fails naming file and row, or is skipped and counted."""
-    from raytrain_cpu.sft import RowError, row_messages
+    from raytrain_cpu.sft import RowError, row_messages, row_pair
 
     if spec.kind == "jsonl":
         rows, skipped = _jsonl_rows(raw, path, spec.bad_rows)
@@ -317,7 +317,10 @@ def file_examples(path: str, raw: bytes, spec: SourceSpec, data: DataConfig) -> 
         try:
             if not isinstance(obj, dict):
                 raise RowError(f"a {type(obj).__name__}, not an object with fields")
-            out.append(json.dumps({"ref": ref, "messages": row_messages(obj, data)}))
+            if data.format == "preference":
+                out.append(json.dumps({"ref": ref, "pair": row_pair(obj, data)}))
+            else:
+                out.append(json.dumps({"ref": ref, "messages": row_messages(obj, data)}))
         except (RowError, ValueError) as e:
             if spec.bad_rows == "skip":
                 skipped += 1
@@ -458,45 +461,49 @@ class Tokenize:
         from raytrain_cpu.sft import RowError, example_tokens
 
         d = self.data
-        ids_col, labels_col, skipped = [], [], [int(x) for x in batch["skipped"]]
+        skipped = [int(x) for x in batch["skipped"]]
         payloads = [json.loads(str(t)) if str(t) else None for t in batch["text"]]
+        # A preference row is two conversations (chosen, rejected) that share a block, so each
+        # prompt must leave room in half of it.
+        room = d.seq_len // 2 if d.format == "preference" else d.seq_len
         rendered: list[tuple[int, str, list]] = []
         for i, p in enumerate(payloads):
             if p is None:
                 continue
             try:
-                text, spans = self.sft.render(p["messages"])
+                rendered += [(i, *self.sft.render(m)) for m in p.get("pair") or [p["messages"]]]
             except RowError as e:
                 self._bad(p["ref"], str(e))
                 skipped[i] += 1
-                continue
-            rendered.append((i, text, spans))
         encodings = self.tok.encode_batch([t for _, t, _ in rendered], add_special_tokens=False) if rendered else []
-        done: dict[int, tuple[list[int], list[int]]] = {}
+        done: dict[int, list[tuple[list[int], list[int]]]] = {}
         for (i, _, spans), enc in zip(rendered, encodings):
+            if i in done and done[i] is None:
+                continue  # the pair's other side was refused
             ids, labels, prompt = example_tokens(enc, spans, d.train_on_prompt, self.eos)
-            if prompt is None or prompt >= d.seq_len:
+            if prompt is None or prompt >= room:
                 why = (
                     "no response token survives the template: nothing to train on"
                     if prompt is None
                     else f"its prompt alone takes {prompt} tokens, so data.seq_len={d.seq_len} leaves no room "
-                    "for the response; raise data.seq_len or shorten the prompt"
+                    "for the response"
+                    + (" (a preference pair shares a block)" if room < d.seq_len else "")
+                    + "; raise data.seq_len or shorten the prompt"
                 )
                 self._bad(payloads[i]["ref"], why)
                 skipped[i] += 1
+                done[i] = None
                 continue
-            done[i] = (ids, labels)
-        for i in range(len(payloads)):
-            ids, labels = done.get(i, ([], []))
-            ids_col.append(np.asarray(ids, dtype=np.int32))
-            labels_col.append(np.asarray(labels, dtype=np.int32))
-        return pa.table(
-            {
-                "ids": pa.array(ids_col, type=pa.list_(pa.int32())),
-                "labels": pa.array(labels_col, type=pa.list_(pa.int32())),
-                "skipped": pa.array(np.asarray(skipped, dtype=np.int64)),
-            }
-        )
+            done.setdefault(i, []).append((ids, labels))
+        examples = [done.get(i) or [] for i in range(len(payloads))]
+        columns = {
+            "ids": [np.asarray([t for ids, _ in ex for t in ids], dtype=np.int32) for ex in examples],
+            "labels": [np.asarray([t for _, lab in ex for t in lab], dtype=np.int32) for ex in examples],
+        }
+        table = {name: pa.array(col, type=pa.list_(pa.int32())) for name, col in columns.items()}
+        if d.format == "preference":  # where the rejected conversation starts in ids
+            table["split"] = pa.array(np.asarray([len(ex[0][0]) if ex else 0 for ex in examples], dtype=np.int64))
+        return pa.table(table | {"skipped": pa.array(np.asarray(skipped, dtype=np.int64))})
 
     def _bad(self, ref: str, why: str) -> None:
         if self.data.bad_rows != "skip":
@@ -678,6 +685,9 @@ def cache_key(
             # token's position in its example (data.attention_span=document reads them).
             "packing": f"first-fit-{PACK_WINDOW}+positions",
         }
+        if d.format == "preference":  # a pair's two sides share a block, chosen first
+            payload["sft"]["columns"] += [d.chosen_column, d.rejected_column]
+            payload["sft"]["packing"] += "+pairs"
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -774,14 +784,33 @@ class _ExampleWriter(_BlockWriter):
         if len(ids) > self.seq_len:
             ids, labels = ids[: self.seq_len], labels[: self.seq_len]
             self.truncated += 1
-        block = next((b for b in self.open if b.used + len(ids) <= self.seq_len), None)
+        self._place([(ids, labels)])
+
+    def add_pair(self, ids: np.ndarray, labels: np.ndarray, split: int) -> None:
+        """A preference pair (chosen = ids[:split], then rejected) into one block, side by side:
+        the trainer tells them apart by their order. A pair longer than seq_len has its longer
+        side(s) cut to fit (each keeps at least half a block, where its prompt fits)."""
+        sides = [(ids[:split], labels[:split]), (ids[split:], labels[split:])]
+        if len(ids) > self.seq_len:
+            half = self.seq_len // 2
+            short = min(len(sides[0][0]), len(sides[1][0]))
+            cap = self.seq_len - short if short <= half else half
+            sides = [(i[:cap], lab[:cap]) for i, lab in sides]
+            self.truncated += 1
+        self._place(sides)
+
+    def _place(self, pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Puts pieces (an example, or a pair's two sides) into one block, first fit."""
+        size = sum(len(ids) for ids, _ in pieces)
+        block = next((b for b in self.open if b.used + size <= self.seq_len), None)
         if block is None:
             block = _OpenBlock()
             self.open.append(block)
-        block.ids.append(ids)
-        block.labels.append(labels)
-        block.positions.append(np.arange(len(ids), dtype=np.int32))
-        block.used += len(ids)
+        for ids, labels in pieces:
+            block.ids.append(ids)
+            block.labels.append(labels)
+            block.positions.append(np.arange(len(ids), dtype=np.int32))
+        block.used += size
         # Blocks are written in the order they opened: the oldest closes when full or pushed out.
         while self.open and (self.open[0].used == self.seq_len or len(self.open) > self.window):
             self._close_block()
@@ -926,6 +955,7 @@ def _pack(
                 offsets = col.offsets.to_numpy()
                 values = col.values.to_numpy()
                 labels = batch.column("labels").combine_chunks().values.to_numpy() if sft else None
+                splits = batch.column("split").to_numpy() if spec.format == "preference" else None
                 for i in range(len(col)):
                     ids = values[offsets[i] : offsets[i + 1]]
                     if len(ids) == 0:
@@ -934,7 +964,9 @@ def _pack(
                     tokens += len(ids)
                     # Hold-out goes by document, so no article is split between train and eval.
                     w = eval_writer if eval_writer is not None and docs % every == 0 else writer
-                    if sft:
+                    if splits is not None:
+                        w.add_pair(ids, labels[offsets[i] : offsets[i + 1]], int(splits[i]))
+                    elif sft:
                         w.add_example(ids, labels[offsets[i] : offsets[i + 1]])
                     else:
                         w.add(ids)
@@ -1060,7 +1092,8 @@ def _pack_training_text(
     if cfg.format != "text":
         log(
             f"[data] {cfg.format}: {stats['loss_tokens']:,} response tokens carry the loss; padding "
-            f"{stats['padding_frac']:.1%} of the blocks; {stats['truncated_examples']} examples truncated to "
+            f"{stats['padding_frac']:.1%} of the blocks; {stats['truncated_examples']} "
+            f"{'pairs cut to share a block of' if cfg.format == 'preference' else 'examples truncated to'} "
             f"data.seq_len={cfg.seq_len}"
         )
     if stats["blocks"] == 0:

@@ -8,8 +8,9 @@ checkpoint's manifest, an export's raytrain.json; the embedded default's bundled
 a model directory without either), changed by `data.*` overrides, and packed into blocks as
 training packs them, in the same data cache (a run's own evaluation blocks are found there, not
 tokenized again; other data is packed once, on a local Ray). The loss is token-weighted over
-the same targets (a chat run's response tokens), within each document where the run's
-data.attention_span says so, for each source of a mixture too.
+the same targets (a chat run's response tokens; a preference run's chosen answers, as its
+evaluations' eval_loss), within each document where the run's data.attention_span says so, for
+each source of a mixture too.
 
 Why: the base model against its fine-tuned export on the same held-out blocks, a model on
 text of your own (`data.eval_path=notes.txt` evaluates that file alone, in the run's format),
@@ -96,12 +97,16 @@ def _batches(cache: Path, meta: dict[str, Any], n_blocks: int, eos: int | None):
     import torch
 
     from raytrain_cpu.data import _read_blocks
+    from raytrain_cpu.dpo import chosen_labels
 
     has_labels = meta.get("data_format", "text") != "text"
     for lo in range(0, n_blocks, MICRO_BATCH):
         ids = np.arange(lo, min(lo + MICRO_BATCH, n_blocks))
         blocks = _read_blocks(str(cache / "eval"), ids, has_labels, eos)
-        yield {k: torch.from_numpy(v.astype(np.int64)) for k, v in blocks.items()}
+        batch = {k: torch.from_numpy(v.astype(np.int64)) for k, v in blocks.items()}
+        if meta.get("data_format") == "preference":  # no reference here: the chosen answers' loss
+            batch["labels"] = chosen_labels(batch["labels"], batch["position_ids"])
+        yield batch
 
 
 def evaluate_model(

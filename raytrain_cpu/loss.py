@@ -107,6 +107,52 @@ class LinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None
 
 
+class TargetLogProbs(torch.autograd.Function):
+    """log p(target) of each token (0 where the target is -100) from hidden (N, d) and the output
+    weight (V, d), a chunk of `rows` tokens at a time: what DPO reads of the model. Unlike the
+    loss above, its gradient depends on values known only after the forward (each pair's
+    weight), so the backward recomputes each chunk's logits instead of keeping (N, V) of them."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+        out = torch.zeros(hidden.shape[0], dtype=torch.float32)
+        safe = targets.clamp_min(0).unsqueeze(1)
+        for s in range(0, hidden.shape[0], rows):
+            logits = torch.mm(hidden[s : s + rows], weight.t()).float()
+            out[s : s + rows] = logits.gather(1, safe[s : s + rows]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.rows = rows
+        return out.masked_fill_(targets == IGNORE_INDEX, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        hidden, weight, targets = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g = grad_out.float().masked_fill(targets == IGNORE_INDEX, 0.0)
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32) if want_w else None
+        for s in range(0, hidden.shape[0], ctx.rows):
+            h, t = hidden[s : s + ctx.rows], targets[s : s + ctx.rows]
+            # d log p(t) / d logits = onehot(t) - softmax, scaled by each token's incoming gradient
+            probs = torch.softmax(torch.mm(h, weight.t()).float(), dim=-1)
+            grad_logits = (-probs).scatter_add_(1, t.clamp_min(0).unsqueeze(1), torch.ones_like(probs[:, :1]))
+            grad_logits = (grad_logits * g[s : s + ctx.rows].unsqueeze(1)).to(hidden.dtype)
+            if want_h:
+                torch.mm(grad_logits, weight, out=grad_h[s : s + ctx.rows])
+            if want_w:
+                grad_w.addmm_(grad_logits.t().float(), h.float())
+        return grad_h, grad_w.to(weight.dtype) if want_w else None, None, None
+
+
+def label_logps_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) log p(labels[t]) from the logits at t-1; 0 at t = 0 and where the label is -100
+    (models whose loss is not fused hand back logits)."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    target = labels[:, 1:]
+    picked = logp.gather(2, target.clamp_min(0).unsqueeze(2)).squeeze(2).masked_fill(target == IGNORE_INDEX, 0.0)
+    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+
+
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
     """Position t predicts label t+1; the last position predicts nothing (ForCausalLMLoss's shift)."""
     pad = torch.full_like(labels[:, :1], IGNORE_INDEX)
@@ -114,20 +160,30 @@ def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
 
 
 def _head_forward(
-    self, hidden: torch.Tensor, targets: torch.Tensor | None = None, token_losses: torch.Tensor | None = None
+    self,
+    hidden: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    token_losses: torch.Tensor | None = None,
+    logps: bool = False,
 ) -> torch.Tensor:
     """The output layer: logits as nn.Linear makes them, or with targets the mean loss (and each
-    token's into `token_losses` when given)."""
+    token's into `token_losses` when given), or with `logps` each target's log-probability."""
     if targets is None:
         return torch.nn.Linear.forward(self, hidden)
     flat = hidden.reshape(-1, hidden.shape[-1])
+    if logps:
+        return TargetLogProbs.apply(flat, self.weight, targets, chunk_rows(self.weight.shape[0]))
     return LinearCrossEntropy.apply(flat, self.weight, targets, chunk_rows(self.weight.shape[0]), token_losses)
 
 
-def _causal_lm_forward(self, input_ids=None, labels=None, logits_to_keep=0, row_losses=False, **kwargs: Any):
+def _causal_lm_forward(
+    self, input_ids=None, labels=None, logits_to_keep=0, row_losses=False, label_logps=False, **kwargs: Any
+):
     """The model's forward; with labels, the loss without logits (output.logits is None), and
     with `row_losses` also output.row_losses: each row's summed loss over its targets (the
-    training loop adds them up by mixture source)."""
+    training loop adds them up by mixture source). With `label_logps`, no loss but
+    output.label_logps: (B, T) log p(labels[t]) given the tokens before t, 0 at t = 0 and where
+    the label is -100 (DPO's sums)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     plain = isinstance(logits_to_keep, int) and logits_to_keep == 0
@@ -137,11 +193,16 @@ def _causal_lm_forward(self, input_ids=None, labels=None, logits_to_keep=0, row_
         return type(self).forward(self, input_ids=input_ids, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     kwargs.pop("return_dict", None)
     out = self.model(input_ids=input_ids, **kwargs)
+    extras = dict(past_key_values=out.past_key_values, hidden_states=out.hidden_states, attentions=out.attentions)
+    if label_logps:
+        shifted = self.lm_head(out.last_hidden_state, targets=shifted_targets(labels), logps=True).view(labels.shape)
+        by_label = torch.cat([torch.zeros_like(shifted[:, :1]), shifted[:, :-1]], dim=1)
+        result = CausalLMOutputWithPast(loss=None, **extras)
+        result["label_logps"] = by_label
+        return result
     tokens = torch.zeros(labels.numel(), dtype=torch.float32) if row_losses else None
     loss = self.lm_head(out.last_hidden_state, targets=shifted_targets(labels), token_losses=tokens)
-    result = CausalLMOutputWithPast(
-        loss=loss, past_key_values=out.past_key_values, hidden_states=out.hidden_states, attentions=out.attentions
-    )
+    result = CausalLMOutputWithPast(loss=loss, **extras)
     if tokens is not None:
         result["row_losses"] = tokens.view(labels.shape).sum(dim=1)
     return result

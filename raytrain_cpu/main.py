@@ -160,6 +160,7 @@ def validate_before_ray(cfg: Config) -> None:
             raise ConfigError(
                 f"model.tokenizer: {cfg.model.tokenizer!r} does not exist; use 'bundled', '' or a tokenizer directory."
             )
+    check_preference(cfg)
     check_installed(cfg)
     check_not_in_job_copy(cfg)
     check_storage(cfg.run.run_dir)
@@ -172,6 +173,17 @@ def validate_before_ray(cfg: Config) -> None:
     except DataError as e:
         raise ConfigError(str(e)) from None
     check_resume(cfg)
+
+
+def check_preference(cfg: Config) -> None:
+    """DPO (data.format=preference) trains LoRA adapters: the reference model is the frozen base
+    with the adapters off, so no second copy of the model is held. (Here, not in Config: evaluate
+    reads preference data with no adapters to train.)"""
+    if cfg.data.format == "preference" and not cfg.lora.enabled:
+        raise ConfigError(
+            "data.format: 'preference' trains with DPO against the model as it started, which this tool takes "
+            "from the frozen base under LoRA adapters (no second copy of the model held); set lora.rank (e.g. 8)."
+        )
 
 
 def check_resume(cfg: Config, world: int | None = None) -> dict[str, Any] | None:
@@ -1144,7 +1156,8 @@ def check_watched_metric(cfg: Config, sources: list[tuple[str, Any, dict[str, An
     if not (cfg.run.best_metric or cfg.train.early_stop_patience):
         return
     metric = cfg.watched_metric
-    watched = [(name, m) for name, _, m in sources if metric == "eval_loss" or metric == f"eval_loss/{name}"]
+    whole = ("eval_loss", "eval_dpo_loss")  # over every source (a preference run has one)
+    watched = [(name, m) for name, _, m in sources if metric in whole or metric == f"eval_loss/{name}"]
     if all(m["eval_blocks"] < world for _, m in watched):
         name, m = watched[0]
         key = "run.best_metric" if cfg.run.best_metric else "train.early_stop_patience"
@@ -1164,6 +1177,7 @@ def print_summary(s: dict[str, Any]) -> None:
         f"tokens seen      {num('tokens_seen', ',')}\n"
         f"final loss       {num('final_loss', '.4f')}{_by_source(s, 'final_loss', '.4f')}\n"
         f"eval perplexity  {num('eval_perplexity', '.2f')}{_by_source(s, 'eval_perplexity', '.2f')}\n"
+        f"{_preference_line(s)}"
         f"tokens/s         {num('tokens_per_s', ',.0f')} on {workers(s['world_size'])}\n"
         f"wall time        {num('wall_s', '.0f')}s\n"
         f"checkpoint       {s['checkpoint_path']}\n"
@@ -1177,6 +1191,13 @@ def print_summary(s: dict[str, Any]) -> None:
         print(f"[raytrain] stopped early at step {s['steps']}: {s['early_stop']}", flush=True)
     if s.get("guard_stop"):
         print(f"error: the run stopped early at step {s['steps']}: {s['guard_stop']}", file=sys.stderr, flush=True)
+
+
+def _preference_line(s: dict[str, Any]) -> str:
+    """'eval DPO         loss 0.6687, reward accuracy 56.2%' for a preference run, else ''."""
+    if s.get("eval_dpo_loss") is None:
+        return ""
+    return f"eval DPO         loss {s['eval_dpo_loss']:.4f}, reward accuracy {100 * s['eval_reward_accuracy']:.1f}%\n"
 
 
 def _best_line(s: dict[str, Any]) -> str:

@@ -242,6 +242,8 @@ class Progress:
         if row.get("loss") is not None:
             each = ", ".join(f"{name} {v:.4f}" for name, v in by_source(row, "loss").items())
             parts.append(f"loss {row['loss']:.4f}" + (f" ({each})" if each else ""))
+        if row.get("reward_accuracy") is not None:  # DPO: how often the chosen answer gained more
+            parts.append(f"reward acc {100 * row['reward_accuracy']:.0f}% margin {row['reward_margin']:.3f}")
         if row.get("lr") is not None:
             parts.append(f"lr {row['lr']:.2e}")
         if row.get("grad_norm") is not None:
@@ -309,6 +311,14 @@ TB_TAGS = {
     "mem_peak_max_gib": "memory/peak_max_gib",
     "eval_loss": "eval/loss",
     "eval_perplexity": "eval/perplexity",
+    # DPO (data.format=preference)
+    "reward_accuracy": "train/reward_accuracy",
+    "reward_margin": "train/reward_margin",
+    "reward_chosen": "train/reward_chosen",
+    "reward_rejected": "train/reward_rejected",
+    "eval_dpo_loss": "eval/dpo_loss",
+    "eval_reward_accuracy": "eval/reward_accuracy",
+    "eval_reward_margin": "eval/reward_margin",
 }
 
 

@@ -120,6 +120,53 @@ def _instruction_fields(row: dict[str, Any], cfg: DataConfig) -> tuple[str, str]
     return prompt, response
 
 
+def row_pair(row: dict[str, Any], cfg: DataConfig) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """A preference row's two conversations, (chosen, rejected), the same prompt before each answer.
+
+    The prompt is data.prompt_column's text (the user's message) or messages; chosen and rejected
+    are each the answer's text, or messages ending with it (TRL's conversational rows; with no
+    prompt field the messages before the answer are the prompt, and must be the same in both)."""
+    sides = []
+    for column in (cfg.chosen_column, cfg.rejected_column):
+        value = row.get(column)
+        if value is None:
+            raise RowError(f"no {column!r} field (has {sorted(row)}); set data.chosen_column / data.rejected_column")
+        if isinstance(value, str):
+            value = [{"role": "assistant", "content": value}]
+        sides.append(_messages(value, column))
+    (chosen, *chosen_prompt), (rejected, *rejected_prompt) = [(m[-1], *m[:-1]) for m in sides]
+    for column, last in ((cfg.chosen_column, chosen), (cfg.rejected_column, rejected)):
+        if last["role"] != "assistant":
+            raise RowError(f"{column!r} must end with the assistant's answer, not a {last['role']!r} message")
+    prompt = row.get(cfg.prompt_column)
+    if prompt is None and not chosen_prompt:
+        raise RowError(f"no {cfg.prompt_column!r} field (has {sorted(row)}); set data.prompt_column")
+    if prompt is None:
+        if chosen_prompt != rejected_prompt:
+            raise RowError(f"{cfg.chosen_column!r} and {cfg.rejected_column!r} differ before their answers")
+        messages = chosen_prompt
+    else:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _messages(prompt, "prompt")
+        messages += chosen_prompt  # a prompt field and conversations: the turns before each answer follow it
+        if chosen_prompt != rejected_prompt:
+            raise RowError(f"{cfg.chosen_column!r} and {cfg.rejected_column!r} differ before their answers")
+    system = row.get(cfg.system_column) if cfg.system_column else None
+    if isinstance(system, str) and system and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system}, *messages]
+    return [*messages, chosen], [*messages, rejected]
+
+
+def _messages(value: Any, column: str) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise RowError(f"{column!r} must be text or a non-empty list of {{role, content}}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise RowError(f"{column!r} message {i} is not a {{role, content}} object with text content")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
 # ----------------------------------------------------------------------------- messages -> text
 
 

@@ -212,6 +212,30 @@ def evaluate(engine, shards: dict[str, Any], micro: int, max_batches: int) -> di
     return eval_metrics(list(shards), _allreduce_sum(sums))
 
 
+def evaluate_pairs(w: Worker, engine, shards: dict[str, Any]) -> dict[str, float]:
+    """DPO's evaluation over every rank's eval pairs: eval_dpo_loss, eval_reward_accuracy, ...
+    (raytrain_cpu.dpo), and eval_loss / eval_perplexity / eval_tokens over the chosen answers."""
+    import torch
+
+    from raytrain_cpu import dpo
+
+    t = w.cfg.train
+    sums = [0.0] * len(dpo.SUM_NAMES)
+    engine.eval()
+    with torch.no_grad():
+        for shard in shards.values():  # one: preference data is never a mixture
+            batches = shard.iter_torch_batches(batch_size=t.micro_batch_size, dtypes=torch.long)
+            for i, batch in enumerate(batches):
+                if t.eval_batches and i >= t.eval_batches:
+                    break
+                _, batch_sums = dpo.micro_batch_loss(engine, model_inputs(batch), t.dpo_beta, w.fused_loss)
+                sums = [a + b for a, b in zip(sums, batch_sums)]
+    engine.train()
+    sums = _allreduce_sum(sums)
+    nll, tokens = sums[dpo.SUM_NAMES.index("chosen_nll")], sums[dpo.SUM_NAMES.index("chosen_tokens")]
+    return eval_metrics([""], [nll, tokens]) | dpo.metrics(sums, prefix="eval_")
+
+
 def eval_sums(forward, batches, max_batches: int = 0) -> list[float]:
     """[summed loss, target count] of `forward` (the engine: every rank runs it, as ZeRO-3
     gathers) over batches of one source's eval blocks, the first `max_batches` (0: all)."""
@@ -244,8 +268,16 @@ def eval_metrics(names: list[str], sums: list[float]) -> dict[str, float]:
 def eval_line(step: int, metrics: dict[str, float]) -> str:
     """'step 100 eval loss 4.1000 ppl 60.34', and each mixture source's loss after it."""
     per_source = ", ".join(f"{name} {v:.4f}" for name, v in obs.by_source(metrics).items())
-    return f"step {step} eval loss {metrics['eval_loss']:.4f} ppl {metrics['eval_perplexity']:.2f}" + (
-        f" (by source: {per_source})" if per_source else ""
+    dpo = metrics.get("eval_dpo_loss")
+    return (
+        f"step {step} eval loss {metrics['eval_loss']:.4f} ppl {metrics['eval_perplexity']:.2f}"
+        + (f" (by source: {per_source})" if per_source else "")
+        + (
+            f" | dpo loss {dpo:.4f}, reward accuracy {100 * metrics['eval_reward_accuracy']:.1f}%, margin "
+            f"{metrics['eval_reward_margin']:.3f} over {metrics['eval_pairs']:,.0f} pairs"
+            if dpo is not None
+            else ""
+        )
     )
 
 
@@ -273,10 +305,16 @@ class Worker:
     # A mixture's source names, in the stream's order, where the fused loss reports each row's
     # loss (the training loss by source: loss/<name>); () otherwise.
     loss_sources: tuple[str, ...] = ()
+    fused_loss: bool = False  # the fused output layer and loss are installed (raytrain_cpu.loss)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def preference(self) -> bool:
+        """DPO on preference pairs (raytrain_cpu.dpo) instead of the language-model loss."""
+        return self.cfg.data.format == "preference"
 
     @property
     def tokens_per_step(self) -> int:
@@ -307,6 +345,8 @@ class Loop:
     last_input_ids: Any = None  # the export check's probe input
     # Per mixture source since the last log row: [summed loss, targets] (Worker.loss_sources).
     source_sums: Any = None
+    # DPO since the last log row: dpo.SUM_NAMES' sums.
+    pair_sums: list[float] | None = None
 
     def wall(self) -> float:
         return max(time.perf_counter() - self.t_start, 1e-9)
@@ -662,6 +702,7 @@ def install_fused_loss(w: Worker, model) -> None:
         w.log(f"[model] loss: Hugging Face's, not fused: {why_not}")
     else:
         rows = loss.chunk_rows(causal_lm.config.vocab_size)
+        w.fused_loss = True
         w.log(f"[model] loss: fused with the output layer, up to {rows:,} tokens per chunk")
         if sum(e.weight > 0 for e in w.cfg.data.mix) > 1:  # it also hands back each row's loss: by source
             w.loss_sources = tuple(e.name for e in w.cfg.data.mix)
@@ -936,11 +977,14 @@ def train_step(w: Worker, st: Loop, engine, batches, guard: StabilityGuard, cloc
         st.last_input_ids = batch["input_ids"]
         t0 = time.perf_counter()
         inputs = model_inputs(batch)
-        out = engine(**inputs, row_losses=True) if w.loss_sources else engine(**inputs)
-        loss = out.loss
+        if w.preference:
+            loss = preference_loss(w, st, engine, inputs)
+        else:
+            out = engine(**inputs, row_losses=True) if w.loss_sources else engine(**inputs)
+            loss = out.loss
+            if w.loss_sources:
+                add_by_source(w, st, batch["source"], out.row_losses, inputs["labels"])
         step_losses.append(float(loss.detach()))
-        if w.loss_sources:
-            add_by_source(w, st, batch["source"], out.row_losses, inputs["labels"])
         clock.add("forward", time.perf_counter() - t0)
         last_micro = micro_i == accum - 1
         # The guard all-reduces the step's loss on the last micro batch and may poison it
@@ -957,6 +1001,28 @@ def train_step(w: Worker, st: Loop, engine, batches, guard: StabilityGuard, cloc
     st.step += 1
     st.steps_this_attempt += 1
     st.window_tokens += w.tokens_per_step
+
+
+def preference_loss(w: Worker, st: Loop, engine, inputs: dict[str, Any]):
+    """A micro batch's DPO loss (the reference forward first, adapters off); its sums go to the
+    next log row."""
+    from raytrain_cpu import dpo
+
+    loss, sums = dpo.micro_batch_loss(engine, inputs, w.cfg.train.dpo_beta, w.fused_loss)
+    st.pair_sums = [a + b for a, b in zip(st.pair_sums, sums)] if st.pair_sums else sums
+    return loss
+
+
+def pair_metrics(w: Worker, st: Loop) -> dict[str, float]:
+    """reward_accuracy, reward_margin, reward_chosen, reward_rejected and pairs since the last log
+    row, over every rank (an all-reduce every rank joins); {} for other data."""
+    from raytrain_cpu import dpo
+
+    if not w.preference:
+        return {}
+    sums = _allreduce_sum(st.pair_sums or [0.0] * len(dpo.SUM_NAMES))
+    st.pair_sums = None
+    return {k: v for k, v in dpo.metrics(sums).items() if k != "dpo_loss"}  # the row's loss is DPO's
 
 
 def add_by_source(w: Worker, st: Loop, source, row_losses, labels) -> None:
@@ -1025,12 +1091,16 @@ def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink
         "mem_peak_max_gib": peak_max / obs.GIB,
         "skipped_steps": engine.skipped_steps,
         **loss_by_source(w, st),
+        **pair_metrics(w, st),
     }
     peak = w.loop_config.get("peak_flops")  # per worker; MFU is logged only when it is known
     mfu = obs.mfu(st.last["tokens_per_s"], w.loop_config["n_params"], w.cfg.data.seq_len, peak and peak * w.world)
     if mfu is not None:
-        # LoRA computes no weight gradients for the frozen base: ~4 of full training's 6 FLOPs a parameter.
-        st.last["mfu"] = mfu * (LORA_FLOPS_FRACTION if lora_on else 1.0)
+        # LoRA computes no weight gradients for the frozen base: ~4 of full training's 6 FLOPs a
+        # parameter; DPO adds the reference's forward (2).
+        st.last["mfu"] = mfu * (
+            (LORA_FLOPS_FRACTION if lora_on else 1.0) + (REFERENCE_FLOPS_FRACTION if w.preference else 0.0)
+        )
     if sink is not None:
         sink.write(st.last)
         w.log(progress.line(st.last, progress.update(st.step)))
@@ -1040,7 +1110,10 @@ def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink
 def evaluate_and_log(w: Worker, st: Loop, engine, shards: dict[str, Any], sink, sampler: Sampler | None) -> None:
     """Every rank evaluates (each source of a mixture) and completes train.sample_prompt; rank 0
     writes the rows and the lines."""
-    st.eval_metrics = evaluate(engine, shards, w.cfg.train.micro_batch_size, w.cfg.train.eval_batches)
+    if w.preference:
+        st.eval_metrics = evaluate_pairs(w, engine, shards)
+    else:
+        st.eval_metrics = evaluate(engine, shards, w.cfg.train.micro_batch_size, w.cfg.train.eval_batches)
     st.watch.after_eval(st.step, st.eval_metrics)
     if sink is not None:
         sink.write({"step": st.step, **st.eval_metrics, "time": time.time()})
@@ -1213,6 +1286,7 @@ def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu
         "eval_perplexity": st.eval_metrics.get("eval_perplexity"),
         "eval_tokens": st.eval_metrics.get("eval_tokens"),  # the targets evaluated (responses only in SFT)
         **{k: v for k, v in st.eval_metrics.items() if "/" in k},  # a mixture's sources: eval_loss/<name>
+        **{k: v for k, v in st.eval_metrics.items() if k.startswith(("eval_dpo", "eval_reward"))},  # DPO's
         "tokens_per_s": st.steps_this_attempt * w.tokens_per_step / st.wall(),
         "data_wait_frac": st.total_wait / st.wall(),
         "first_batch_wait_s": st.first_batch_wait,
@@ -1256,6 +1330,7 @@ def best_checkpoint(w: Worker, st: Loop) -> dict[str, Any] | None:
 
 
 LORA_FLOPS_FRACTION = 4 / 6  # forward (2) + input gradients (2) of full training's 6 FLOPs per parameter
+REFERENCE_FLOPS_FRACTION = 2 / 6  # DPO's reference model: one more forward
 
 
 def train_loop(loop_config: dict[str, Any]) -> None:

@@ -6,7 +6,8 @@ For each article: "What is the article <title> about?" -> its first sentences; f
 section: "What does the article <title> say about <section>?" -> the section's first
 sentence. instruction_*.jsonl holds them as prompt/response rows; chat_*.jsonl as
 conversations (a system message, the article question, then the first section question as
-a follow-up; further sections as one-turn conversations). Answers are cut at a word to stay
+a follow-up; further sections as one-turn conversations); preference_*.jsonl as
+prompt/chosen/rejected rows (rejected: another question's answer). Answers are cut at a word to stay
 short (240 characters, 120 for sections): a conversation fits a 256-token block of the
 bundled tokenizer. train = the test split, eval = the validation split. Deterministic.
 """
@@ -87,10 +88,20 @@ def examples(path: Path) -> tuple[list[dict], list[dict]]:
     return instruction, chat
 
 
+def preference(instruction: list[dict]) -> list[dict]:
+    """Each question with its own answer (chosen) and the answer to the question half the set away
+    (rejected: another article's, so the preferred answer is the one about the asked title)."""
+    n = len(instruction)
+    return [
+        {"prompt": r["prompt"], "chosen": r["response"], "rejected": instruction[(i + n // 2) % n]["response"]}
+        for i, r in enumerate(instruction)
+    ]
+
+
 def main() -> None:
     for split, src in (("train", "test.txt"), ("eval", "valid.txt")):
         instruction, chat = examples(WIKITEXT / src)
-        for name, rows in (("instruction", instruction), ("chat", chat)):
+        for name, rows in (("instruction", instruction), ("chat", chat), ("preference", preference(instruction))):
             with open(HERE / f"{name}_{split}.jsonl", "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
             print(f"{name}_{split}.jsonl: {len(rows)} rows")

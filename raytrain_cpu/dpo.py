@@ -1,0 +1,107 @@
+"""DPO (Direct Preference Optimization) on preference pairs, for data.format=preference.
+
+A pair is a prompt with a chosen and a rejected answer. DPO raises the model's log-likelihood
+of the chosen answer against the rejected one, measured relative to a frozen reference model:
+
+    loss = -log sigmoid(beta * ((log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected))))
+
+with log pi(y) summed over the answer's tokens (Rafailov et al., 2023). beta is train.dpo_beta.
+
+**The reference** is the model as training started. Under LoRA that is the frozen base with the
+adapters switched off (peft's `disable_adapter`), so the reference costs one more forward (no
+backward, no gradients) and no memory: a second copy of an 8B model would not be held.
+
+**The blocks**: the data layer packs each pair's two conversations (prompt + chosen answer, then
+prompt + rejected answer) side by side into one block, several pairs to a block, padding at its
+end; each token's position counts from its conversation's start, and data.attention_span=document
+keeps each conversation to itself. So the conversations in a row are its position-0 segments in
+order: segment 2k is pair k's chosen, 2k + 1 its rejected (the padding, a last segment with no
+target, pairs with nothing).
+
+**What is logged**: the DPO loss as `loss`; reward_accuracy (the share of pairs whose chosen
+answer gains more than the rejected one, relative to the reference), reward_margin (the mean of
+that gain's difference, times beta), reward_chosen and reward_rejected (beta x each gain). Each
+evaluation reports the same over the eval pairs (eval_dpo_loss, eval_reward_accuracy, ...), and
+eval_loss / eval_perplexity over the chosen answers' tokens: how likely the preferred answers
+are, as an SFT run would measure them, so a run can watch that DPO does not unlearn them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from raytrain_cpu.loss import IGNORE_INDEX, label_logps_from_logits
+
+# What a rank adds up between log rows / over an evaluation (all-reduced, then divided).
+SUM_NAMES = ("loss", "pairs", "correct", "margin", "chosen", "rejected", "chosen_nll", "chosen_tokens")
+
+
+def pair_sums(label_logps: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each pair's summed log-likelihood of its chosen and its rejected answer ('chosen',
+    'rejected', differentiable) and the chosen answer's target count ('chosen_tokens'), for the
+    pairs of a batch of blocks; (B, T) inputs, label_logps as loss.label_logps_from_logits."""
+    b, t = labels.shape
+    segment = (position_ids == 0).long().cumsum(dim=1) - 1
+    slot = (torch.arange(b).unsqueeze(1) * t + segment // 2).reshape(-1)  # one slot per (row, pair)
+    is_chosen = (segment % 2 == 0).reshape(-1)
+    target = (labels != IGNORE_INDEX).reshape(-1).float()
+    target[::t] = 0.0  # a row's first label is no target (nothing before it)
+    logps = label_logps.reshape(-1) * target  # the answers' tokens only
+    sums = {}
+    for side, sel in (("chosen", is_chosen), ("rejected", ~is_chosen)):
+        sums[side] = torch.zeros(b * t, dtype=logps.dtype).index_add(0, slot[sel], logps[sel])
+        sums[f"{side}_tokens"] = torch.zeros(b * t).index_add(0, slot[sel], target[sel])
+    keep = (sums["chosen_tokens"] > 0) & (sums["rejected_tokens"] > 0)  # the padding pairs with nothing
+    return {k: v[keep] for k, v in sums.items()}
+
+
+def dpo_loss(policy: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], beta: float):
+    """(mean DPO loss over the pairs, the sums this batch adds to SUM_NAMES); a batch with no
+    pair gives a zero loss that still reaches the graph (every rank must run the backward)."""
+    gain_chosen = beta * (policy["chosen"] - reference["chosen"])
+    gain_rejected = beta * (policy["rejected"] - reference["rejected"])
+    margin = gain_chosen - gain_rejected
+    losses = -torch.nn.functional.logsigmoid(margin)
+    n = len(losses)
+    loss = losses.sum() / max(n, 1) if n else policy["chosen"].sum() * 0.0
+    d = lambda x: float(x.detach().sum())  # noqa: E731
+    sums = [d(losses), n, float((margin > 0).sum()), d(margin), d(gain_chosen), d(gain_rejected)]
+    sums += [-d(policy["chosen"]), d(policy["chosen_tokens"])]
+    return loss, sums
+
+
+def forward_logps(engine, inputs: dict[str, Any], fused: bool) -> torch.Tensor:
+    """(B, T) log p(label) of the model `engine` runs: the fused output layer's, or from logits."""
+    if fused:
+        return engine(**inputs, label_logps=True, use_cache=False)["label_logps"]
+    plain = {k: v for k, v in inputs.items() if k != "labels"}
+    return label_logps_from_logits(engine(**plain, use_cache=False).logits, inputs["labels"])
+
+
+def micro_batch_loss(engine, inputs: dict[str, Any], beta: float, fused: bool):
+    """The DPO loss of a micro batch (the policy's graph) and its sums (SUM_NAMES): the reference
+    runs first, without gradients, the adapters off."""
+    with torch.no_grad(), engine.module.disable_adapter():
+        reference = pair_sums(forward_logps(engine, inputs, fused), inputs["labels"], inputs["position_ids"])
+    policy = pair_sums(forward_logps(engine, inputs, fused), inputs["labels"], inputs["position_ids"])
+    return dpo_loss(policy, reference, beta)
+
+
+def metrics(sums: list[float], prefix: str = "") -> dict[str, float]:
+    """The rates from all-reduced SUM_NAMES sums: dpo_loss, reward_accuracy, reward_margin,
+    reward_chosen, reward_rejected (per pair), with `prefix` ('eval_'); {} over no pair."""
+    s = dict(zip(SUM_NAMES, sums))
+    if not s["pairs"]:
+        return {}
+    per_pair = {"dpo_loss": "loss", "reward_accuracy": "correct", "reward_margin": "margin"}
+    per_pair |= {"reward_chosen": "chosen", "reward_rejected": "rejected"}
+    return {f"{prefix}{name}": s[key] / s["pairs"] for name, key in per_pair.items()} | {f"{prefix}pairs": s["pairs"]}
+
+
+def chosen_labels(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """The labels of the chosen answers only (the rejected ones -100): what `evaluate` measures
+    of preference blocks, the chosen answers' loss, without a reference model."""
+    segment = (position_ids == 0).long().cumsum(dim=1) - 1
+    return labels.masked_fill(segment % 2 == 1, IGNORE_INDEX)
