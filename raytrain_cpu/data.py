@@ -476,7 +476,7 @@ class Tokenize:
                 self._bad(p["ref"], str(e))
                 skipped[i] += 1
         encodings = self.tok.encode_batch([t for _, t, _ in rendered], add_special_tokens=False) if rendered else []
-        done: dict[int, list[tuple[list[int], list[int]]]] = {}
+        done: dict[int, list[tuple[list[int], list[int]]] | None] = {}  # None: refused
         for (i, _, spans), enc in zip(rendered, encodings):
             if i in done and done[i] is None:
                 continue  # the pair's other side was refused

@@ -65,11 +65,10 @@ def dpo_loss(policy: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
     margin = gain_chosen - gain_rejected
     losses = -torch.nn.functional.logsigmoid(margin)
     n = len(losses)
-    loss = losses.sum() / max(n, 1) if n else policy["chosen"].sum() * 0.0
-    d = lambda x: float(x.detach().sum())  # noqa: E731
-    sums = [d(losses), n, float((margin > 0).sum()), d(margin), d(gain_chosen), d(gain_rejected)]
-    sums += [-d(policy["chosen"]), d(policy["chosen_tokens"])]
-    return loss, sums
+    loss = losses.sum() / n if n else policy["chosen"].sum() * 0.0
+    totals = [losses, margin > 0, margin, gain_chosen, gain_rejected, -policy["chosen"], policy["chosen_tokens"]]
+    loss_sum, correct, *rest = (float(x.detach().sum()) for x in totals)
+    return loss, [loss_sum, n, correct, *rest]  # in SUM_NAMES' order
 
 
 def forward_logps(engine, inputs: dict[str, Any], fused: bool) -> torch.Tensor:

@@ -134,7 +134,7 @@ def row_pair(row: dict[str, Any], cfg: DataConfig) -> tuple[list[dict[str, str]]
         if isinstance(value, str):
             value = [{"role": "assistant", "content": value}]
         sides.append(_messages(value, column))
-    (chosen, *chosen_prompt), (rejected, *rejected_prompt) = [(m[-1], *m[:-1]) for m in sides]
+    (chosen_prompt, chosen), (rejected_prompt, rejected) = [(m[:-1], m[-1]) for m in sides]
     for column, last in ((cfg.chosen_column, chosen), (cfg.rejected_column, rejected)):
         if last["role"] != "assistant":
             raise RowError(f"{column!r} must end with the assistant's answer, not a {last['role']!r} message")
