@@ -399,8 +399,8 @@ class DataConfig:
     for none."""
     chosen_column: str = "chosen"
     """Field holding the preferred response, for format 'preference': text, or a list of
-    {role, content} messages whose last is the assistant's answer (the ones before it are the
-    prompt when the row has no data.prompt_column field)."""
+    {role, content} messages whose last is the assistant's answer (the ones before it, where
+    there are any, are the prompt; else data.prompt_column's field is)."""
     rejected_column: str = "rejected"
     """Field holding the dispreferred response, for format 'preference' (as data.chosen_column)."""
     chat_template: str = ""

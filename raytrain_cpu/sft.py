@@ -123,9 +123,10 @@ def _instruction_fields(row: dict[str, Any], cfg: DataConfig) -> tuple[str, str]
 def row_pair(row: dict[str, Any], cfg: DataConfig) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """A preference row's two conversations, (chosen, rejected), the same prompt before each answer.
 
-    The prompt is data.prompt_column's text (the user's message) or messages; chosen and rejected
-    are each the answer's text, or messages ending with it (TRL's conversational rows; with no
-    prompt field the messages before the answer are the prompt, and must be the same in both)."""
+    chosen and rejected are each the answer's text, or messages ending with it. Where they carry
+    turns before the answer (TRL's conversational rows, UltraFeedback's), those are the prompt,
+    the same in both; a prompt field beside them only repeats it and is not read. Else the prompt
+    is data.prompt_column's text (the user's message) or messages."""
     sides = []
     for column in (cfg.chosen_column, cfg.rejected_column):
         value = row.get(column)
@@ -138,18 +139,14 @@ def row_pair(row: dict[str, Any], cfg: DataConfig) -> tuple[list[dict[str, str]]
     for column, last in ((cfg.chosen_column, chosen), (cfg.rejected_column, rejected)):
         if last["role"] != "assistant":
             raise RowError(f"{column!r} must end with the assistant's answer, not a {last['role']!r} message")
-    prompt = row.get(cfg.prompt_column)
-    if prompt is None and not chosen_prompt:
-        raise RowError(f"no {cfg.prompt_column!r} field (has {sorted(row)}); set data.prompt_column")
-    if prompt is None:
-        if chosen_prompt != rejected_prompt:
-            raise RowError(f"{cfg.chosen_column!r} and {cfg.rejected_column!r} differ before their answers")
-        messages = chosen_prompt
-    else:
+    if chosen_prompt != rejected_prompt:
+        raise RowError(f"{cfg.chosen_column!r} and {cfg.rejected_column!r} differ before their answers")
+    messages = chosen_prompt
+    if not messages:
+        prompt = row.get(cfg.prompt_column)
+        if prompt is None:
+            raise RowError(f"no {cfg.prompt_column!r} field (has {sorted(row)}); set data.prompt_column")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _messages(prompt, "prompt")
-        messages += chosen_prompt  # a prompt field and conversations: the turns before each answer follow it
-        if chosen_prompt != rejected_prompt:
-            raise RowError(f"{cfg.chosen_column!r} and {cfg.rejected_column!r} differ before their answers")
     system = row.get(cfg.system_column) if cfg.system_column else None
     if isinstance(system, str) and system and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system}, *messages]

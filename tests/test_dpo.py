@@ -43,6 +43,8 @@ def test_pair_rows_text_and_conversational():
     }
     chosen, rejected = row_pair(row, cfg())
     assert chosen[:-1] == rejected[:-1] and len(chosen) == 4 and chosen[-1]["content"] == "Yes."
+    # UltraFeedback binarized: a prompt field that the conversations repeat is not read twice
+    assert row_pair({**row, "prompt": "Q?"}, cfg()) == (chosen, rejected)
     # a prompt given as messages, a system field, other column names
     row = {"q": [{"role": "user", "content": "Q?"}], "good": "Yes.", "bad": "No.", "sys": "Be brief."}
     c = cfg(prompt_column="q", chosen_column="good", rejected_column="bad", system_column="sys")
