@@ -685,11 +685,14 @@ def comm_bytes_per_step(
     param_persistence_threshold: int = DS_PARAM_PERSISTENCE_THRESHOLD,
     lora_rank: int = 0,
     lora_targets: tuple[str, ...] = LORA_TARGETS,
+    reference_forward: bool = False,
 ) -> float:
     """Bytes each rank sends (and receives) per optimizer step, ring algorithms.
 
     With LoRA the frozen base is gathered exactly as in full fine-tuning, but only the fp32
     adapters' gradients are reduced (and, at ZeRO-1/2, only they are re-gathered after the step).
+    DPO's `reference_forward` (the base with the adapters off, every micro batch) gathers the
+    model once more at ZeRO-3.
 
     ZeRO-3 all-gathers the (non-persistent) parameters in forward and again in backward and
     reduce-scatters the gradients, every micro batch: ~3x the model bytes. ZeRO-2 reduce-
@@ -706,17 +709,21 @@ def comm_bytes_per_step(
     ring = (W - 1) / W
     if zero_stage == 3:
         gathered = sum(n for n in shape.param_numels() if n >= param_persistence_threshold)
-        per_micro = 2 * w_bytes * gathered * ring + g_bytes * P * ring
+        gathers = 3 if reference_forward else 2
+        per_micro = gathers * w_bytes * gathered * ring + g_bytes * P * ring
         return per_micro * grad_accum_steps
     if zero_stage == 2:
         return (g_bytes * P * grad_accum_steps + g_bytes * P) * ring
     return (g_bytes * P + g_bytes * P) * ring
 
 
-def train_flops_per_step(shape: ModelShape, tokens: int, activation_checkpointing: bool, lora: bool = False) -> float:
+def train_flops_per_step(
+    shape: ModelShape, tokens: int, activation_checkpointing: bool, lora: bool = False, reference_forward: bool = False
+) -> float:
     """Model FLOPs of forward + backward (6 per parameter per token, 8 when recomputing; LoRA
-    computes no weight gradients for the frozen base: 4, or 6 when recomputing)."""
-    per_param = (4 if lora else 6) + (2 if activation_checkpointing else 0)
+    computes no weight gradients for the frozen base: 4, or 6 when recomputing; DPO's reference
+    forward adds 2)."""
+    per_param = (4 if lora else 6) + (2 if activation_checkpointing else 0) + (2 if reference_forward else 0)
     return per_param * shape.num_params * tokens
 
 
@@ -892,11 +899,14 @@ def plan(
     attention_probs: str = "auto",
     kept_pages: bool = True,
     free_memory_growth_mib: int = FREE_MEMORY_GROWTH_MIB,
+    reference_forward: bool = False,
 ) -> dict[str, Any]:
     """The whole estimate as a JSON-able dict (what `--json` prints).
 
     `lora_rank` > 0 plans LoRA fine-tuning: a frozen, partitioned base and trainable adapters
-    on `lora_targets` (`lora_dropout` > 0 keeps more activations).
+    on `lora_targets` (`lora_dropout` > 0 keeps more activations). `reference_forward` plans DPO
+    (data.format=preference): one more forward a micro batch, the reference's, under no_grad
+    (its activations are not kept, so the peak is LoRA's), which gathers the model once more.
 
     `instance` (e.g. 'c7i.48xlarge') checks the fit on that node and times the communication
     at its network rate; without it, the recommended node is used. Every fit leaves
@@ -944,7 +954,7 @@ def plan(
         kept_pages=kept_pages,
         free_memory_growth_mib=free_memory_growth_mib,
     )
-    lora_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets)
+    lora_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets, reference_forward=reference_forward)
     margin = _margin(mem_kwargs)
     parts, stages = _stages(shape, world_size, mem_kwargs)
     comm = comm_bytes_per_step(shape, world_size, zero_stage, grad_accum_steps, dtype, **lora_kw)
@@ -982,7 +992,7 @@ def plan(
         "model": asdict(shape) | {"num_params": shape.num_params, "trainable_params": trainable},
         "inputs": dict(world_size=world_size, grad_accum_steps=grad_accum_steps, ranks_per_node=ranks_per_node)
         | mem_kwargs
-        | {"lora_targets": list(lora_targets)},
+        | {"lora_targets": list(lora_targets), "reference_forward": reference_forward},
         "memory_gib": {k: v / GIB for k, v in stages.items()},
         # What every fit leaves free per rank above the peak (FREE_MEMORY_GROWTH_MIB).
         "release_margin_gib": margin / GIB,
@@ -991,7 +1001,9 @@ def plan(
         "network_node": node,
         # A lower bound: the node's network at line rate, nothing overlapped.
         "comm_seconds_per_step_min": comm * 8 / (net_gbps * 1e9) if comm else 0.0,
-        "train_tflop_per_rank_per_step": train_flops_per_step(shape, tokens, activation_checkpointing, lora_rank > 0)
+        "train_tflop_per_rank_per_step": train_flops_per_step(
+            shape, tokens, activation_checkpointing, lora_rank > 0, reference_forward
+        )
         / 1e12,
         "zero_stages_compared": stages_compared,
         "zero_stage_advice": stage_advice,
@@ -1049,6 +1061,7 @@ def inputs_from_config(cfg: Any, model: str = "", world_size: int = 0) -> dict[s
         attention_probs=m.attention_probs,
         kept_pages=cfg.scaling.allocator != "system",
         free_memory_growth_mib=cfg.scaling.free_memory_growth_mib,
+        reference_forward=cfg.data.format == "preference",
     )
 
 
@@ -1081,6 +1094,11 @@ def format_table(result: dict[str, Any]) -> str:
             f"{m['trainable_params'] / m['num_params']:.2%} of the model; the base is frozen)"
             if i["lora_rank"]
             else " (full fine-tuning)"
+        )
+        + (
+            "; DPO: a reference forward each micro batch, the base with the adapters off"
+            if i["reference_forward"]
+            else ""
         ),
         "",
         "memory per rank (GiB, resident)",
@@ -1211,6 +1229,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="ZeRO-3 parameters kept gathered (deepspeed.max_live_parameters; default 1e9)",
     )
+    p.add_argument(
+        "--dpo",
+        action="store_true",
+        help="plan DPO (data.format=preference, with --lora-rank): a reference forward each micro batch",
+    )
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--instance", help="check the fit on this node and time the traffic at its network rate")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
@@ -1241,6 +1264,7 @@ def main(argv: list[str] | None = None) -> int:
         kept_pages=True,
         free_memory_growth_mib=FREE_MEMORY_GROWTH_MIB,
         max_live_parameters=DS_MAX_LIVE_PARAMETERS,
+        reference_forward=False,
     )
     try:
         if args.config:
@@ -1265,6 +1289,7 @@ def main(argv: list[str] | None = None) -> int:
             kept_pages=args.kept_pages,
             free_memory_growth_mib=args.free_memory_growth_mib,
             max_live_parameters=int(args.max_live_parameters) if args.max_live_parameters else None,
+            reference_forward=args.dpo or None,
         )
         inputs |= {k: v for k, v in flags.items() if v is not None}
         if args.model:

@@ -316,6 +316,21 @@ def test_communication_volume():
     assert plan.comm_bytes_per_step(shape, 1, 3) == 0
 
 
+def test_dpo_plans_a_reference_forward():
+    """DPO (a preference config): the reference's forward gathers the frozen base once more at
+    ZeRO-3 and adds a forward's FLOPs; it keeps no activations, so the peak is LoRA's."""
+    dpo = plan.inputs_from_run_config(str(ROOT / "configs/llama3-8b-dpo-c7i.yaml"))
+    assert dpo["reference_forward"] and dpo["lora_rank"] == 16
+    with_ref, without = plan.plan(**dpo), plan.plan(**(dpo | {"reference_forward": False}))
+    assert with_ref["memory_gib"] == without["memory_gib"]
+    extra = (with_ref["comm_gib_per_step"] - without["comm_gib_per_step"]) * plan.GIB
+    # one more all-gather of the bf16 base (2 bytes a parameter; a ring over 2 ranks moves half)
+    assert extra == pytest.approx(2 * dpo["model_shape"].num_params / 2, rel=0.02)
+    # LoRA with activation checkpointing: 6 FLOPs a parameter and token; the reference adds 2
+    assert with_ref["train_tflop_per_rank_per_step"] / without["train_tflop_per_rank_per_step"] == pytest.approx(8 / 6)
+    assert plan.main(["--config", str(ROOT / "configs/llama3-8b-dpo-c7i.yaml")]) == 0
+
+
 # ----------------------------------------------------------------------------- recommendation
 
 
