@@ -575,6 +575,23 @@ def latest_reported(run_dir: Path) -> Path | None:
     return Path(run_dir) / latest["checkpoint_dir_name"]
 
 
+def scored_metrics(run_dir: Path) -> dict[str, str | None]:
+    """{checkpoint name: the eval metric its `checkpoint_score` is of} for every checkpoint Ray
+    Train still lists for the run; None where it was reported without a score (saved before
+    checkpoints carried one), which Ray Train's ranking would put first."""
+    snapshot = Path(run_dir) / SNAPSHOT
+    if not snapshot.is_file():
+        return {}
+    out = {}
+    for result in json.loads(snapshot.read_text()).get("checkpoint_results") or []:
+        name = result["checkpoint_dir_name"]
+        scored = "checkpoint_score" in (result.get("metrics") or {})
+        manifest = Path(run_dir) / name / MANIFEST
+        watch = (json.loads(manifest.read_text()).get("eval_watch") or {}) if manifest.is_file() else {}
+        out[name] = watch.get("metric", "eval_loss") if scored else None
+    return out
+
+
 def checkpoint_of(path: str | Path) -> Path:
     """`path` when it is a checkpoint; for a run directory, its latest reported checkpoint (the
     one a resume loads); else `path` as given, for read_manifest to say what it lacks."""

@@ -173,6 +173,7 @@ def validate_before_ray(cfg: Config) -> None:
     except DataError as e:
         raise ConfigError(str(e)) from None
     check_resume(cfg)
+    check_ranking(cfg)
 
 
 def check_preference(cfg: Config) -> None:
@@ -207,6 +208,38 @@ def check_resume(cfg: Config, world: int | None = None) -> dict[str, Any] | None
         key = "scaling.num_workers" if world != latest["world_size"] else "train.micro_batch_size"
         raise ConfigError(f"{key}: {conflict}")
     return latest
+
+
+def check_ranking(cfg: Config) -> None:
+    """Under run.best_metric Ray Train ranks the run's checkpoints by the score each was reported
+    with: one scored by another metric, or by none (Ray Train puts those first), would keep its
+    place over better ones, and a better one (the best, which export --best reads) could be the
+    one deleted. So a resume may rank only by the metric its checkpoints were scored with."""
+    from raytrain_cpu.checkpoint import scored_metrics
+
+    if not cfg.run.best_metric:
+        return  # Ray Train keeps the newest: no score read
+    others = {name: m for name, m in scored_metrics(cfg.run.run_dir).items() if m != cfg.watched_metric}
+    if not others:
+        return
+    scored_by = sorted({m for m in others.values() if m})
+    how = " and ".join(
+        ([f"scored by {', '.join(scored_by)}"] if scored_by else [])
+        + (["saved without a score (before checkpoints carried one)"] if None in others.values() else [])
+    )
+    fixes = (
+        [f"set run.best_metric={scored_by[0]} (theirs)"] if len(scored_by) == 1 and None not in others.values() else []
+    )
+    fixes += [
+        "leave run.best_metric out (the newest are kept)",
+        "export this run and rank in a new one (another run.name)",
+    ]
+    fix = "; or ".join(fixes)
+    raise ConfigError(
+        f"run.best_metric: run {cfg.run.name!r}'s checkpoints {', '.join(sorted(others))} were {how}, not by "
+        f"{cfg.watched_metric}: ranked against it, Ray Train would keep them over better ones and could delete the "
+        f"best. {fix[0].upper()}{fix[1:]}."
+    )
 
 
 def rescale_checkpoint(latest: dict[str, Any], world: int) -> None:

@@ -162,6 +162,42 @@ def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     )
 
 
+def test_ranking_resumes_only_by_the_metric_its_checkpoints_were_scored_with(make_config):
+    """Ray Train puts a checkpoint reported without a score first under a ranking, and compares
+    scores of different metrics as one: the driver stops such a resume, naming what to set."""
+    from raytrain_cpu import checkpoint as ck
+    from raytrain_cpu.main import check_ranking
+
+    def scored(cfg, results: dict[str, str | None]) -> None:  # {checkpoint: its metric, or None: no score}
+        run_dir = cfg.run.run_dir
+        for name, metric in results.items():
+            (run_dir / name).mkdir(parents=True, exist_ok=True)
+            manifest = {"eval_watch": {"metric": metric}} if metric else {}
+            (run_dir / name / ck.MANIFEST).write_text(json.dumps(manifest))
+        entries = [
+            {"checkpoint_dir_name": n, "metrics": {"step": 1} | ({"checkpoint_score": 4.0} if m else {})}
+            for n, m in results.items()
+        ]
+        (run_dir / ck.SNAPSHOT).write_text(json.dumps({"checkpoint_results": entries}))
+
+    mix = ["data.mix=[{source: bundled, weight: 1, name: wiki}]", "train.eval_every=10", "train.checkpoint_every=10"]
+    cfg = make_config("run.best_metric=eval_loss", *mix)
+    scored(cfg, {"checkpoint_000001": "eval_loss", "checkpoint_000002": "eval_loss"})
+    check_ranking(cfg)  # the run's own metric: ranked as before
+    check_ranking(make_config(*mix))  # no ranking: the newest are kept, scores unread
+    with pytest.raises(
+        ConfigError,
+        match=r"checkpoints checkpoint_000001, checkpoint_000002 were scored by eval_loss, "
+        r"not by eval_loss/wiki.*could delete the best. Set run.best_metric=eval_loss \(theirs\)",
+    ):
+        check_ranking(make_config("run.best_metric=eval_loss/wiki", *mix))
+    scored(cfg, {"checkpoint_000001": None, "checkpoint_000002": "eval_loss"})  # from before scores
+    with pytest.raises(
+        ConfigError, match=r"checkpoints checkpoint_000001 were saved without a score.*Leave run.best_metric out"
+    ):
+        check_ranking(cfg)
+
+
 def test_cli_exits_2_before_ray(make_config):
     """`python -m raytrain_cpu.main` with a changed setting: exit 2, the old → new values, no Ray."""
     from conftest import fast_overrides
