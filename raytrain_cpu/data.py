@@ -1020,7 +1020,8 @@ def prepare_evaluation(cfg: Config, *, log=print) -> Path:
     train, evals = source_specs(cfg.data)
     key = cache_key(cfg, train, evals, resolve_tokenizer_path(cfg.model.tokenizer, cfg.model.name_or_path))
     trained = (cache_root(cfg) / key / "meta.json").is_file()
-    return _prepare_source(cfg, force=False, log=log, eval_only=evals is not None and not trained)
+    eval_only = evals is not None and not trained
+    return _prepare_source(cfg, force=False, log=log, eval_only=eval_only, specs=(train, evals))
 
 
 def mix_pattern(counts: list[int]) -> list[int]:
@@ -1112,13 +1113,16 @@ def mixture_sources(cache: Path, meta: dict) -> list[tuple[str, Path, dict]]:
     return [(s["name"], Path(s["cache"]), read_meta(Path(s["cache"]))) for s in meta["sources"]]
 
 
-def _prepare_source(cfg: Config, *, force: bool, log, eval_only: bool = False) -> Path:
+def _prepare_source(
+    cfg: Config, *, force: bool, log, eval_only: bool = False, specs: tuple[SourceSpec, SourceSpec | None] = ()
+) -> Path:
     """One source's cache; `eval_only` (a mixture's weight-0 source) packs only its evaluation
-    text, where it has one of its own (a held-out evaluation needs the training text)."""
+    text, where it has one of its own (a held-out evaluation needs the training text). `specs`:
+    source_specs(cfg.data) where the caller has them (a hub source's file listing is a request)."""
     import ray
 
     tokenizer_path = resolve_tokenizer_path(cfg.model.tokenizer, cfg.model.name_or_path)
-    train, evals = source_specs(cfg.data)
+    train, evals = specs or source_specs(cfg.data)
     eval_only = eval_only and evals is not None
     key = cache_key(cfg, train, evals, tokenizer_path, eval_only)
     final = cache_root(cfg) / key
