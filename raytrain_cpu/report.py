@@ -7,6 +7,7 @@ Writes into the run directory (or --out):
     lr.png                learning rate over steps
     throughput.png        tokens/s over steps (and MFU when it was logged)
     memory.png            resident memory per rank over steps (rank 0, max over ranks, peak)
+    rewards.png           a DPO run's reward accuracy, train and eval, over tokens seen
     report.md             the figures that matter, guard events, restarts, and the plots
 
 Everything comes from metrics.jsonl (read with `metrics.read_metrics`, so a resumed run shows
@@ -51,6 +52,12 @@ class Run:
     @property
     def name(self) -> str:
         return ((self.config or {}).get("run") or {}).get("name") or self.run_dir.name
+
+    @property
+    def preference(self) -> bool:
+        """A DPO run (data.format=preference): its loss is DPO's, its eval_loss the chosen answers'."""
+        fmt = ((self.config or {}).get("data") or {}).get("format")
+        return fmt == "preference" or any("eval_dpo_loss" in r for r in self.metrics.eval)
 
     @property
     def max_steps(self) -> int | None:
@@ -147,9 +154,11 @@ def _mark_restarts_and_events(run: Run, ax, on_tokens: bool) -> None:
 
 def plot_loss(run: Run):
     """Train loss (per logged step) and eval loss over tokens seen."""
-    fig, ax = _figure(f"{run.name}: loss", "tokens seen", "loss")
+    fig, ax = _figure(f"{run.name}: {'DPO loss' if run.preference else 'loss'}", "tokens seen", "loss")
     xs, ys = _series(run.metrics.train, "tokens_seen", "loss")
-    exs, eys = _series(run.metrics.eval, lambda r: run.tokens_at(r["step"]), "eval_loss")
+    # DPO: the eval loss beside the train loss is DPO's too (eval_loss is the chosen answers' cross-entropy)
+    eval_key = "eval_dpo_loss" if run.preference else "eval_loss"
+    exs, eys = _series(run.metrics.eval, lambda r: run.tokens_at(r["step"]), eval_key)
     if xs:
         ax.plot(xs, ys, label="train loss", color="tab:blue", linewidth=1.2)
     if exs:
@@ -181,7 +190,8 @@ def plot_loss(run: Run):
 
 
 def plot_eval_perplexity(run: Run):
-    fig, ax = _figure(f"{run.name}: eval perplexity", "tokens seen", "perplexity")
+    chosen = " (the chosen answers)" if run.preference else ""
+    fig, ax = _figure(f"{run.name}: eval perplexity{chosen}", "tokens seen", "perplexity")
     xs, ys = _series(run.metrics.eval, lambda r: run.tokens_at(r["step"]), "eval_perplexity")
     if xs:
         ax.plot(xs, ys, color="tab:orange", marker="o")
@@ -240,6 +250,25 @@ def plot_memory(run: Run):
     return fig
 
 
+def plot_rewards(run: Run):
+    """A DPO run's reward accuracy: the share of pairs whose chosen answer gained more likelihood
+    over the reference than the rejected one, train (per logged step) and eval."""
+    fig, ax = _figure(f"{run.name}: DPO reward accuracy", "tokens seen", "reward accuracy (%)")
+    xs, ys = _series(run.metrics.train, "tokens_seen", "reward_accuracy")
+    exs, eys = _series(run.metrics.eval, lambda r: run.tokens_at(r["step"]), "eval_reward_accuracy")
+    if xs:
+        ax.plot(xs, [100 * y for y in ys], label="train", color="tab:blue", linewidth=1.0, alpha=0.7)
+    if exs:
+        ax.plot(exs, [100 * y for y in eys], label="eval", color="tab:orange", marker="o", linewidth=1.5)
+    if xs or exs:
+        ax.set_ylim(0, 100)
+        ax.axhline(50, color="gray", linestyle=":", linewidth=1)
+        ax.legend()
+    else:
+        _no_data(ax, "reward accuracy")
+    return fig
+
+
 PLOTS: dict[str, Callable[[Run], Any]] = {
     "loss.png": plot_loss,
     "eval_perplexity.png": plot_eval_perplexity,
@@ -247,6 +276,7 @@ PLOTS: dict[str, Callable[[Run], Any]] = {
     "throughput.png": plot_throughput,
     "memory.png": plot_memory,
 }
+PREFERENCE_PLOTS: dict[str, Callable[[Run], Any]] = {"rewards.png": plot_rewards}  # DPO runs add these
 
 
 # ----------------------------------------------------------------------------- markdown
@@ -262,7 +292,7 @@ def key_figures(run: Run) -> dict[str, str]:
     """The table at the top of report.md (also handy in a notebook)."""
     m, s = run.metrics, run.summary or {}
     train = [r for r in m.train if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])]
-    best_eval = min(m.eval, key=lambda r: r["eval_loss"], default=None)
+    best_eval = min((r for r in m.eval if "eval_loss" in r), key=lambda r: r["eval_loss"], default=None)
     tps = [r["tokens_per_s"] for r in m.train[1:] if r.get("tokens_per_s")]  # the first window holds start-up
     mfus = [r["mfu"] for r in m.train if r.get("mfu") is not None]
     peak = max((r.get("mem_peak_max_gib") or 0 for r in m.train), default=0)
@@ -272,7 +302,7 @@ def key_figures(run: Run) -> dict[str, str]:
         "steps": steps,
         "tokens seen": f"{int(run.tokens_at(run.last_step)):,}",
         "last train loss": _fmt(train[-1]["loss"]) if train else "n/a",
-        "best eval loss (perplexity)": (
+        f"best eval loss (perplexity){' of the chosen answers' if run.preference else ''}": (
             f"{best_eval['eval_loss']:.4f} ({best_eval['eval_perplexity']:.2f}) at step {best_eval['step']}"
             if best_eval
             else "n/a"
@@ -285,6 +315,11 @@ def key_figures(run: Run) -> dict[str, str]:
     if best := s.get("best_checkpoint"):  # run.best_metric
         out["best checkpoint"] = (
             f"{Path(best['path']).name} ({best['metric']} {_fmt(best['value'])} at step {best['step']})"
+        )
+    if run.preference and m.eval and "eval_dpo_loss" in m.eval[-1]:
+        e = m.eval[-1]
+        out[f"eval DPO loss, reward accuracy (step {e['step']})"] = (
+            f"{_fmt(e['eval_dpo_loss'])}, {100 * e['eval_reward_accuracy']:.1f}% of {e['eval_pairs']:,.0f} pairs"
         )
     if m.eval and (last := by_source(m.eval[-1])):  # a mixture
         out[f"eval loss by source (step {m.eval[-1]['step']})"] = ", ".join(f"{k} {_fmt(v)}" for k, v in last.items())
@@ -346,11 +381,12 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
     out = Path(out_dir) if out_dir else run.run_dir
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
-    for name, plot in PLOTS.items():
+    plots = PLOTS | (PREFERENCE_PLOTS if run.preference else {})
+    for name, plot in plots.items():
         fig = plot(run)
         fig.savefig(out / name)
         written[name] = out / name
-    (out / "report.md").write_text(render_markdown(run, list(PLOTS)))
+    (out / "report.md").write_text(render_markdown(run, list(plots)))
     written["report.md"] = out / "report.md"
     return written
 
