@@ -391,7 +391,7 @@ class DataConfig:
     messages_column: str = "messages"
     """Field holding the messages, for format 'chat'."""
     prompt_column: str = "prompt"
-    """Field holding the prompt, for format 'instruction'."""
+    """Field holding the prompt, for formats 'instruction' and 'preference'."""
     response_column: str = "response"
     """Field holding the response, for format 'instruction'."""
     system_column: str = ""
