@@ -38,12 +38,18 @@ from raytrain_cpu.loss import IGNORE_INDEX, label_logps_from_logits
 SUM_NAMES = ("loss", "pairs", "correct", "margin", "chosen", "rejected", "chosen_nll", "chosen_tokens")
 
 
+def _segments(position_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's conversation in its row, 0, 1, ... (a new one at each position 0): even ones
+    are chosen answers' conversations, odd ones rejected ones, the last may be padding."""
+    return (position_ids == 0).long().cumsum(dim=1) - 1
+
+
 def pair_sums(label_logps: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """Each pair's summed log-likelihood of its chosen and its rejected answer ('chosen',
     'rejected', differentiable) and the chosen answer's target count ('chosen_tokens'), for the
     pairs of a batch of blocks; (B, T) inputs, label_logps as loss.label_logps_from_logits."""
     b, t = labels.shape
-    segment = (position_ids == 0).long().cumsum(dim=1) - 1
+    segment = _segments(position_ids)
     slot = (torch.arange(b).unsqueeze(1) * t + segment // 2).reshape(-1)  # one slot per (row, pair)
     is_chosen = (segment % 2 == 0).reshape(-1)
     target = (labels != IGNORE_INDEX).reshape(-1).float()
@@ -102,5 +108,4 @@ def metrics(sums: list[float], prefix: str = "") -> dict[str, float]:
 def chosen_labels(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """The labels of the chosen answers only (the rejected ones -100): what `evaluate` measures
     of preference blocks, the chosen answers' loss, without a reference model."""
-    segment = (position_ids == 0).long().cumsum(dim=1) - 1
-    return labels.masked_fill(segment % 2 == 1, IGNORE_INDEX)
+    return labels.masked_fill(_segments(position_ids) % 2 == 1, IGNORE_INDEX)
