@@ -146,7 +146,9 @@ def row_pair(row: dict[str, Any], cfg: DataConfig) -> tuple[list[dict[str, str]]
         prompt = row.get(cfg.prompt_column)
         if prompt is None:
             raise RowError(f"no {cfg.prompt_column!r} field (has {sorted(row)}); set data.prompt_column")
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _messages(prompt, "prompt")
+        messages = (
+            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _messages(prompt, cfg.prompt_column)
+        )
     system = row.get(cfg.system_column) if cfg.system_column else None
     if isinstance(system, str) and system and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system}, *messages]
