@@ -559,17 +559,22 @@ def save_and_report(
 # ----------------------------------------------------------------------------- finding and checking
 
 
-def latest_reported(run_dir: Path) -> Path | None:
-    """The checkpoint Ray Train will hand back on resume: the latest one in its snapshot."""
+def _snapshot(run_dir: Path) -> dict[str, Any]:
+    """Ray Train's record of the run's reported checkpoints ({} before the first)."""
     snapshot = Path(run_dir) / SNAPSHOT
     if not snapshot.is_file():
-        return None
+        return {}
     try:
-        latest = json.loads(snapshot.read_text()).get("latest_checkpoint_result")
+        return json.loads(snapshot.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(
             f"{snapshot} is unreadable ({e}); Ray Train can't tell which checkpoint to resume from"
         ) from e
+
+
+def latest_reported(run_dir: Path) -> Path | None:
+    """The checkpoint Ray Train will hand back on resume: the latest one in its snapshot."""
+    latest = _snapshot(run_dir).get("latest_checkpoint_result")
     if not latest:
         return None
     return Path(run_dir) / latest["checkpoint_dir_name"]
@@ -579,11 +584,8 @@ def scored_metrics(run_dir: Path) -> dict[str, str | None]:
     """{checkpoint name: the eval metric its `checkpoint_score` is of} for every checkpoint Ray
     Train still lists for the run; None where it was reported without a score (saved before
     checkpoints carried one), which Ray Train's ranking would put first."""
-    snapshot = Path(run_dir) / SNAPSHOT
-    if not snapshot.is_file():
-        return {}
     out = {}
-    for result in json.loads(snapshot.read_text()).get("checkpoint_results") or []:
+    for result in _snapshot(run_dir).get("checkpoint_results") or []:
         name = result["checkpoint_dir_name"]
         scored = "checkpoint_score" in (result.get("metrics") or {})
         manifest = Path(run_dir) / name / MANIFEST

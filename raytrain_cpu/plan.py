@@ -954,10 +954,11 @@ def plan(
         kept_pages=kept_pages,
         free_memory_growth_mib=free_memory_growth_mib,
     )
-    lora_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets, reference_forward=reference_forward)
+    # What the traffic depends on beyond the stage: LoRA's trainable part, DPO's reference gathers.
+    comm_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets, reference_forward=reference_forward)
     margin = _margin(mem_kwargs)
     parts, stages = _stages(shape, world_size, mem_kwargs)
-    comm = comm_bytes_per_step(shape, world_size, zero_stage, grad_accum_steps, dtype, **lora_kw)
+    comm = comm_bytes_per_step(shape, world_size, zero_stage, grad_accum_steps, dtype, **comm_kw)
     rec = recommend(shape, world_size, ranks_per_node=ranks_per_node, **mem_kwargs)
     node = instance or rec["instance"] or "c7i.48xlarge"
     family, _, size = node.partition(".")
@@ -973,7 +974,7 @@ def plan(
     stages_compared = {
         str(z): {
             "peak_gib": _peak(shape, world_size, mem_kwargs | {"zero_stage": z}) / GIB,
-            "comm_gib_per_step": comm_bytes_per_step(shape, world_size, z, grad_accum_steps, dtype, **lora_kw) / GIB,
+            "comm_gib_per_step": comm_bytes_per_step(shape, world_size, z, grad_accum_steps, dtype, **comm_kw) / GIB,
         }
         for z in (1, 2, 3)
     }

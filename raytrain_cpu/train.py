@@ -8,6 +8,7 @@ its own, so there is exactly one group and one timeout to reason about.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import time
@@ -194,46 +195,50 @@ def loss_tokens(labels) -> int:
     return int(row_targets(labels).sum())
 
 
+def _evaluated_sums(engine, shards: dict[str, Any], micro: int, sums_of: Callable[[Any], list[float]]) -> list[float]:
+    """Each source's sums (`sums_of` its batches) over this rank's eval blocks, in eval mode and
+    without gradients, then summed over every rank (an all-reduce every rank joins)."""
+    import torch
+
+    engine.eval()
+    with torch.no_grad():
+        batches = (shard.iter_torch_batches(batch_size=micro, dtypes=torch.long) for shard in shards.values())
+        sums = [x for source in batches for x in sums_of(source)]
+    engine.train()
+    return _allreduce_sum(sums)
+
+
 def evaluate(engine, shards: dict[str, Any], micro: int, max_batches: int) -> dict[str, float]:
     """Token-weighted loss over every rank's eval targets (sums, not an average of averages);
     for chat/instruction data that is the response tokens only. A mixture's sources (the keys
     of `shards`; '' for a single source) are also reported each: eval_loss/<name>, over its own
     targets; eval_loss is over all of them together."""
-    import torch
-
-    engine.eval()
-    with torch.no_grad():
-        sums = [
-            x
-            for shard in shards.values()
-            for x in eval_sums(engine, shard.iter_torch_batches(batch_size=micro, dtypes=torch.long), max_batches)
-        ]
-    engine.train()
-    return eval_metrics(list(shards), _allreduce_sum(sums))
+    sums = _evaluated_sums(engine, shards, micro, lambda batches: eval_sums(engine, batches, max_batches))
+    return eval_metrics(list(shards), sums)
 
 
 def evaluate_pairs(w: Worker, engine, shards: dict[str, Any]) -> dict[str, float]:
     """DPO's evaluation over every rank's eval pairs: eval_dpo_loss, eval_reward_accuracy, ...
-    (raytrain_cpu.dpo), and eval_loss / eval_perplexity / eval_tokens over the chosen answers."""
-    import torch
-
+    (raytrain_cpu.dpo), and eval_loss / eval_perplexity / eval_tokens over the chosen answers.
+    Preference data is never a mixture: one source."""
     from raytrain_cpu import dpo
 
     t = w.cfg.train
-    sums = [0.0] * len(dpo.SUM_NAMES)
-    engine.eval()
-    with torch.no_grad():
-        for shard in shards.values():  # one: preference data is never a mixture
-            batches = shard.iter_torch_batches(batch_size=t.micro_batch_size, dtypes=torch.long)
-            for i, batch in enumerate(batches):
-                if t.eval_batches and i >= t.eval_batches:
-                    break
-                _, batch_sums = dpo.micro_batch_loss(engine, model_inputs(batch), t.dpo_beta, w.fused_loss)
-                sums = [a + b for a, b in zip(sums, batch_sums)]
-    engine.train()
-    sums = _allreduce_sum(sums)
+    sums = _evaluated_sums(engine, shards, t.micro_batch_size, lambda batches: pair_eval_sums(w, engine, batches))
     nll, tokens = sums[dpo.SUM_NAMES.index("chosen_nll")], sums[dpo.SUM_NAMES.index("chosen_tokens")]
     return eval_metrics([""], [nll, tokens]) | dpo.metrics(sums, prefix="eval_")
+
+
+def pair_eval_sums(w: Worker, engine, batches) -> list[float]:
+    """dpo.SUM_NAMES' sums over batches of preference eval blocks, the first train.eval_batches
+    (0: all); the reference runs beside the model, as in training."""
+    from raytrain_cpu import dpo
+
+    t, sums = w.cfg.train, [0.0] * len(dpo.SUM_NAMES)
+    for batch in itertools.islice(batches, t.eval_batches or None):
+        _, batch_sums = dpo.micro_batch_loss(engine, model_inputs(batch), t.dpo_beta, w.fused_loss)
+        sums = [a + b for a, b in zip(sums, batch_sums)]
+    return sums
 
 
 def eval_sums(forward, batches, max_batches: int = 0) -> list[float]:

@@ -85,6 +85,34 @@ def zero3_steps(engine, batches) -> list[float]:
     return losses
 
 
+FUSED_VOCAB = 512  # fused_llama_pair's vocabulary
+
+
+def fused_llama_pair(dtype=None):
+    """A tiny Llama (Hugging Face's, in `dtype`: bf16 unless given) and a copy of it, the same
+    weights, with the fused output layer and loss installed (raytrain_cpu.loss)."""
+    import copy
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from raytrain_cpu import loss as fused
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=FUSED_VOCAB,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    hf = LlamaForCausalLM(config).to(dtype or torch.bfloat16)
+    ours = copy.deepcopy(hf)
+    assert fused.install(ours) is None
+    return hf, ours
+
+
 def fp32_partition_bits(engine) -> list[int]:
     """Every 97th element of the rank's fp32 master partitions, as int32 bits (bit-for-bit checks)."""
     import torch

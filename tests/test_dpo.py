@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import FUSED_VOCAB, fused_llama_pair
 
 from raytrain_cpu import dpo
 from raytrain_cpu.config import ConfigError, DataConfig, load_config
@@ -198,25 +199,12 @@ def test_a_micro_batch_without_a_pair_still_reaches_the_graph():
 
 
 def test_fused_label_logps_match_the_logits_and_their_gradients():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from raytrain_cpu import loss as fused
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    plain, model = LlamaForCausalLM(config), LlamaForCausalLM(config)
-    model.load_state_dict(plain.state_dict())
-    assert fused.install(model) is None
-    fused.CHUNK_BYTES, chunk = 4 * 96 * 5, fused.CHUNK_BYTES  # 5 tokens a chunk: several chunks
+    plain, model = fused_llama_pair(torch.float32)
+    fused.CHUNK_BYTES, chunk = 4 * FUSED_VOCAB * 5, fused.CHUNK_BYTES  # 5 tokens a chunk: several chunks
     try:
-        ids = torch.randint(0, 96, (2, 12))
+        ids = torch.randint(0, FUSED_VOCAB, (2, 12))
         labels, position_ids = packed_batch()
         labels = torch.where(labels == IGNORE, IGNORE, ids)
         got = model(input_ids=ids, labels=labels, position_ids=position_ids, label_logps=True)["label_logps"]

@@ -3,39 +3,18 @@ loss and gradients on a tiny Llama, in one process and under ZeRO-3 on 2 ranks."
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import FUSED_VOCAB, fused_llama_pair
 
 from raytrain_cpu import loss as fused
 
-VOCAB = 512
-
-
-def _pair(dtype=torch.bfloat16):
-    """(Hugging Face's model, the same weights with the fused loss installed)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    hf = LlamaForCausalLM(config).to(dtype)
-    ours = copy.deepcopy(hf)
-    assert fused.install(ours) is None
-    return hf, ours
-
 
 def _batch():
-    ids = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, FUSED_VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
     labels[0, :10] = -100  # a prompt that takes no loss
     return ids, labels
@@ -50,7 +29,7 @@ def _loss_and_grads(model, ids, labels, scale: float = 1.0):
 
 def test_one_chunk_matches_hugging_face_bit_for_bit():
     """bf16, every token in one chunk: the same loss and the same gradients to the last bit."""
-    hf, ours = _pair()
+    hf, ours = fused_llama_pair()
     ids, labels = _batch()
     loss_hf, grads_hf = _loss_and_grads(hf, ids, labels)
     loss_ours, grads_ours = _loss_and_grads(ours, ids, labels)
@@ -60,7 +39,7 @@ def test_one_chunk_matches_hugging_face_bit_for_bit():
 
 def test_scaled_backward_matches():
     """DeepSpeed divides the loss by the accumulation steps: the kept gradients are scaled."""
-    hf, ours = _pair()
+    hf, ours = fused_llama_pair()
     ids, labels = _batch()
     _, grads_hf = _loss_and_grads(hf, ids, labels, scale=0.5)
     _, grads_ours = _loss_and_grads(ours, ids, labels, scale=0.5)
@@ -72,9 +51,9 @@ def test_chunks_match_hugging_face(monkeypatch, dtype):
     """16 tokens a chunk (8 chunks): every gradient to the last bit (each row's arithmetic is its
     own, the weight's gradient one GEMM over all rows); the loss sums its chunks in another order,
     so to fp32 rounding."""
-    monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * VOCAB * 16)
-    assert fused.chunk_rows(VOCAB) == 16
-    hf, ours = _pair(dtype)
+    monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * FUSED_VOCAB * 16)
+    assert fused.chunk_rows(FUSED_VOCAB) == 16
+    hf, ours = fused_llama_pair(dtype)
     ids, labels = _batch()
     loss_hf, grads_hf = _loss_and_grads(hf, ids, labels)
     loss_ours, grads_ours = _loss_and_grads(ours, ids, labels)
@@ -88,8 +67,8 @@ def test_row_losses_are_each_rows_summed_loss_and_change_nothing_else(monkeypatc
     summed loss over its targets, as cross_entropy gives it row by row; the loss and the
     gradients keep their bits."""
     if chunk:
-        monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * VOCAB * chunk)
-    _, ours = _pair(torch.float32)
+        monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * FUSED_VOCAB * chunk)
+    _, ours = fused_llama_pair(torch.float32)
     ids, labels = _batch()
     loss, grads = _loss_and_grads(ours, ids, labels)
     ours.zero_grad()
@@ -111,7 +90,7 @@ def test_row_losses_are_each_rows_summed_loss_and_change_nothing_else(monkeypatc
 def test_no_targets_means_nan_loss_and_no_gradient():
     """Every label ignored: Hugging Face's mean is NaN (0/0); the fused loss says the same and
     sends no gradient."""
-    hf, ours = _pair()
+    hf, ours = fused_llama_pair()
     ids, _ = _batch()
     labels = torch.full_like(ids, -100)
     assert torch.isnan(hf(input_ids=ids, labels=labels).loss)
@@ -123,7 +102,7 @@ def test_no_targets_means_nan_loss_and_no_gradient():
 
 def test_calls_without_labels_run_the_model_unchanged():
     """Generation and the export check read logits: without labels nothing changes."""
-    hf, ours = _pair()
+    hf, ours = fused_llama_pair()
     ids, labels = _batch()
     with torch.no_grad():
         assert torch.equal(hf(input_ids=ids).logits, ours(input_ids=ids).logits)
@@ -139,7 +118,7 @@ def test_under_peft_the_fused_loss_still_runs():
     the fused loss (no logits, row_losses) still runs under it, with Hugging Face's loss's bits."""
     from peft import LoraConfig, get_peft_model
 
-    hf, ours = _pair()
+    hf, ours = fused_llama_pair()
     ids, labels = _batch()
     # As raytrain's LoRA wraps a model (lora.peft_config): a causal-LM task, whose wrapper passes them.
     config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM")
@@ -154,11 +133,11 @@ def test_under_peft_the_fused_loss_still_runs():
 def test_other_heads_keep_hugging_face_loss():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB))
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=FUSED_VOCAB))
     assert "gpt2" in fused.install(gpt2)
     assert "forward" not in vars(gpt2)  # untouched
-    _, ours = _pair()
-    ours.lm_head = torch.nn.Linear(64, VOCAB, bias=True)
+    _, ours = fused_llama_pair()
+    ours.lm_head = torch.nn.Linear(64, FUSED_VOCAB, bias=True)
     assert "bias" in fused.supported(ours)
 
 
