@@ -343,3 +343,59 @@ def test_a_full_cache_filesystem_is_named_and_leaves_nothing(ray_session, tmp_pa
     with pytest.raises(DataError, match=r"^data.cache_dir: no space left in .*cache for the packed blocks"):
         data.prepare(cfg, log=lambda m: None)
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]  # the .tmp copy is gone
+
+
+# ----------------------------------------------------------------------------- the scheduling loop's spacing
+
+
+def _executor(waiting: int):
+    """The slice of Ray Data's StreamingExecutor datathrottle reads: its output operator's state."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(_output_node=(None, SimpleNamespace(num_waiting_consumers=waiting)))
+
+
+def test_the_scheduling_loop_is_spaced_only_while_no_consumer_waits(monkeypatch):
+    from raytrain_cpu import datathrottle
+
+    slept = []
+    monkeypatch.setattr(datathrottle.time, "sleep", slept.append)
+    throttle = datathrottle.ThrottleScheduling()
+    throttle.on_execution_step(_executor(waiting=1))  # a rank waits for its batch: no wait at all
+    assert slept == []
+    throttle._last = time.perf_counter()
+    throttle.on_execution_step(_executor(waiting=0))  # nobody waits: the step is spaced, in slices
+    assert slept and max(slept) <= datathrottle.WAKE_S
+    assert datathrottle.consumer_waiting(object()) is False  # a Ray without the count: spaced
+
+
+def test_ray_data_tells_the_throttle_when_a_consumer_waits(ray_session):
+    """On a real stream, Ray's executor shows the throttle a waiting consumer (the first batch)
+    and none while the consumer is busy: a Ray that stopped counting them would space every step."""
+    import ray
+    from ray.data import DataContext
+
+    from raytrain_cpu import datathrottle
+
+    seen: list[bool] = []
+
+    class Recording(datathrottle.ThrottleScheduling):
+        def on_execution_step(self, executor) -> None:
+            seen.append(datathrottle.consumer_waiting(executor))
+            super().on_execution_step(executor)
+
+    def slow(batch):
+        time.sleep(0.05)
+        return batch
+
+    ctx = DataContext.get_current()
+    kept = list(ctx.custom_execution_callback_classes)
+    ctx.custom_execution_callback_classes = [Recording]
+    try:
+        it = iter(ray.data.range(64, override_num_blocks=8).map_batches(slow, batch_size=8).iter_batches(batch_size=8))
+        next(it)  # waited for
+        time.sleep(0.5)  # busy: the loop goes on without a waiting consumer
+        sum(1 for _ in it)
+    finally:
+        ctx.custom_execution_callback_classes = kept
+    assert True in seen and False in seen
