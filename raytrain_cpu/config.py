@@ -639,6 +639,16 @@ class TrainConfig:
     """DPO's beta, for data.format=preference: the loss is -log sigmoid(beta x (how much more the
     model prefers the chosen response than the reference did, in log-likelihood)). A larger
     beta keeps the model closer to the reference; 0.1 is the DPO paper's and TRL's default."""
+    dpo_loss: str = "sigmoid"
+    """The preference loss of each pair's margin x (the log-likelihood gain of the chosen response
+    over the rejected one, relative to the reference): 'sigmoid', DPO's -log sigmoid(beta x);
+    'ipo', (x - 1/(2 beta))^2 on log-likelihoods averaged per response token (IPO: a pair the
+    model already ranks right by that much is pushed no further; against overfitting small or
+    near-deterministic preference sets); 'hinge', max(0, 1 - beta x) (SLiC)."""
+    dpo_label_smoothing: float = 0.0
+    """For train.dpo_loss=sigmoid: the probability that a pair's labels are swapped (conservative
+    DPO): each pair's loss is (1 - e) x DPO's + e x DPO's on the pair reversed. 0: plain DPO;
+    below 0.5 (at 0.5 chosen and rejected weigh the same)."""
     record_block_ids: bool = False
     """Append the id of every block each rank trains on to <run dir>/block_ids/rank<r>.txt
     (an audit trail of the data order; the resume tests count them)."""
@@ -679,6 +689,17 @@ class TrainConfig:
         _require(self.early_stop_min_delta >= 0, "train.early_stop_min_delta", "must be >= 0.")
         _require(self.sample_tokens > 0, "train.sample_tokens", "must be a positive integer.")
         _require(self.dpo_beta > 0, "train.dpo_beta", f"got {self.dpo_beta}; must be > 0 (e.g. 0.1).")
+        _choice(self.dpo_loss, "train.dpo_loss", ("sigmoid", "ipo", "hinge"))
+        _require(
+            0 <= self.dpo_label_smoothing < 0.5,
+            "train.dpo_label_smoothing",
+            f"got {self.dpo_label_smoothing}; must be in [0, 0.5), e.g. 0.1 (0: plain DPO).",
+        )
+        _require(
+            self.dpo_label_smoothing == 0 or self.dpo_loss == "sigmoid",
+            "train.dpo_label_smoothing",
+            f"smooths train.dpo_loss=sigmoid only, not {self.dpo_loss!r}; set it to 0 or train.dpo_loss=sigmoid.",
+        )
         _require(self.eps > 0, "train.eps", f"got {self.eps}; must be > 0 (AdamW divides by sqrt(v) + eps), e.g. 1e-8.")
         _require(
             self.profile_step <= self.max_steps,

@@ -6,6 +6,11 @@ of the chosen answer against the rejected one, measured relative to a frozen ref
     loss = -log sigmoid(beta * ((log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected))))
 
 with log pi(y) summed over the answer's tokens (Rafailov et al., 2023). beta is train.dpo_beta.
+train.dpo_loss picks another loss of the same margin x (the bracket above): 'ipo',
+(x - 1/(2 beta))^2 over log-likelihoods averaged per answer token (Azar et al., 2023), which stops
+pushing a pair once its margin reaches 1/(2 beta); 'hinge', max(0, 1 - beta x) (SLiC, Zhao et al.,
+2023). train.dpo_label_smoothing makes the sigmoid loss conservative (cDPO): each pair counts as
+mislabelled with that probability, (1 - e) x its loss + e x the loss of the pair reversed.
 
 **The reference** is the model as training started. Under LoRA that is the frozen base with the
 adapters switched off (peft's `disable_adapter`), so the reference costs one more forward (no
@@ -63,18 +68,48 @@ def pair_sums(label_logps: torch.Tensor, labels: torch.Tensor, position_ids: tor
     return {k: v[keep] for k, v in sums.items()}
 
 
-def dpo_loss(policy: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], beta: float):
-    """(mean DPO loss over the pairs, the sums this batch adds to SUM_NAMES); a batch with no
-    pair gives a zero loss that still reaches the graph (every rank must run the backward)."""
-    gain_chosen = beta * (policy["chosen"] - reference["chosen"])
-    gain_rejected = beta * (policy["rejected"] - reference["rejected"])
+def settings(train) -> dict[str, Any]:  # noqa: ANN001 - config.TrainConfig
+    """dpo_loss's keyword arguments from the run's train settings."""
+    return {"beta": train.dpo_beta, "loss": train.dpo_loss, "label_smoothing": train.dpo_label_smoothing}
+
+
+def pair_losses(margin: torch.Tensor, beta: float, loss: str, label_smoothing: float) -> torch.Tensor:
+    """Each pair's loss from its margin (beta x the log-likelihood gain of the chosen answer over
+    the rejected one, relative to the reference); `loss` as train.dpo_loss."""
+    logsigmoid = torch.nn.functional.logsigmoid
+    if loss == "sigmoid":
+        return -(1 - label_smoothing) * logsigmoid(margin) - label_smoothing * logsigmoid(-margin)
+    if loss == "ipo":
+        return (margin / beta - 1 / (2 * beta)) ** 2
+    if loss == "hinge":
+        return torch.relu(1 - margin)
+    raise ValueError(f"unknown DPO loss {loss!r}")
+
+
+def dpo_loss(
+    policy: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    beta: float,
+    loss: str = "sigmoid",
+    label_smoothing: float = 0.0,
+):
+    """(mean loss over the pairs, the sums this batch adds to SUM_NAMES); a batch with no pair
+    gives a zero loss that still reaches the graph (every rank must run the backward). IPO
+    compares each answer's log-likelihood per token, and its rewards are those too."""
+    scored = [_per_token(s) for s in (policy, reference)] if loss == "ipo" else [policy, reference]
+    gain_chosen, gain_rejected = (beta * (scored[0][side] - scored[1][side]) for side in ("chosen", "rejected"))
     margin = gain_chosen - gain_rejected
-    losses = -torch.nn.functional.logsigmoid(margin)
+    losses = pair_losses(margin, beta, loss, label_smoothing)
     n = len(losses)
     loss = losses.sum() / n if n else policy["chosen"].sum() * 0.0
     totals = [losses, margin > 0, margin, gain_chosen, gain_rejected, -policy["chosen"], policy["chosen_tokens"]]
     loss_sum, correct, *rest = (float(x.detach().sum()) for x in totals)
     return loss, [loss_sum, n, correct, *rest]  # in SUM_NAMES' order
+
+
+def _per_token(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """pair_sums' log-likelihoods averaged over each answer's tokens (the counts kept)."""
+    return sums | {side: sums[side] / sums[f"{side}_tokens"] for side in ("chosen", "rejected")}
 
 
 def forward_logps(engine, inputs: dict[str, Any], fused: bool) -> torch.Tensor:
@@ -85,13 +120,13 @@ def forward_logps(engine, inputs: dict[str, Any], fused: bool) -> torch.Tensor:
     return label_logps_from_logits(engine(**plain, use_cache=False).logits, inputs["labels"])
 
 
-def micro_batch_loss(engine, inputs: dict[str, Any], beta: float, fused: bool):
+def micro_batch_loss(engine, inputs: dict[str, Any], fused: bool, **loss_settings: Any):
     """The DPO loss of a micro batch (the policy's graph) and its sums (SUM_NAMES): the reference
-    runs first, without gradients, the adapters off."""
+    runs first, without gradients, the adapters off. `loss_settings`: dpo_loss's (`settings`)."""
     with torch.no_grad(), engine.module.disable_adapter():
         reference = pair_sums(forward_logps(engine, inputs, fused), inputs["labels"], inputs["position_ids"])
     policy = pair_sums(forward_logps(engine, inputs, fused), inputs["labels"], inputs["position_ids"])
-    return dpo_loss(policy, reference, beta)
+    return dpo_loss(policy, reference, **loss_settings)
 
 
 def metrics(sums: list[float], prefix: str = "") -> dict[str, float]:

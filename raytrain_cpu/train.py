@@ -236,7 +236,7 @@ def pair_eval_sums(w: Worker, engine, batches) -> list[float]:
 
     t, sums = w.cfg.train, [0.0] * len(dpo.SUM_NAMES)
     for batch in itertools.islice(batches, t.eval_batches or None):
-        _, batch_sums = dpo.micro_batch_loss(engine, model_inputs(batch), t.dpo_beta, w.fused_loss)
+        _, batch_sums = dpo.micro_batch_loss(engine, model_inputs(batch), w.fused_loss, **dpo.settings(t))
         sums = [a + b for a, b in zip(sums, batch_sums)]
     return sums
 
@@ -1013,7 +1013,7 @@ def preference_loss(w: Worker, st: Loop, engine, inputs: dict[str, Any]):
     next log row."""
     from raytrain_cpu import dpo
 
-    loss, sums = dpo.micro_batch_loss(engine, inputs, w.cfg.train.dpo_beta, w.fused_loss)
+    loss, sums = dpo.micro_batch_loss(engine, inputs, w.fused_loss, **dpo.settings(w.cfg.train))
     st.pair_sums = [a + b for a, b in zip(st.pair_sums, sums)] if st.pair_sums else sums
     return loss
 

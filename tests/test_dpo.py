@@ -189,6 +189,56 @@ def test_dpo_loss_is_log2_at_the_reference_and_its_gradient_prefers_the_chosen()
     assert m["reward_accuracy"] == 1.0 and m["reward_margin"] == pytest.approx(0.1) and m["pairs"] == 3
 
 
+@pytest.mark.parametrize(
+    ("loss", "at_reference"), [("sigmoid", math.log(2)), ("ipo", (1 / (2 * 0.1)) ** 2), ("hinge", 1.0)]
+)
+def test_every_preference_loss_starts_where_it_should_and_prefers_the_chosen(loss, at_reference):
+    labels, position_ids = packed_batch()
+    logps = (-torch.rand(2, 12) * (labels != IGNORE)).requires_grad_()
+    reference = {k: v.detach() for k, v in dpo.pair_sums(logps, labels, position_ids).items()}
+    value, _ = dpo.dpo_loss(dpo.pair_sums(logps, labels, position_ids), reference, beta=0.1, loss=loss)
+    assert value.item() == pytest.approx(at_reference)
+    value.backward()
+    chosen = dpo.chosen_labels(labels, position_ids) != IGNORE
+    rejected = (labels != IGNORE) & ~chosen
+    assert (logps.grad[chosen] < 0).all() and (logps.grad[rejected] > 0).all()
+
+
+def test_ipo_compares_per_token_and_stops_at_its_margin_where_dpo_pushes_on():
+    labels, position_ids = packed_batch()
+    logps = -torch.rand(2, 12) * (labels != IGNORE)
+    reference = dpo.pair_sums(logps, labels, position_ids)
+    # Each chosen token 5 nats likelier: the chosen answers' sums rise by 5 x their 2 tokens, the
+    # per-token margin is 5 = 1/(2 beta), IPO's target: its loss is 0; DPO's is still positive.
+    better = reference | {"chosen": reference["chosen"] + 5 * reference["chosen_tokens"]}
+    ipo, sums = dpo.dpo_loss(better, reference, beta=0.1, loss="ipo")
+    assert ipo.item() == pytest.approx(0.0, abs=1e-9)
+    assert dpo.metrics(sums)["reward_margin"] == pytest.approx(0.5)  # beta x 5, per token
+    assert sums[dpo.SUM_NAMES.index("chosen_nll")] == pytest.approx(-float(better["chosen"].sum()))  # summed
+    sigmoid, _ = dpo.dpo_loss(better, reference, beta=0.1)
+    assert sigmoid.item() == pytest.approx(-math.log(1 / (1 + math.exp(-1.0))))  # beta x 10 summed nats
+    # Past its target IPO pulls back: the loss grows again.
+    further = reference | {"chosen": reference["chosen"] + 8 * reference["chosen_tokens"]}
+    assert dpo.dpo_loss(further, reference, beta=0.1, loss="ipo")[0].item() == pytest.approx(9.0)
+
+
+def test_label_smoothing_mixes_in_the_reversed_pair():
+    margin = torch.tensor([0.0, 0.7, -1.3])
+    plain = dpo.pair_losses(margin, 0.1, "sigmoid", 0.0)
+    reversed_pair = dpo.pair_losses(-margin, 0.1, "sigmoid", 0.0)
+    smoothed = dpo.pair_losses(margin, 0.1, "sigmoid", 0.2)
+    assert torch.allclose(smoothed, 0.8 * plain + 0.2 * reversed_pair)
+    assert torch.allclose(dpo.pair_losses(margin, 0.1, "hinge", 0.0), torch.tensor([1.0, 0.3, 2.3]))
+    c = load_config(None, ["train.dpo_loss=ipo", "train.dpo_beta=0.5"]).train
+    assert dpo.settings(c) == {"beta": 0.5, "loss": "ipo", "label_smoothing": 0.0}  # what the workers pass
+    with pytest.raises(ConfigError, match=r"train.dpo_loss"):
+        load_config(None, ["train.dpo_loss=kto"])
+    with pytest.raises(ConfigError, match=r"train.dpo_label_smoothing.*\[0, 0.5\)"):
+        load_config(None, ["train.dpo_label_smoothing=0.5"])
+    with pytest.raises(ConfigError, match=r"train.dpo_label_smoothing.*sigmoid only, not 'ipo'"):
+        load_config(None, ["train.dpo_loss=ipo", "train.dpo_label_smoothing=0.1"])
+
+
 def test_a_micro_batch_without_a_pair_still_reaches_the_graph():
     labels = torch.full((1, 8), IGNORE)
     logps = torch.zeros(1, 8, requires_grad=True)
