@@ -120,12 +120,14 @@ def forward_logps(engine, inputs: dict[str, Any], fused: bool) -> torch.Tensor:
     return label_logps_from_logits(engine(**plain, use_cache=False).logits, inputs["labels"])
 
 
-def micro_batch_loss(engine, inputs: dict[str, Any], fused: bool, **loss_settings: Any):
+def micro_batch_loss(model, peft_model, inputs: dict[str, Any], fused: bool, **loss_settings: Any):
     """The DPO loss of a micro batch (the policy's graph) and its sums (SUM_NAMES): the reference
-    runs first, without gradients, the adapters off. `loss_settings`: dpo_loss's (`settings`)."""
-    with torch.no_grad(), engine.module.disable_adapter():
-        reference = pair_sums(forward_logps(engine, inputs, fused), inputs["labels"], inputs["position_ids"])
-    policy = pair_sums(forward_logps(engine, inputs, fused), inputs["labels"], inputs["position_ids"])
+    runs first, without gradients, with `peft_model`'s adapters off. `model` runs the forwards
+    (the DeepSpeed engine in training, whose module is `peft_model`; the PeftModel itself in
+    `evaluate`). `loss_settings`: dpo_loss's (`settings`)."""
+    with torch.no_grad(), peft_model.disable_adapter():
+        reference = pair_sums(forward_logps(model, inputs, fused), inputs["labels"], inputs["position_ids"])
+    policy = pair_sums(forward_logps(model, inputs, fused), inputs["labels"], inputs["position_ids"])
     return dpo_loss(policy, reference, **loss_settings)
 
 

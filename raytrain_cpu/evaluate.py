@@ -1,8 +1,9 @@
 """`python -m raytrain_cpu.evaluate <checkpoint | run dir | export | model dir> [data.key=value ...]`:
 a model's eval loss and perplexity, as training's evaluation measures them, on one process.
 
-The model: a checkpoint is first exported to a temporary directory (as `generate` does; a run
-directory stands for its latest checkpoint, or with --best its best); an export or any Hugging
+The model: a checkpoint is first exported to a temporary directory (as `generate` does, a LoRA
+checkpoint as its adapter on its base; a run directory stands for its latest checkpoint, or
+with --best its best); an export or any Hugging
 Face model directory is loaded as it is. The data: the settings the run trained with (the
 checkpoint's manifest, an export's raytrain.json; the embedded default's bundled wikitext for
 a model directory without either), changed by `data.*` overrides, and packed into blocks as
@@ -10,7 +11,9 @@ training packs them, in the same data cache (a run's own evaluation blocks are f
 tokenized again; other data is packed once, on a local Ray). The loss is token-weighted over
 the same targets (a chat run's response tokens; a preference run's chosen answers, as its
 evaluations' eval_loss), within each document where the run's data.attention_span says so, for
-each source of a mixture too.
+each source of a mixture too. A LoRA model on preference data also gets the run's DPO metrics
+(eval_dpo_loss, eval_reward_accuracy, ...), its base with the adapters off as the reference;
+a merged or plain model has no reference: its chosen answers' loss only.
 
 Why: the base model against its fine-tuned export on the same held-out blocks, a model on
 text of your own (`data.eval_path=notes.txt` evaluates that file alone, in the run's format),
@@ -40,16 +43,21 @@ def _run_dir_above(path: Path) -> Path | None:
     return None
 
 
+def _run_info(path: Path) -> dict[str, Any]:
+    """What a checkpoint's manifest or an export's raytrain.json records of its run; {} for a
+    plain model directory."""
+    from raytrain_cpu.export import RUN_INFO
+
+    if (path / MANIFEST).is_file():
+        return read_manifest(path)
+    return json.loads((path / RUN_INFO).read_text()) if (path / RUN_INFO).is_file() else {}
+
+
 def _run_settings(path: Path) -> tuple[dict[str, Any], str | None]:
     """The data settings a checkpoint or an export records, and the tokenizer the run read where
     it is still there (its blocks are then found in the run's data cache; the export's own copy
     makes the same blocks, under another key): ({}, None) for a plain model directory."""
-    from raytrain_cpu.export import RUN_INFO
-
-    if (path / MANIFEST).is_file():
-        info = read_manifest(path)
-    else:
-        info = json.loads((path / RUN_INFO).read_text()) if (path / RUN_INFO).is_file() else {}
+    info = _run_info(path)
     tokenizer = info.get("tokenizer")
     there = tokenizer and Path(tokenizer).exists()  # a local copy: a hub id is fetched no more
     return info.get("data") or {}, tokenizer if there else None
@@ -97,16 +105,20 @@ def _batches(cache: Path, meta: dict[str, Any], n_blocks: int, eos: int | None):
     import torch
 
     from raytrain_cpu.data import _read_blocks
-    from raytrain_cpu.dpo import chosen_labels
 
     has_labels = meta.get("data_format", "text") != "text"
     for lo in range(0, n_blocks, MICRO_BATCH):
         ids = np.arange(lo, min(lo + MICRO_BATCH, n_blocks))
         blocks = _read_blocks(str(cache / "eval"), ids, has_labels, eos)
-        batch = {k: torch.from_numpy(v.astype(np.int64)) for k, v in blocks.items()}
-        if meta.get("data_format") == "preference":  # no reference here: the chosen answers' loss
-            batch["labels"] = chosen_labels(batch["labels"], batch["position_ids"])
-        yield batch
+        yield {k: torch.from_numpy(v.astype(np.int64)) for k, v in blocks.items()}
+
+
+def _chosen_only(batches):
+    """Preference blocks with the rejected answers' labels dropped: the chosen answers' loss."""
+    from raytrain_cpu.dpo import chosen_labels
+
+    for batch in batches:
+        yield batch | {"labels": chosen_labels(batch["labels"], batch["position_ids"])}
 
 
 def evaluate_model(
@@ -124,28 +136,53 @@ def evaluate_model(
     import functools
 
     import torch
+    from peft import PeftModel
 
+    from raytrain_cpu import dpo
     from raytrain_cpu.export import _torch_dtype, load_exported
     from raytrain_cpu.generate import _export_dir
-    from raytrain_cpu.train import eval_metrics, eval_sums
+    from raytrain_cpu.train import eval_metrics, eval_sums, pair_eval_metrics, pair_eval_sums
 
     path = best_of(path) if best else checkpoint_of(path)
     evaluation_config(path, path, list(overrides))  # bad settings fail before the export (minutes for a large model)
     with ExitStack() as stack:
-        model_dir = _export_dir(path, stack)
+        # A LoRA checkpoint as its adapter on the base: it computes as training did, and DPO's
+        # reference is that base with the adapters off.
+        model_dir = _export_dir(path, stack, merge=False)
         cfg = evaluation_config(path, model_dir, list(overrides))
         sources, eos = prepared_sources(cfg, log)
         model = load_exported(model_dir, None if dtype == "auto" else _torch_dtype(dtype))
         # use_cache=False: transformers builds the mask of packed documents from position_ids only without a cache.
         forward = functools.partial(model, use_cache=False)
-        sums, blocks = [], 0
+        sums, blocks, pairs = [], 0, None
         with torch.no_grad():
             for name, cache, meta in sources:
                 n = meta["eval_blocks"] if not max_blocks else min(max_blocks, meta["eval_blocks"])
                 log(f"[evaluate] {name + ': ' if name else ''}{n} eval blocks of {meta['seq_len']} tokens from {cache}")
-                sums += eval_sums(forward, _batches(cache, meta, n, eos))
+                batches = _batches(cache, meta, n, eos)
                 blocks += n
-    out = eval_metrics([name for name, _, _ in sources], sums)
+                if meta.get("data_format") != "preference":
+                    sums += eval_sums(forward, batches)
+                elif isinstance(model, PeftModel):  # preference data is never a mixture: one source
+                    recorded = _run_info(path).get("dpo")
+                    scoring = recorded or dpo.settings(cfg.train)
+                    log(
+                        f"[evaluate] DPO's {scoring['loss']} loss, beta {scoring['beta']}"
+                        + (f", label smoothing {scoring['label_smoothing']}" if scoring["label_smoothing"] else "")
+                        + (
+                            " (the run's)"
+                            if recorded
+                            else " (the defaults: this checkpoint predates recording the run's)"
+                        )
+                    )
+                    pairs = pair_eval_metrics(pair_eval_sums(model, model, batches, False, scoring))
+                else:
+                    log(
+                        "[evaluate] no DPO metrics: the model has no adapters to switch off for the reference "
+                        "(a merged export or a plain model); the chosen answers' loss only"
+                    )
+                    sums += eval_sums(forward, _chosen_only(batches))
+    out = pairs or eval_metrics([name for name, _, _ in sources], sums)
     if not out["eval_tokens"]:
         raise ValueError("the evaluation data make no eval block with a target; give more text (data.eval_path=…)")
     return {**out, "eval_blocks": blocks, "model": str(path)}
@@ -200,8 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ConfigError, DataError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    dpo_part = (
+        f" | dpo loss {result['eval_dpo_loss']:.4f}, reward accuracy {100 * result['eval_reward_accuracy']:.1f}% "
+        f"over {result['eval_pairs']:.0f} pairs"
+        if "eval_dpo_loss" in result
+        else ""
+    )
     log(
-        f"[evaluate] eval loss {result['eval_loss']:.4f} ppl {result['eval_perplexity']:.2f} over {result['eval_tokens']:,} targets"
+        f"[evaluate] eval loss {result['eval_loss']:.4f} ppl {result['eval_perplexity']:.2f} over "
+        f"{result['eval_tokens']:,} targets{dpo_part}"
     )
     print(json.dumps(result, indent=2))
     return 0

@@ -129,7 +129,7 @@ def _write_tokenizer(out: Path, tokenizer: str, manifest: dict[str, Any]) -> Non
 
         tok.chat_template = chat_template_for(tok, DataConfig(**data))
     tok.save_pretrained(out)
-    info = {k: manifest.get(k) for k in ("step", "dtype", "model_dir", "tokenizer", "lora", "data")}
+    info = {k: manifest.get(k) for k in ("step", "dtype", "model_dir", "tokenizer", "lora", "data", "dpo")}
     (out / RUN_INFO).write_text(json.dumps(info, indent=2))
 
 

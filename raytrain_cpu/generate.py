@@ -22,16 +22,16 @@ from typing import Any
 from raytrain_cpu.checkpoint import BEST_HELP, MANIFEST, CheckpointError, best_of, checkpoint_of
 
 
-def _export_dir(path: Path, stack: ExitStack) -> Path:
+def _export_dir(path: Path, stack: ExitStack, merge: bool = True) -> Path:
     """An export directory for `path`: itself, or a temporary export of a checkpoint (a run
-    directory's latest)."""
+    directory's latest); a LoRA checkpoint's merged model, or with merge=False its adapter."""
     path = checkpoint_of(path)
     if not (path / MANIFEST).is_file():
         return path
     from raytrain_cpu.export import MERGED, export_checkpoint
 
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="raytrain-generate-"))) / "export"
-    info = export_checkpoint(path, tmp, merge=True)
+    info = export_checkpoint(path, tmp, merge=merge)
     return tmp / MERGED if "merged" in info else tmp
 
 

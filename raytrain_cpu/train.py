@@ -218,27 +218,42 @@ def evaluate(engine, shards: dict[str, Any], micro: int, max_batches: int) -> di
 
 
 def evaluate_pairs(w: Worker, engine, shards: dict[str, Any]) -> dict[str, float]:
-    """DPO's evaluation over every rank's eval pairs: eval_dpo_loss, eval_reward_accuracy, ...
-    (raytrain_cpu.dpo), and eval_loss / eval_perplexity / eval_tokens over the chosen answers.
-    Preference data is never a mixture: one source."""
+    """DPO's evaluation over every rank's eval pairs (pair_eval_metrics). Preference data is
+    never a mixture: one source."""
     from raytrain_cpu import dpo
 
     t = w.cfg.train
-    sums = _evaluated_sums(engine, shards, t.micro_batch_size, lambda batches: pair_eval_sums(w, engine, batches))
-    nll, tokens = sums[dpo.SUM_NAMES.index("chosen_nll")], sums[dpo.SUM_NAMES.index("chosen_tokens")]
-    return eval_metrics([""], [nll, tokens]) | dpo.metrics(sums, prefix="eval_")
+    sums = _evaluated_sums(
+        engine,
+        shards,
+        t.micro_batch_size,
+        lambda batches: pair_eval_sums(engine, engine.module, batches, w.fused_loss, dpo.settings(t), t.eval_batches),
+    )
+    return pair_eval_metrics(sums)
 
 
-def pair_eval_sums(w: Worker, engine, batches) -> list[float]:
-    """dpo.SUM_NAMES' sums over batches of preference eval blocks, the first train.eval_batches
-    (0: all); the reference runs beside the model, as in training."""
+def pair_eval_sums(
+    model, peft_model, batches, fused: bool, loss_settings: dict[str, Any], max_batches: int = 0
+) -> list[float]:
+    """dpo.SUM_NAMES' sums over batches of preference eval blocks, the first `max_batches` (0:
+    all); the reference (`peft_model`'s adapters off) runs beside the model, as in training.
+    `loss_settings`: dpo.settings'."""
     from raytrain_cpu import dpo
 
-    t, sums = w.cfg.train, [0.0] * len(dpo.SUM_NAMES)
-    for batch in itertools.islice(batches, t.eval_batches or None):
-        _, batch_sums = dpo.micro_batch_loss(engine, model_inputs(batch), w.fused_loss, **dpo.settings(t))
+    sums = [0.0] * len(dpo.SUM_NAMES)
+    for batch in itertools.islice(batches, max_batches or None):
+        _, batch_sums = dpo.micro_batch_loss(model, peft_model, model_inputs(batch), fused, **loss_settings)
         sums = [a + b for a, b in zip(sums, batch_sums)]
     return sums
+
+
+def pair_eval_metrics(sums: list[float]) -> dict[str, float]:
+    """eval_dpo_loss, eval_reward_accuracy, ... (raytrain_cpu.dpo) from pair_eval_sums' sums, and
+    eval_loss / eval_perplexity / eval_tokens over the chosen answers."""
+    from raytrain_cpu import dpo
+
+    nll, tokens = sums[dpo.SUM_NAMES.index("chosen_nll")], sums[dpo.SUM_NAMES.index("chosen_tokens")]
+    return eval_metrics([""], [nll, tokens]) | dpo.metrics(sums, prefix="eval_")
 
 
 def eval_sums(forward, batches, max_batches: int = 0) -> list[float]:
@@ -1013,7 +1028,7 @@ def preference_loss(w: Worker, st: Loop, engine, inputs: dict[str, Any]):
     next log row."""
     from raytrain_cpu import dpo
 
-    loss, sums = dpo.micro_batch_loss(engine, inputs, w.fused_loss, **dpo.settings(w.cfg.train))
+    loss, sums = dpo.micro_batch_loss(engine, engine.module, inputs, w.fused_loss, **dpo.settings(w.cfg.train))
     st.pair_sums = [a + b for a, b in zip(st.pair_sums, sums)] if st.pair_sums else sums
     return loss
 
@@ -1202,7 +1217,7 @@ def room_to_grow(w: Worker, st: Loop) -> bool:
 
 def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, block_log) -> None:
     """Every rank saves its shard; rank 0 writes the manifest; all report to Ray Train."""
-    from raytrain_cpu import cpu
+    from raytrain_cpu import cpu, dpo
 
     cfg = w.cfg
     st.watch.checkpointed(ckpt_io.checkpoint_dir_name(st.step), st.step)
@@ -1222,6 +1237,7 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
         "tokenizer": resolve_tokenizer_path(cfg.model.tokenizer, w.loop_config["model_dir"]),
         "lora": loaded.lora,  # export writes an adapter (and merges it) when set
         "data": cfg.to_dict()["data"],  # format and template: how export and generate render prompts
+        "dpo": dpo.settings(cfg.train) if w.preference else None,  # how `evaluate` scores its pairs
         "data_key": w.loop_config["data_key"],  # the packed blocks trained on (their files' fingerprints)
         "eval_watch": st.watch.state(),  # the best so far and the evaluations since: a resume goes on counting
         "time": time.time(),

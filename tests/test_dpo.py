@@ -303,6 +303,7 @@ def test_preference_without_lora_fails_before_ray(capsys, tmp_path):
 @pytest.mark.slow
 def test_lora_dpo_run_learns_to_prefer_the_chosen_answers(ray_session, make_config, tmp_path):
     from raytrain_cpu.evaluate import evaluate_model
+    from raytrain_cpu.export import export_checkpoint
     from raytrain_cpu.main import run
 
     # 16 of the bundled pairs, trained on for 4 epochs and evaluated on themselves: a random tiny
@@ -318,6 +319,7 @@ def test_lora_dpo_run_learns_to_prefer_the_chosen_answers(ray_session, make_conf
             "lora.rank=8",
             "scaling.num_workers=1",
             "train.lr=2e-2",
+            "train.dpo_beta=0.2",  # not the default: `evaluate` scores pairs with the run's own
             "train.max_steps=16",
             "train.eval_every=8",
             "train.checkpoint_every=8",
@@ -336,7 +338,15 @@ def test_lora_dpo_run_learns_to_prefer_the_chosen_answers(ray_session, make_conf
     assert evals[-1]["eval_dpo_loss"] < 0.6 and evals[-1]["eval_reward_accuracy"] >= 0.9, evals
     assert evals[-1]["eval_reward_chosen"] > evals[-1]["eval_reward_rejected"]
     assert summary["best_checkpoint"]["metric"] == "eval_dpo_loss" and summary["best_checkpoint"]["step"] == 16
-    # evaluate (no reference model there) measures what the run's eval_loss is, the chosen answers'
-    # loss, on the blocks the run's evaluation covered (1 worker x train.eval_batches x micro batch)
+    # evaluate measures what the run's evaluation did, on the blocks it covered (1 worker x
+    # train.eval_batches x micro batch): the chosen answers' eval_loss, and DPO's metrics with the
+    # adapters off for the reference; a merged export has no reference: its chosen answers' loss only.
     measured = evaluate_model(run_dir, max_blocks=4 * 4)
     assert measured["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], abs=2e-2)  # bf16: engine vs HF forward
+    assert measured["eval_pairs"] == 16
+    assert measured["eval_dpo_loss"] == pytest.approx(evals[-1]["eval_dpo_loss"], abs=2e-2)
+    assert measured["eval_reward_margin"] == pytest.approx(evals[-1]["eval_reward_margin"], rel=0.1)
+    assert measured["eval_reward_accuracy"] >= 0.9
+    export_checkpoint(run_dir, tmp_path / "export", merge=True)
+    merged = evaluate_model(tmp_path / "export" / "merged", max_blocks=4 * 4)
+    assert "eval_dpo_loss" not in merged and merged["eval_loss"] == pytest.approx(measured["eval_loss"], abs=2e-2)
