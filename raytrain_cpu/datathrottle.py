@@ -14,7 +14,8 @@ prefetches. Only the training streams get it, not the tokenizing pipeline.
 It spaces only the steps nobody waits on. While a rank is blocked on its next batch (a stream
 starting, at the first step and at every evaluation, which opens new streams), the loop is
 doing the work that rank waits for, so it runs at Ray's own pace: spaced, each evaluation of
-the tests' tiny runs waited 0.76 s for its first batch, against 0.13 s unspaced.
+the tests' tiny runs waited 0.76 s for its first batch, against 0.13 s unspaced. A wait past
+STALL_S is a stall, and spaced again.
 
 Kept in its own module because subclassing Ray Data's callback imports `ray.data`, which
 the CLI's validation (before Ray starts) should not pay for.
@@ -30,23 +31,36 @@ from ray.data._internal.execution.execution_callback import ExecutionCallback
 MIN_STEP_INTERVAL_S = 0.1
 # How often a spaced loop looks for a waiting consumer: Ray's own poll of an empty output queue.
 WAKE_S = 0.01
+# A consumer waiting longer than this is a stall, not a stream starting (a cold stream's first
+# batch took up to 1.6 s here): nothing may be launchable (no CPU left for the stream's tasks),
+# and an unspaced loop would spin through it. Its steps are spaced again.
+STALL_S = 2.0
 
 
 class ThrottleScheduling(ExecutionCallback):
-    """Spaces scheduling steps at least MIN_STEP_INTERVAL_S apart."""
+    """Spaces scheduling steps at least MIN_STEP_INTERVAL_S apart, unless a consumer waits."""
 
     def __init__(self) -> None:
         self._last = time.perf_counter()
+        self._waiting_since: float | None = None
 
     def on_execution_step(self, executor) -> None:  # noqa: ANN001 - Ray's StreamingExecutor
         deadline = self._last + MIN_STEP_INTERVAL_S
+        now = time.perf_counter()
         # Slept in slices: a consumer that starts waiting mid-interval ends the wait.
-        while not consumer_waiting(executor):
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                break
-            time.sleep(min(left, WAKE_S))
-        self._last = time.perf_counter()
+        while now < deadline and not self._served(executor, now):
+            time.sleep(min(deadline - now, WAKE_S))
+            now = time.perf_counter()
+        self._last = now
+
+    def _served(self, executor, now: float) -> bool:  # noqa: ANN001
+        """Whether a consumer waits on the stream, for less than STALL_S so far."""
+        if not consumer_waiting(executor):
+            self._waiting_since = None
+            return False
+        if self._waiting_since is None:
+            self._waiting_since = now
+        return now - self._waiting_since < STALL_S
 
 
 def consumer_waiting(executor) -> bool:  # noqa: ANN001 - Ray's StreamingExecutor

@@ -358,14 +358,29 @@ def _executor(waiting: int):
 def test_the_scheduling_loop_is_spaced_only_while_no_consumer_waits(monkeypatch):
     from raytrain_cpu import datathrottle
 
+    clock = [100.0]  # time passes only in sleeps
     slept = []
-    monkeypatch.setattr(datathrottle.time, "sleep", slept.append)
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        clock[0] += s
+
+    monkeypatch.setattr(datathrottle.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(datathrottle.time, "sleep", sleep)
     throttle = datathrottle.ThrottleScheduling()
     throttle.on_execution_step(_executor(waiting=1))  # a rank waits for its batch: no wait at all
     assert slept == []
-    throttle._last = time.perf_counter()
     throttle.on_execution_step(_executor(waiting=0))  # nobody waits: the step is spaced, in slices
-    assert slept and max(slept) <= datathrottle.WAKE_S
+    assert sum(slept) == pytest.approx(datathrottle.MIN_STEP_INTERVAL_S)
+    assert max(slept) <= datathrottle.WAKE_S
+    # A consumer waiting past STALL_S is a stall (say, no CPU left for the stream's tasks): spaced again.
+    slept.clear()
+    for _ in range(round(datathrottle.STALL_S / 0.0625)):  # the loop goes round every 62.5 ms, unspaced
+        throttle.on_execution_step(_executor(waiting=1))
+        clock[0] += 0.0625
+    assert slept == []
+    throttle.on_execution_step(_executor(waiting=1))  # waited STALL_S: the rest of the interval is slept
+    assert sum(slept) == pytest.approx(datathrottle.MIN_STEP_INTERVAL_S - 0.0625)
     assert datathrottle.consumer_waiting(object()) is False  # a Ray without the count: spaced
 
 
