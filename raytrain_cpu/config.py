@@ -645,6 +645,11 @@ class TrainConfig:
     'ipo', (x - 1/(2 beta))^2 on log-likelihoods averaged per response token (IPO: a pair the
     model already ranks right by that much is pushed no further; against overfitting small or
     near-deterministic preference sets); 'hinge', max(0, 1 - beta x) (SLiC)."""
+    dpo_sft_weight: float = 0.0
+    """For data.format=preference: adds this weight times the chosen responses' per-token loss
+    (SFT's) to the preference loss (RPO; TRL's rpo_alpha, e.g. 1.0). DPO alone may lower both
+    responses' likelihoods as long as the rejected one falls faster; this holds the chosen one
+    up. The train rows' loss is then the sum, with dpo_loss and chosen_loss beside it."""
     dpo_label_smoothing: float = 0.0
     """For train.dpo_loss=sigmoid: the probability that a pair's labels are swapped (conservative
     DPO): each pair's loss is (1 - e) x DPO's + e x DPO's on the pair reversed. 0: plain DPO;
@@ -690,6 +695,9 @@ class TrainConfig:
         _require(self.sample_tokens > 0, "train.sample_tokens", "must be a positive integer.")
         _require(self.dpo_beta > 0, "train.dpo_beta", f"got {self.dpo_beta}; must be > 0 (e.g. 0.1).")
         _choice(self.dpo_loss, "train.dpo_loss", ("sigmoid", "ipo", "hinge"))
+        _require(
+            self.dpo_sft_weight >= 0, "train.dpo_sft_weight", f"got {self.dpo_sft_weight}; must be >= 0 (0: none)."
+        )
         _require(
             0 <= self.dpo_label_smoothing < 0.5,
             "train.dpo_label_smoothing",

@@ -11,6 +11,9 @@ train.dpo_loss picks another loss of the same margin x (the bracket above): 'ipo
 pushing a pair once its margin reaches 1/(2 beta); 'hinge', max(0, 1 - beta x) (SLiC, Zhao et al.,
 2023). train.dpo_label_smoothing makes the sigmoid loss conservative (cDPO): each pair counts as
 mislabelled with that probability, (1 - e) x its loss + e x the loss of the pair reversed.
+train.dpo_sft_weight adds that weight times the chosen answers' per-token loss, SFT's (RPO, Pang
+et al., 2024; TRL's rpo_alpha): DPO alone may lower both answers' likelihoods as long as the
+rejected one falls faster; the added term holds the chosen one up.
 
 **The reference** is the model as training started. Under LoRA that is the frozen base with the
 adapters switched off (peft's `disable_adapter`), so the reference costs one more forward (no
@@ -70,7 +73,12 @@ def pair_sums(label_logps: torch.Tensor, labels: torch.Tensor, position_ids: tor
 
 def settings(train) -> dict[str, Any]:  # noqa: ANN001 - config.TrainConfig
     """dpo_loss's keyword arguments from the run's train settings."""
-    return {"beta": train.dpo_beta, "loss": train.dpo_loss, "label_smoothing": train.dpo_label_smoothing}
+    return {
+        "beta": train.dpo_beta,
+        "loss": train.dpo_loss,
+        "label_smoothing": train.dpo_label_smoothing,
+        "sft_weight": train.dpo_sft_weight,
+    }
 
 
 def pair_losses(margin: torch.Tensor, beta: float, loss: str, label_smoothing: float) -> torch.Tensor:
@@ -92,16 +100,20 @@ def dpo_loss(
     beta: float,
     loss: str = "sigmoid",
     label_smoothing: float = 0.0,
+    sft_weight: float = 0.0,
 ):
-    """(mean loss over the pairs, the sums this batch adds to SUM_NAMES); a batch with no pair
-    gives a zero loss that still reaches the graph (every rank must run the backward). IPO
-    compares each answer's log-likelihood per token, and its rewards are those too."""
+    """(mean loss over the pairs, plus sft_weight x the chosen answers' per-token loss; the sums
+    this batch adds to SUM_NAMES, whose 'loss' is the pairs' alone); a batch with no pair gives a
+    zero loss that still reaches the graph (every rank must run the backward). IPO compares each
+    answer's log-likelihood per token, and its rewards are those too."""
     scored = [_per_token(s) for s in (policy, reference)] if loss == "ipo" else [policy, reference]
     gain_chosen, gain_rejected = (beta * (scored[0][side] - scored[1][side]) for side in ("chosen", "rejected"))
     margin = gain_chosen - gain_rejected
     losses = pair_losses(margin, beta, loss, label_smoothing)
     n = len(losses)
     loss = losses.sum() / n if n else policy["chosen"].sum() * 0.0
+    if sft_weight and n:
+        loss = loss - sft_weight * policy["chosen"].sum() / policy["chosen_tokens"].sum()
     totals = [losses, margin > 0, margin, gain_chosen, gain_rejected, -policy["chosen"], policy["chosen_tokens"]]
     loss_sum, correct, *rest = (float(x.detach().sum()) for x in totals)
     return loss, [loss_sum, n, correct, *rest]  # in SUM_NAMES' order
@@ -129,6 +141,12 @@ def micro_batch_loss(model, peft_model, inputs: dict[str, Any], fused: bool, **l
         reference = pair_sums(forward_logps(model, inputs, fused), inputs["labels"], inputs["position_ids"])
     policy = pair_sums(forward_logps(model, inputs, fused), inputs["labels"], inputs["position_ids"])
     return dpo_loss(policy, reference, **loss_settings)
+
+
+def chosen_loss(sums: list[float]) -> float | None:
+    """The chosen answers' per-token loss (SFT's) from all-reduced SUM_NAMES sums; None over none."""
+    s = dict(zip(SUM_NAMES, sums))
+    return s["chosen_nll"] / s["chosen_tokens"] if s["chosen_tokens"] else None
 
 
 def metrics(sums: list[float], prefix: str = "") -> dict[str, float]:

@@ -316,6 +316,8 @@ TB_TAGS = {
     "reward_margin": "train/reward_margin",
     "reward_chosen": "train/reward_chosen",
     "reward_rejected": "train/reward_rejected",
+    "dpo_loss": "train/dpo_loss",
+    "chosen_loss": "train/chosen_loss",
     "eval_dpo_loss": "eval/dpo_loss",
     "eval_reward_accuracy": "eval/reward_accuracy",
     "eval_reward_margin": "eval/reward_margin",

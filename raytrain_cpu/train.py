@@ -1034,15 +1034,22 @@ def preference_loss(w: Worker, st: Loop, engine, inputs: dict[str, Any]):
 
 
 def pair_metrics(w: Worker, st: Loop) -> dict[str, float]:
-    """reward_accuracy, reward_margin, reward_chosen, reward_rejected and pairs since the last log
-    row, over every rank (an all-reduce every rank joins); {} for other data."""
+    """reward_accuracy, reward_margin, reward_chosen, reward_rejected, pairs and chosen_loss (the
+    chosen answers' per-token loss) since the last log row, over every rank (an all-reduce every
+    rank joins); {} for other data. The row's loss is DPO's, or with train.dpo_sft_weight the sum
+    (and dpo_loss is logged beside it)."""
     from raytrain_cpu import dpo
 
     if not w.preference:
         return {}
     sums = _allreduce_sum(st.pair_sums or [0.0] * len(dpo.SUM_NAMES))
     st.pair_sums = None
-    return {k: v for k, v in dpo.metrics(sums).items() if k != "dpo_loss"}  # the row's loss is DPO's
+    out = dpo.metrics(sums)
+    if out:  # {} over no pair
+        out["chosen_loss"] = dpo.chosen_loss(sums)
+    if not w.cfg.train.dpo_sft_weight:
+        out.pop("dpo_loss", None)  # the row's loss is DPO's
+    return out
 
 
 def add_by_source(w: Worker, st: Loop, source, row_losses, labels) -> None:

@@ -222,6 +222,23 @@ def test_ipo_compares_per_token_and_stops_at_its_margin_where_dpo_pushes_on():
     assert dpo.dpo_loss(further, reference, beta=0.1, loss="ipo")[0].item() == pytest.approx(9.0)
 
 
+def test_sft_weight_adds_the_chosen_answers_per_token_loss():
+    labels, position_ids = packed_batch()
+    logps = (-torch.rand(2, 12) * (labels != IGNORE)).requires_grad_()
+    policy = dpo.pair_sums(logps, labels, position_ids)
+    reference = {k: v.detach() for k, v in policy.items()}
+    plain, sums = dpo.dpo_loss(policy, reference, beta=0.1)
+    weighted, weighted_sums = dpo.dpo_loss(policy, reference, beta=0.1, sft_weight=0.5)
+    nll = -policy["chosen"].sum() / policy["chosen_tokens"].sum()
+    assert weighted.item() == pytest.approx(plain.item() + 0.5 * nll.item())
+    assert weighted_sums == sums  # the logged DPO loss and rewards are DPO's alone
+    assert dpo.chosen_loss(sums) == pytest.approx(nll.item())
+    weighted.backward()
+    chosen = dpo.chosen_labels(labels, position_ids) != IGNORE
+    # at the reference DPO's gradient on a chosen token is -beta/2/pairs; SFT's adds -weight/tokens
+    assert logps.grad[chosen][0].item() == pytest.approx(-0.1 * 0.5 / 3 - 0.5 / 6)
+
+
 def test_label_smoothing_mixes_in_the_reversed_pair():
     margin = torch.tensor([0.0, 0.7, -1.3])
     plain = dpo.pair_losses(margin, 0.1, "sigmoid", 0.0)
@@ -230,7 +247,9 @@ def test_label_smoothing_mixes_in_the_reversed_pair():
     assert torch.allclose(smoothed, 0.8 * plain + 0.2 * reversed_pair)
     assert torch.allclose(dpo.pair_losses(margin, 0.1, "hinge", 0.0), torch.tensor([1.0, 0.3, 2.3]))
     c = load_config(None, ["train.dpo_loss=ipo", "train.dpo_beta=0.5"]).train
-    assert dpo.settings(c) == {"beta": 0.5, "loss": "ipo", "label_smoothing": 0.0}  # what the workers pass
+    assert dpo.settings(c) == {"beta": 0.5, "loss": "ipo", "label_smoothing": 0.0, "sft_weight": 0.0}
+    with pytest.raises(ConfigError, match=r"train.dpo_sft_weight"):
+        load_config(None, ["train.dpo_sft_weight=-1"])
     with pytest.raises(ConfigError, match=r"train.dpo_loss"):
         load_config(None, ["train.dpo_loss=kto"])
     with pytest.raises(ConfigError, match=r"train.dpo_label_smoothing.*\[0, 0.5\)"):
