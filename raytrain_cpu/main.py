@@ -1227,10 +1227,13 @@ def print_summary(s: dict[str, Any]) -> None:
 
 
 def _preference_line(s: dict[str, Any]) -> str:
-    """'eval DPO         loss 0.6687, reward accuracy 56.2%' for a preference run, else ''."""
+    """'eval DPO         loss 0.6687, reward accuracy 56.2%' for a preference run, else ''; a
+    loss other than DPO's sigmoid is named: 'eval DPO         ipo loss 0.2482, ...'."""
     if s.get("eval_dpo_loss") is None:
         return ""
-    return f"eval DPO         loss {s['eval_dpo_loss']:.4f}, reward accuracy {100 * s['eval_reward_accuracy']:.1f}%\n"
+    kind = (s.get("dpo") or {}).get("loss", "sigmoid")
+    name = "" if kind == "sigmoid" else f"{kind} "
+    return f"eval DPO         {name}loss {s['eval_dpo_loss']:.4f}, reward accuracy {100 * s['eval_reward_accuracy']:.1f}%\n"
 
 
 def _best_line(s: dict[str, Any]) -> str:

@@ -1305,6 +1305,8 @@ def step_breakdown(w: Worker, clock) -> dict[str, Any]:
 
 def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu_setup, breakdown) -> None:
     """Rank 0 hands its figures to the driver through a file (Ray Train v2 keeps no final metrics)."""
+    from raytrain_cpu import dpo
+
     summary = {
         "steps": st.step,
         "tokens_seen": st.step * w.tokens_per_step,
@@ -1328,6 +1330,7 @@ def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu
         "total_params": loaded.params["total"],
         "optimizer_state_bytes": loaded.params["optimizer_state_bytes"],  # per rank
         "lora": loaded.lora,
+        "dpo": dpo.settings(w.cfg.train) if w.preference else None,
         "attention": loaded.attention,
         "train_wall_s": st.wall(),
         "guard_events_this_attempt": guard.counts,

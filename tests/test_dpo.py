@@ -239,6 +239,15 @@ def test_sft_weight_adds_the_chosen_answers_per_token_loss():
     assert logps.grad[chosen][0].item() == pytest.approx(-0.1 * 0.5 / 3 - 0.5 / 6)
 
 
+def test_the_summary_names_a_preference_loss_other_than_dpos():
+    from raytrain_cpu.main import _preference_line
+
+    s = {"eval_dpo_loss": 0.2482, "eval_reward_accuracy": 0.562}
+    assert _preference_line(s) == "eval DPO         loss 0.2482, reward accuracy 56.2%\n"
+    ipo = _preference_line(s | {"dpo": {"loss": "ipo"}})
+    assert ipo == "eval DPO         ipo loss 0.2482, reward accuracy 56.2%\n"
+
+
 def test_label_smoothing_mixes_in_the_reversed_pair():
     margin = torch.tensor([0.0, 0.7, -1.3])
     plain = dpo.pair_losses(margin, 0.1, "sigmoid", 0.0)
@@ -357,6 +366,7 @@ def test_lora_dpo_run_learns_to_prefer_the_chosen_answers(ray_session, make_conf
     assert evals[-1]["eval_dpo_loss"] < 0.6 and evals[-1]["eval_reward_accuracy"] >= 0.9, evals
     assert evals[-1]["eval_reward_chosen"] > evals[-1]["eval_reward_rejected"]
     assert summary["best_checkpoint"]["metric"] == "eval_dpo_loss" and summary["best_checkpoint"]["step"] == 16
+    assert summary["dpo"] == {"beta": 0.2, "loss": "sigmoid", "label_smoothing": 0.0, "sft_weight": 0.0}
     # evaluate measures what the run's evaluation did, on the blocks it covered (1 worker x
     # train.eval_batches x micro batch): the chosen answers' eval_loss, and DPO's metrics with the
     # adapters off for the reference; a merged export has no reference: its chosen answers' loss only.
