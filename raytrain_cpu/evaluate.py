@@ -3,12 +3,12 @@ a model's eval loss and perplexity, as training's evaluation measures them, on o
 
 The model: a checkpoint is first exported to a temporary directory (as `generate` does, a LoRA
 checkpoint as its adapter on its base; a run directory stands for its latest checkpoint, or
-with --best its best); an export or any Hugging
-Face model directory is loaded as it is. The data: the settings the run trained with (the
-checkpoint's manifest, an export's raytrain.json; the embedded default's bundled wikitext for
-a model directory without either), changed by `data.*` overrides, and packed into blocks as
-training packs them, in the same data cache (a run's own evaluation blocks are found there, not
-tokenized again; other data is packed once, on a local Ray). The loss is token-weighted over
+with --best its best); an export or any Hugging Face model directory is loaded as it is. The
+data: the settings the run trained with (the checkpoint's manifest, an export's raytrain.json;
+the embedded default's bundled wikitext for a model directory without either), changed by
+`data.*` overrides, and packed into blocks as training packs them, in the same data cache (a
+run's own evaluation blocks are found there, not tokenized again; other data is packed once, on
+a local Ray). The loss is token-weighted over
 the same targets (a chat run's response tokens; a preference run's chosen answers, as its
 evaluations' eval_loss), within each document where the run's data.attention_span says so, for
 each source of a mixture too. A LoRA model on preference data also gets the run's DPO metrics
@@ -121,6 +121,19 @@ def _chosen_only(batches):
         yield batch | {"labels": chosen_labels(batch["labels"], batch["position_ids"])}
 
 
+def _dpo_scoring(path: Path, cfg: Config, log) -> dict[str, Any]:
+    """The DPO loss settings (dpo.settings) the run at `path` trained with, as its manifest or
+    export records them; the defaults for a checkpoint from before they were recorded."""
+    from raytrain_cpu import dpo
+
+    recorded = _run_info(path).get("dpo")
+    scoring = recorded or dpo.settings(cfg.train)
+    smoothing = f", label smoothing {scoring['label_smoothing']}" if scoring["label_smoothing"] else ""
+    whose = "the run's" if recorded else "the defaults: this checkpoint predates recording the run's"
+    log(f"[evaluate] DPO's {scoring['loss']} loss, beta {scoring['beta']}{smoothing} ({whose})")
+    return scoring
+
+
 def evaluate_model(
     path: str | Path,
     overrides: list[str] = (),
@@ -138,7 +151,6 @@ def evaluate_model(
     import torch
     from peft import PeftModel
 
-    from raytrain_cpu import dpo
     from raytrain_cpu.export import _torch_dtype, load_exported
     from raytrain_cpu.generate import _export_dir
     from raytrain_cpu.train import eval_metrics, eval_sums, pair_eval_metrics, pair_eval_sums
@@ -164,17 +176,7 @@ def evaluate_model(
                 if meta.get("data_format") != "preference":
                     sums += eval_sums(forward, batches)
                 elif isinstance(model, PeftModel):  # preference data is never a mixture: one source
-                    recorded = _run_info(path).get("dpo")
-                    scoring = recorded or dpo.settings(cfg.train)
-                    log(
-                        f"[evaluate] DPO's {scoring['loss']} loss, beta {scoring['beta']}"
-                        + (f", label smoothing {scoring['label_smoothing']}" if scoring["label_smoothing"] else "")
-                        + (
-                            " (the run's)"
-                            if recorded
-                            else " (the defaults: this checkpoint predates recording the run's)"
-                        )
-                    )
+                    scoring = _dpo_scoring(path, cfg, log)
                     pairs = pair_eval_metrics(pair_eval_sums(model, model, batches, False, scoring))
                 else:
                     log(

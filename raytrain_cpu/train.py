@@ -220,14 +220,12 @@ def evaluate(engine, shards: dict[str, Any], micro: int, max_batches: int) -> di
 def evaluate_pairs(w: Worker, engine, shards: dict[str, Any]) -> dict[str, float]:
     """DPO's evaluation over every rank's eval pairs (pair_eval_metrics). Preference data is
     never a mixture: one source."""
-    from raytrain_cpu import dpo
-
     t = w.cfg.train
     sums = _evaluated_sums(
         engine,
         shards,
         t.micro_batch_size,
-        lambda batches: pair_eval_sums(engine, engine.module, batches, w.fused_loss, dpo.settings(t), t.eval_batches),
+        lambda batches: pair_eval_sums(engine, engine.module, batches, w.fused_loss, w.dpo_settings, t.eval_batches),
     )
     return pair_eval_metrics(sums)
 
@@ -335,6 +333,14 @@ class Worker:
     def preference(self) -> bool:
         """DPO on preference pairs (raytrain_cpu.dpo) instead of the language-model loss."""
         return self.cfg.data.format == "preference"
+
+    @property
+    def dpo_settings(self) -> dict[str, Any] | None:
+        """The preference loss settings (dpo.settings) a DPO run records in its manifests and
+        summary, for `evaluate` and the closing summary; None for other data."""
+        from raytrain_cpu import dpo
+
+        return dpo.settings(self.cfg.train) if self.preference else None
 
     @property
     def tokens_per_step(self) -> int:
@@ -1028,7 +1034,7 @@ def preference_loss(w: Worker, st: Loop, engine, inputs: dict[str, Any]):
     next log row."""
     from raytrain_cpu import dpo
 
-    loss, sums = dpo.micro_batch_loss(engine, engine.module, inputs, w.fused_loss, **dpo.settings(w.cfg.train))
+    loss, sums = dpo.micro_batch_loss(engine, engine.module, inputs, w.fused_loss, **w.dpo_settings)
     st.pair_sums = [a + b for a, b in zip(st.pair_sums, sums)] if st.pair_sums else sums
     return loss
 
@@ -1224,7 +1230,7 @@ def room_to_grow(w: Worker, st: Loop) -> bool:
 
 def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, block_log) -> None:
     """Every rank saves its shard; rank 0 writes the manifest; all report to Ray Train."""
-    from raytrain_cpu import cpu, dpo
+    from raytrain_cpu import cpu
 
     cfg = w.cfg
     st.watch.checkpointed(ckpt_io.checkpoint_dir_name(st.step), st.step)
@@ -1244,7 +1250,7 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
         "tokenizer": resolve_tokenizer_path(cfg.model.tokenizer, w.loop_config["model_dir"]),
         "lora": loaded.lora,  # export writes an adapter (and merges it) when set
         "data": cfg.to_dict()["data"],  # format and template: how export and generate render prompts
-        "dpo": dpo.settings(cfg.train) if w.preference else None,  # how `evaluate` scores its pairs
+        "dpo": w.dpo_settings,  # how `evaluate` scores its pairs
         "data_key": w.loop_config["data_key"],  # the packed blocks trained on (their files' fingerprints)
         "eval_watch": st.watch.state(),  # the best so far and the evaluations since: a resume goes on counting
         "time": time.time(),
@@ -1305,8 +1311,6 @@ def step_breakdown(w: Worker, clock) -> dict[str, Any]:
 
 def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu_setup, breakdown) -> None:
     """Rank 0 hands its figures to the driver through a file (Ray Train v2 keeps no final metrics)."""
-    from raytrain_cpu import dpo
-
     summary = {
         "steps": st.step,
         "tokens_seen": st.step * w.tokens_per_step,
@@ -1330,7 +1334,7 @@ def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu
         "total_params": loaded.params["total"],
         "optimizer_state_bytes": loaded.params["optimizer_state_bytes"],  # per rank
         "lora": loaded.lora,
-        "dpo": dpo.settings(w.cfg.train) if w.preference else None,
+        "dpo": w.dpo_settings,
         "attention": loaded.attention,
         "train_wall_s": st.wall(),
         "guard_events_this_attempt": guard.counts,
