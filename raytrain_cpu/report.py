@@ -8,6 +8,7 @@ Writes into the run directory (or --out):
     throughput.png        tokens/s over steps (and MFU when it was logged)
     memory.png            resident memory per rank over steps (rank 0, max over ranks, peak)
     rewards.png           a DPO run's reward accuracy, train and eval, over tokens seen
+    chosen_loss.png       a DPO run's chosen answers' loss per token, train and eval
     report.md             the figures that matter, guard events, restarts, and the plots
 
 Everything comes from metrics.jsonl (read with `metrics.read_metrics`, so a resumed run shows
@@ -155,8 +156,10 @@ def _mark_restarts_and_events(run: Run, ax, on_tokens: bool) -> None:
 def plot_loss(run: Run):
     """Train loss (per logged step) and eval loss over tokens seen."""
     fig, ax = _figure(f"{run.name}: {'DPO loss' if run.preference else 'loss'}", "tokens seen", "loss")
-    xs, ys = _series(run.metrics.train, "tokens_seen", "loss")
-    # DPO: the eval loss beside the train loss is DPO's too (eval_loss is the chosen answers' cross-entropy)
+    # DPO: both curves are DPO's (eval_loss is the chosen answers' cross-entropy; under
+    # train.dpo_sft_weight a train row's loss adds theirs, and dpo_loss is DPO's alone)
+    sft_term = run.preference and any("dpo_loss" in r for r in run.metrics.train)
+    xs, ys = _series(run.metrics.train, "tokens_seen", "dpo_loss" if sft_term else "loss")
     eval_key = "eval_dpo_loss" if run.preference else "eval_loss"
     exs, eys = _series(run.metrics.eval, lambda r: run.tokens_at(r["step"]), eval_key)
     if xs:
@@ -276,7 +279,30 @@ PLOTS: dict[str, Callable[[Run], Any]] = {
     "throughput.png": plot_throughput,
     "memory.png": plot_memory,
 }
-PREFERENCE_PLOTS: dict[str, Callable[[Run], Any]] = {"rewards.png": plot_rewards}  # DPO runs add these
+
+
+def plot_chosen_loss(run: Run):
+    """A DPO run's chosen answers' per-token loss, train (chosen_loss) and eval (eval_loss): DPO
+    asks the chosen answer to gain on the rejected one, and may lower both (train.dpo_sft_weight
+    holds it up)."""
+    fig, ax = _figure(f"{run.name}: the chosen answers' loss", "tokens seen", "loss per token")
+    xs, ys = _series(run.metrics.train, "tokens_seen", "chosen_loss")
+    exs, eys = _series(run.metrics.eval, lambda r: run.tokens_at(r["step"]), "eval_loss")
+    if xs:
+        ax.plot(xs, ys, label="train", color="tab:blue", linewidth=1.0, alpha=0.7)
+    if exs:
+        ax.plot(exs, eys, label="eval", color="tab:orange", marker="o", linewidth=1.5)
+    if xs or exs:
+        ax.legend()
+    else:
+        _no_data(ax, "chosen answers' loss")
+    return fig
+
+
+PREFERENCE_PLOTS: dict[str, Callable[[Run], Any]] = {  # DPO runs add these
+    "rewards.png": plot_rewards,
+    "chosen_loss.png": plot_chosen_loss,
+}
 
 
 # ----------------------------------------------------------------------------- markdown

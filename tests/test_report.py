@@ -196,12 +196,12 @@ def test_report_names_an_early_stop_and_the_best_checkpoint(tmp_path):
 def test_a_dpo_runs_report_plots_its_loss_and_reward_accuracy(tmp_path):
     """A preference run: the loss plot's eval curve is DPO's (its eval_loss is the chosen answers'
     cross-entropy, another scale), rewards.png shows the reward accuracy, the table both."""
-    from raytrain_cpu.report import key_figures, plot_rewards
+    from raytrain_cpu.report import key_figures, plot_chosen_loss, plot_rewards
 
     dpo = {"eval_dpo_loss": 0.69, "eval_reward_accuracy": 0.0, "eval_pairs": 16}
     rows = [{"step": 0, "eval_loss": 7.6, "eval_perplexity": 2000.0, **dpo}]
-    rows += [{"step": 2, "loss": 0.69, "tokens_seen": 512, "reward_accuracy": 0.25}]
-    rows += [{"step": 4, "loss": 0.55, "tokens_seen": 1024, "reward_accuracy": 1.0}]
+    rows += [{"step": 2, "loss": 0.69, "tokens_seen": 512, "reward_accuracy": 0.25, "chosen_loss": 7.7}]
+    rows += [{"step": 4, "loss": 0.55, "tokens_seen": 1024, "reward_accuracy": 1.0, "chosen_loss": 7.4}]
     rows += [{"step": 4, "eval_loss": 7.5, "eval_perplexity": 1800.0, **dpo, "eval_dpo_loss": 0.5}]
     rows[-1] |= {"eval_reward_accuracy": 0.9375}
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -211,11 +211,20 @@ def test_a_dpo_runs_report_plots_its_loss_and_reward_accuracy(tmp_path):
     assert lines["train loss"] == [0.69, 0.55] and lines["eval loss"] == [0.69, 0.5]
     rewards = {ln.get_label(): list(ln.get_ydata()) for ln in plot_rewards(run).axes[0].get_lines()}
     assert rewards["train"] == [25.0, 100.0] and rewards["eval"] == [0.0, 93.75]
+    chosen = {ln.get_label(): list(ln.get_ydata()) for ln in plot_chosen_loss(run).axes[0].get_lines()}
+    assert chosen["train"] == [7.7, 7.4] and chosen["eval"] == [7.6, 7.5]
     figures = key_figures(run)
     assert figures["eval DPO loss, reward accuracy (step 4)"] == "0.5000, 93.8% of 16 pairs"
     assert figures["best eval loss (perplexity) of the chosen answers"] == "7.5000 (1800.00) at step 4"
     written = write_report(tmp_path)
     assert "rewards.png" in written and "![rewards](rewards.png)" in written["report.md"].read_text()
+    assert "chosen_loss.png" in written
+    # Under train.dpo_sft_weight a row's loss adds the chosen answers' loss: the plot takes dpo_loss.
+    rows[1] |= {"loss": 8.39, "dpo_loss": 0.69}
+    rows[2] |= {"loss": 7.95, "dpo_loss": 0.55}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in plot_loss(load_run(tmp_path)).axes[0].get_lines()}
+    assert lines["train loss"] == [0.69, 0.55]
 
 
 def test_report_cli_explains_a_wrong_directory(tmp_path):
