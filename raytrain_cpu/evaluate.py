@@ -46,26 +46,25 @@ def _run_dir_above(path: Path) -> Path | None:
 def _run_info(path: Path) -> dict[str, Any]:
     """What a checkpoint's manifest or an export's raytrain.json records of its run; {} for a
     plain model directory."""
-    from raytrain_cpu.export import RUN_INFO
+    from raytrain_cpu.generate import _run_info as export_info
 
-    if (path / MANIFEST).is_file():
-        return read_manifest(path)
-    return json.loads((path / RUN_INFO).read_text()) if (path / RUN_INFO).is_file() else {}
+    return read_manifest(path) if (path / MANIFEST).is_file() else export_info(path)
 
 
-def _run_settings(path: Path) -> tuple[dict[str, Any], str | None]:
-    """The data settings a checkpoint or an export records, and the tokenizer the run read where
-    it is still there (its blocks are then found in the run's data cache; the export's own copy
-    makes the same blocks, under another key): ({}, None) for a plain model directory."""
-    info = _run_info(path)
+def _run_settings(info: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """The data settings a checkpoint or an export records (`info`: _run_info's), and the
+    tokenizer the run read where it is still there (its blocks are then found in the run's data
+    cache; the export's own copy makes the same blocks, under another key): ({}, None) for a
+    plain model directory."""
     tokenizer = info.get("tokenizer")
     there = tokenizer and Path(tokenizer).exists()  # a local copy: a hub id is fetched no more
     return info.get("data") or {}, tokenizer if there else None
 
 
-def evaluation_config(path: Path, model_dir: Path, overrides: list[str]) -> Config:
+def evaluation_config(path: Path, model_dir: Path, overrides: list[str], info: dict[str, Any] | None = None) -> Config:
     """The config whose data the model is evaluated on: the run's data settings, the model and
-    its tokenizer, the run's storage (its data cache), then `overrides` (data.*, model.tokenizer)."""
+    its tokenizer, the run's storage (its data cache), then `overrides` (data.*, model.tokenizer).
+    `info`: what `path` records of its run (_run_info), when the caller has read it already."""
     given = dict(parse_override(item) for item in overrides)
     for key in given:
         if not (key.startswith("data.") or key == "model.tokenizer"):
@@ -73,7 +72,7 @@ def evaluation_config(path: Path, model_dir: Path, overrides: list[str]) -> Conf
                 f"{key}: evaluate takes data.* settings (the data to evaluate on) and model.tokenizer only, "
                 "e.g. data.eval_path=…"
             )
-    data, tokenizer = _run_settings(path)
+    data, tokenizer = _run_settings(_run_info(path) if info is None else info)
     run_dir = _run_dir_above(path)
     raw: dict[str, Any] = {
         "model": {"name_or_path": str(model_dir), "tokenizer": tokenizer or str(model_dir)},
@@ -121,12 +120,13 @@ def _chosen_only(batches):
         yield batch | {"labels": chosen_labels(batch["labels"], batch["position_ids"])}
 
 
-def _dpo_scoring(path: Path, cfg: Config, log) -> dict[str, Any]:
-    """The DPO loss settings (dpo.settings) the run at `path` trained with, as its manifest or
-    export records them; the defaults for a checkpoint from before they were recorded."""
+def _dpo_scoring(info: dict[str, Any], cfg: Config, log) -> dict[str, Any]:
+    """The DPO loss settings (dpo.settings) the run trained with, as its manifest or export
+    records them (`info`: _run_info's); the defaults for a checkpoint from before they were
+    recorded."""
     from raytrain_cpu import dpo
 
-    recorded = _run_info(path).get("dpo")
+    recorded = info.get("dpo")
     scoring = recorded or dpo.settings(cfg.train)
     smoothing = f", label smoothing {scoring['label_smoothing']}" if scoring["label_smoothing"] else ""
     whose = "the run's" if recorded else "the defaults: this checkpoint predates recording the run's"
@@ -156,12 +156,15 @@ def evaluate_model(
     from raytrain_cpu.train import eval_metrics, eval_sums, pair_eval_metrics, pair_eval_sums
 
     path = best_of(path) if best else checkpoint_of(path)
-    evaluation_config(path, path, list(overrides))  # bad settings fail before the export (minutes for a large model)
+    info = _run_info(path)
+    evaluation_config(
+        path, path, list(overrides), info
+    )  # bad settings fail before the export (minutes for a large model)
     with ExitStack() as stack:
         # A LoRA checkpoint as its adapter on the base: it computes as training did, and DPO's
         # reference is that base with the adapters off.
         model_dir = _export_dir(path, stack, merge=False)
-        cfg = evaluation_config(path, model_dir, list(overrides))
+        cfg = evaluation_config(path, model_dir, list(overrides), info)
         sources, eos = prepared_sources(cfg, log)
         model = load_exported(model_dir, None if dtype == "auto" else _torch_dtype(dtype))
         # use_cache=False: transformers builds the mask of packed documents from position_ids only without a cache.
@@ -176,7 +179,7 @@ def evaluate_model(
                 if meta.get("data_format") != "preference":
                     sums += eval_sums(forward, batches)
                 elif isinstance(model, PeftModel):  # preference data is never a mixture: one source
-                    scoring = _dpo_scoring(path, cfg, log)
+                    scoring = _dpo_scoring(info, cfg, log)
                     pairs = pair_eval_metrics(pair_eval_sums(model, model, batches, False, scoring))
                 else:
                     log(

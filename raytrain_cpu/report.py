@@ -253,22 +253,40 @@ def plot_memory(run: Run):
     return fig
 
 
+def _train_and_eval(run: Run, ax, train_key: str, eval_key: str, scale: float = 1.0) -> bool:
+    """A metric's train curve (per logged step) and eval curve over tokens seen, times `scale`;
+    whether either had data."""
+    xs, ys = _series(run.metrics.train, "tokens_seen", train_key)
+    exs, eys = _series(run.metrics.eval, lambda r: run.tokens_at(r["step"]), eval_key)
+    if xs:
+        ax.plot(xs, [scale * y for y in ys], label="train", color="tab:blue", linewidth=1.0, alpha=0.7)
+    if exs:
+        ax.plot(exs, [scale * y for y in eys], label="eval", color="tab:orange", marker="o", linewidth=1.5)
+    return bool(xs or exs)
+
+
 def plot_rewards(run: Run):
     """A DPO run's reward accuracy: the share of pairs whose chosen answer gained more likelihood
     over the reference than the rejected one, train (per logged step) and eval."""
     fig, ax = _figure(f"{run.name}: DPO reward accuracy", "tokens seen", "reward accuracy (%)")
-    xs, ys = _series(run.metrics.train, "tokens_seen", "reward_accuracy")
-    exs, eys = _series(run.metrics.eval, lambda r: run.tokens_at(r["step"]), "eval_reward_accuracy")
-    if xs:
-        ax.plot(xs, [100 * y for y in ys], label="train", color="tab:blue", linewidth=1.0, alpha=0.7)
-    if exs:
-        ax.plot(exs, [100 * y for y in eys], label="eval", color="tab:orange", marker="o", linewidth=1.5)
-    if xs or exs:
+    if _train_and_eval(run, ax, "reward_accuracy", "eval_reward_accuracy", scale=100):
         ax.set_ylim(0, 100)
         ax.axhline(50, color="gray", linestyle=":", linewidth=1)
         ax.legend()
     else:
         _no_data(ax, "reward accuracy")
+    return fig
+
+
+def plot_chosen_loss(run: Run):
+    """A DPO run's chosen answers' per-token loss, train (chosen_loss) and eval (eval_loss): DPO
+    asks the chosen answer to gain on the rejected one, and may lower both (train.dpo_sft_weight
+    holds it up)."""
+    fig, ax = _figure(f"{run.name}: the chosen answers' loss", "tokens seen", "loss per token")
+    if _train_and_eval(run, ax, "chosen_loss", "eval_loss"):
+        ax.legend()
+    else:
+        _no_data(ax, "chosen answers' loss")
     return fig
 
 
@@ -279,24 +297,6 @@ PLOTS: dict[str, Callable[[Run], Any]] = {
     "throughput.png": plot_throughput,
     "memory.png": plot_memory,
 }
-
-
-def plot_chosen_loss(run: Run):
-    """A DPO run's chosen answers' per-token loss, train (chosen_loss) and eval (eval_loss): DPO
-    asks the chosen answer to gain on the rejected one, and may lower both (train.dpo_sft_weight
-    holds it up)."""
-    fig, ax = _figure(f"{run.name}: the chosen answers' loss", "tokens seen", "loss per token")
-    xs, ys = _series(run.metrics.train, "tokens_seen", "chosen_loss")
-    exs, eys = _series(run.metrics.eval, lambda r: run.tokens_at(r["step"]), "eval_loss")
-    if xs:
-        ax.plot(xs, ys, label="train", color="tab:blue", linewidth=1.0, alpha=0.7)
-    if exs:
-        ax.plot(exs, eys, label="eval", color="tab:orange", marker="o", linewidth=1.5)
-    if xs or exs:
-        ax.legend()
-    else:
-        _no_data(ax, "chosen answers' loss")
-    return fig
 
 
 PREFERENCE_PLOTS: dict[str, Callable[[Run], Any]] = {  # DPO runs add these
