@@ -1,4 +1,4 @@
-"""`python -m raytrain_cpu.bench [gemm|train|load|scaling|placement|options|seed|lora|reference|all]`: CPU benchmarks.
+"""`python -m raytrain_cpu.bench [gemm|train|load|scaling|placement|options|seed|lora|dpo|reference|all]`: CPU benchmarks.
 
 Every comparison is measured side by side in one invocation (the machines this runs on are
 often shared, so absolute figures drift; ratios taken minutes apart hold). Results go to
@@ -21,6 +21,9 @@ benchmarks/results/<machine>/<suite>.json and a markdown table next to it (or --
             offload, padded batches), interleaved ours, seed, ours: useful and raw tokens/s.
 * lora      LoRA (r=16, every projection) against full fine-tuning: tokens/s, peak RSS per
             rank, optimizer state bytes per rank, trainable parameters.
+* dpo       DPO against SFT on the same pairs (SFT on the chosen answers), full fine-tuning
+            (a frozen copy of the model as the reference) and LoRA r=16 (adapters off), and
+            full DPO against LoRA DPO: tokens/s, step breakdown, peak RSS per rank.
 * reference the 2-worker ZeRO-3 run against plain single-process PyTorch (no DeepSpeed, no
             Ray) on the same model, dtype, tokens per step and cores, interleaved zero3,
             reference, zero3: tokens/s per core and their ratio (issue 12's goal: >= 0.95).
@@ -548,6 +551,34 @@ def suite_lora(r: Runner, args) -> dict[str, Any]:
         t |= {k: x[k] for k in ("trainable_params", "optimizer_state_mb_per_rank", "train_peak_rss_gb_max_rank")}
     lora_rows = [x for x in rows if x["variant"].startswith("LoRA")]
     tables = {"LoRA vs full fine-tuning": table, "LoRA's levers": _compare(lora_rows, "LoRA r=16")}
+    return {"runs": rows, "tables": tables}
+
+
+def suite_dpo(r: Runner, args) -> dict[str, Any]:
+    """DPO against SFT on the chosen answers of the same bundled pairs, the same block shape,
+    interleaved; full fine-tuning (DPO's reference: a frozen copy of the starting model) and
+    LoRA r=16 (the base with the adapters off)."""
+    from raytrain_cpu.tokenizer import BUNDLED_SFT
+
+    pairs = [f"data.path={BUNDLED_SFT / 'preference_train.jsonl'}", "data.source=jsonl"]
+    sft = [*pairs, "data.format=instruction", "data.response_column=chosen"]
+    dpo = [*pairs, "data.format=preference"]
+    lora = ["lora.rank=16", "lora.alpha=32"]
+    variants = {"SFT": sft, "DPO": dpo, "SFT LoRA r=16": [*sft, *lora], "DPO LoRA r=16": [*dpo, *lora]}
+    rows = []
+    for rep in range(args.repeats):
+        for name, ov in in_rep_order(variants.items(), rep):
+            rows.append(r.run(f"dpo-{len(rows)}", ov) | {"variant": name, "rep": rep})
+    peaks = {x["variant"]: x for x in rows}  # the last repeat's
+    tables = {}
+    for title, base, other in (("full fine-tuning", "SFT", "DPO"), ("LoRA r=16", "SFT LoRA r=16", "DPO LoRA r=16")):
+        table = _compare([x for x in rows if x["variant"] in (base, other)], base)
+        for t in table:
+            t |= {k: peaks[t["variant"]][k] for k in ("load_peak_rss_gb", "train_peak_rss_gb_max_rank")}
+        tables[f"DPO against SFT, {title}"] = table
+    tables["DPO, full fine-tuning against LoRA r=16"] = _compare(
+        [x for x in rows if x["variant"] in ("DPO", "DPO LoRA r=16")], "DPO LoRA r=16"
+    )
     return {"runs": rows, "tables": tables}
 
 
@@ -1260,6 +1291,7 @@ SUITES = {
     "options": suite_options,
     "seed": suite_seed,
     "lora": suite_lora,
+    "dpo": suite_dpo,
     "reference": suite_reference,
 }
 

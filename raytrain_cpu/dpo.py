@@ -15,9 +15,14 @@ train.dpo_sft_weight adds that weight times the chosen answers' per-token loss, 
 et al., 2024; TRL's rpo_alpha): DPO alone may lower both answers' likelihoods as long as the
 rejected one falls faster; the added term holds the chosen one up.
 
-**The reference** is the model as training started. Under LoRA that is the frozen base with the
-adapters switched off (peft's `disable_adapter`), so the reference costs one more forward (no
-backward, no gradients) and no memory: a second copy of an 8B model would not be held.
+**The reference** is the model as training started, one more forward per micro batch (no
+backward, no gradients). Under LoRA it is the frozen base with the adapters switched off
+(peft's `disable_adapter`: `adapters_off`), which costs no memory. Full fine-tuning keeps a
+frozen copy of the starting model beside the trained one (`frozen_copy`), partitioned by ZeRO-3
+like the trained weights: its bf16 weights only, 2 bytes a parameter over the ranks (an 8B model
+on 4 ranks: 4 GiB a rank, against the ~30 GiB of weights, master copy, moments and gradients a
+full fine-tuning rank holds). A resumed run loads it again from the model the run started from,
+so it never becomes the resumed weights.
 
 **The blocks**: the data layer packs each pair's two conversations (prompt + chosen answer, then
 prompt + rejected answer) side by side into one block, several pairs to a block, padding at its
@@ -36,6 +41,8 @@ are, as an SFT run would measure them, so a run can watch that DPO does not unle
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -132,15 +139,36 @@ def forward_logps(engine, inputs: dict[str, Any], fused: bool) -> torch.Tensor:
     return label_logps_from_logits(engine(**plain, use_cache=False).logits, inputs["labels"])
 
 
-def micro_batch_loss(model, peft_model, inputs: dict[str, Any], fused: bool, **loss_settings: Any):
-    """The DPO loss of a micro batch (the policy's graph) and its sums (SUM_NAMES): the reference
-    runs first, without gradients, with `peft_model`'s adapters off. `model` runs the forwards
-    (the DeepSpeed engine in training, whose module is `peft_model`; the PeftModel itself in
-    `evaluate`). `loss_settings`: dpo_loss's (`settings`)."""
-    with torch.no_grad(), peft_model.disable_adapter():
-        reference = pair_sums(forward_logps(model, inputs, fused), inputs["labels"], inputs["position_ids"])
+# A reference: a micro batch's model inputs -> the reference model's (B, T) log p(label).
+Reference = Callable[[dict[str, Any]], torch.Tensor]
+
+
+def adapters_off(model, peft_model, fused: bool) -> Reference:
+    """LoRA's reference: `model`'s forward with `peft_model`'s adapters switched off (`model`
+    runs the forwards: the DeepSpeed engine in training, whose module is `peft_model`; the
+    PeftModel itself in `evaluate`)."""
+
+    def logps(inputs: dict[str, Any]) -> torch.Tensor:
+        with peft_model.disable_adapter():
+            return forward_logps(model, inputs, fused)
+
+    return logps
+
+
+def frozen_copy(model, fused: bool) -> Reference:
+    """Full fine-tuning's reference: a frozen copy of the starting model (its own DeepSpeed
+    engine under ZeRO-3, in eval mode) run as it is."""
+    return functools.partial(forward_logps, model, fused=fused)
+
+
+def micro_batch_loss(model, reference: Reference, inputs: dict[str, Any], fused: bool, **loss_settings: Any):
+    """The DPO loss of a micro batch (the policy's graph: `model`'s forward) and its sums
+    (SUM_NAMES): the `reference` runs first, without gradients. `loss_settings`: dpo_loss's
+    (`settings`)."""
+    with torch.no_grad():
+        ref = pair_sums(reference(inputs), inputs["labels"], inputs["position_ids"])
     policy = pair_sums(forward_logps(model, inputs, fused), inputs["labels"], inputs["position_ids"])
-    return dpo_loss(policy, reference, **loss_settings)
+    return dpo_loss(policy, ref, **loss_settings)
 
 
 def chosen_loss(sums: list[float]) -> float | None:

@@ -11,9 +11,11 @@ run's own evaluation blocks are found there, not tokenized again; other data is 
 a local Ray). The loss is token-weighted over
 the same targets (a chat run's response tokens; a preference run's chosen answers, as its
 evaluations' eval_loss), within each document where the run's data.attention_span says so, for
-each source of a mixture too. A LoRA model on preference data also gets the run's DPO metrics
-(eval_dpo_loss, eval_reward_accuracy, ...), its base with the adapters off as the reference;
-a merged or plain model has no reference: its chosen answers' loss only.
+each source of a mixture too. A model on preference data also gets its DPO run's metrics
+(eval_dpo_loss, eval_reward_accuracy, ...) against the run's reference: a LoRA model's base
+with the adapters off; a fully fine-tuned (or merged) model's, the model its run started from
+(the run's recorded model directory, loaded beside it). A plain model, or one whose starting
+model is not on this machine, has no reference: its chosen answers' loss only.
 
 Why: the base model against its fine-tuned export on the same held-out blocks, a model on
 text of your own (`data.eval_path=notes.txt` evaluates that file alone, in the run's format),
@@ -134,6 +136,25 @@ def _dpo_scoring(info: dict[str, Any], cfg: Config, log) -> dict[str, Any]:
     return scoring
 
 
+def _reference(model, info: dict[str, Any], log):
+    """DPO's reference for `model` (a dpo.Reference), or None (logged why): a LoRA model's base
+    with the adapters off; else the model its DPO run started from (`info`: _run_info's)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_cpu import dpo
+
+    if isinstance(model, PeftModel):
+        return dpo.adapters_off(model, model, False)
+    start = info.get("model_dir") if info.get("dpo") else None
+    if not start or not Path(start).is_dir():
+        why = f"the model its run started from, {start}, is not on this machine" if start else "no DPO run recorded"
+        log(f"[evaluate] no DPO metrics: {why}, so no reference model; the chosen answers' loss only")
+        return None
+    log(f"[evaluate] DPO's reference: {start}, the model the run started from")
+    return dpo.frozen_copy(AutoModelForCausalLM.from_pretrained(start, dtype=model.dtype).eval(), False)
+
+
 def evaluate_model(
     path: str | Path,
     overrides: list[str] = (),
@@ -149,7 +170,6 @@ def evaluate_model(
     import functools
 
     import torch
-    from peft import PeftModel
 
     from raytrain_cpu.export import _torch_dtype, load_exported
     from raytrain_cpu.generate import _export_dir
@@ -178,14 +198,10 @@ def evaluate_model(
                 blocks += n
                 if meta.get("data_format") != "preference":
                     sums += eval_sums(forward, batches)
-                elif isinstance(model, PeftModel):  # preference data is never a mixture: one source
+                elif reference := _reference(model, info, log):  # preference data is never a mixture
                     scoring = _dpo_scoring(info, cfg, log)
-                    pairs = pair_eval_metrics(pair_eval_sums(model, model, batches, False, scoring))
+                    pairs = pair_eval_metrics(pair_eval_sums(model, reference, batches, False, scoring))
                 else:
-                    log(
-                        "[evaluate] no DPO metrics: the model has no adapters to switch off for the reference "
-                        "(a merged export or a plain model); the chosen answers' loss only"
-                    )
                     sums += eval_sums(forward, _chosen_only(batches))
     out = pairs or eval_metrics([name for name, _, _ in sources], sums)
     if not out["eval_tokens"]:

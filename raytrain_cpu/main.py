@@ -160,7 +160,6 @@ def validate_before_ray(cfg: Config) -> None:
             raise ConfigError(
                 f"model.tokenizer: {cfg.model.tokenizer!r} does not exist; use 'bundled', '' or a tokenizer directory."
             )
-    check_preference(cfg)
     check_installed(cfg)
     check_not_in_job_copy(cfg)
     check_storage(cfg.run.run_dir)
@@ -174,17 +173,6 @@ def validate_before_ray(cfg: Config) -> None:
         raise ConfigError(str(e)) from None
     check_resume(cfg)
     check_ranking(cfg)
-
-
-def check_preference(cfg: Config) -> None:
-    """DPO (data.format=preference) trains LoRA adapters: the reference model is the frozen base
-    with the adapters off, so no second copy of the model is held. (Here, not in Config: evaluate
-    reads preference data with no adapters to train.)"""
-    if cfg.data.format == "preference" and not cfg.lora.enabled:
-        raise ConfigError(
-            "data.format: 'preference' trains with DPO against the model as it started, which this tool takes "
-            "from the frozen base under LoRA adapters (no second copy of the model held); set lora.rank (e.g. 8)."
-        )
 
 
 def check_resume(cfg: Config, world: int | None = None) -> dict[str, Any] | None:

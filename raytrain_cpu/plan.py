@@ -429,8 +429,12 @@ def memory_breakdown(
     fused_mlp: bool = False,
     attention: str = "auto",
     attention_probs: str = "auto",
+    reference_copy: bool = False,
 ) -> dict[str, float]:
     """Per-rank bytes of each component (not cumulative), named after where it comes from.
+
+    `reference_copy`: full fine-tuning DPO keeps a frozen copy of the starting model as its
+    reference, its weights held (and partitioned) as the trained ones are (`reference`).
 
     `shm_ranks`: ranks sharing one machine's shared-memory collectives (all of them when the
     run fits one node, deepspeed.shm_collectives), 0 when they talk through gloo.
@@ -543,6 +547,7 @@ def memory_breakdown(
 
     parts = {
         "baseline": BASELINE_BYTES,
+        "reference": weights if reference_copy else 0.0,
         "collective_buffers": 2 * shm_ranks * SHM_SLOT_BYTES if shm_ranks > 1 else 0,
         "overheads": LOAD_OVERHEAD_BYTES + INIT_OVERHEAD_BYTES + STEP_OVERHEAD_BYTES,
         "weights": weights,
@@ -659,7 +664,7 @@ def memory_stages(parts: dict[str, float], lora: bool = False, kept_pages: bool 
     (LORA_FRAGMENTATION). `kept_pages`: the workers' jemalloc, which keeps freed pages
     (KEPT_PAGES); False plans for glibc with scaling.glibc_mmap_threshold=1048576.
     """
-    base = parts["baseline"] + LOAD_OVERHEAD_BYTES + parts["weights"]
+    base = parts["baseline"] + LOAD_OVERHEAD_BYTES + parts["weights"] + parts.get("reference", 0.0)
     after_load = base + max(parts["load_transient"], parts["attention_pick"])
     after_master = base + INIT_OVERHEAD_BYTES + parts["master"] + parts["grads"]
     # The shared-memory slots count once the first step's collectives have touched them.
@@ -691,8 +696,8 @@ def comm_bytes_per_step(
 
     With LoRA the frozen base is gathered exactly as in full fine-tuning, but only the fp32
     adapters' gradients are reduced (and, at ZeRO-1/2, only they are re-gathered after the step).
-    DPO's `reference_forward` (the base with the adapters off, every micro batch) gathers the
-    model once more at ZeRO-3.
+    DPO's `reference_forward` (every micro batch: the base with the adapters off, or full
+    fine-tuning's frozen copy of the starting model) gathers the model once more at ZeRO-3.
 
     ZeRO-3 all-gathers the (non-persistent) parameters in forward and again in backward and
     reduce-scatters the gradients, every micro batch: ~3x the model bytes. ZeRO-2 reduce-
@@ -906,7 +911,9 @@ def plan(
     `lora_rank` > 0 plans LoRA fine-tuning: a frozen, partitioned base and trainable adapters
     on `lora_targets` (`lora_dropout` > 0 keeps more activations). `reference_forward` plans DPO
     (data.format=preference): one more forward a micro batch, the reference's, under no_grad
-    (its activations are not kept, so the peak is LoRA's), which gathers the model once more.
+    (its activations are not kept, so the peak is the training's), which gathers the model once
+    more; without LoRA the reference is a frozen copy of the starting model, whose weights are
+    held beside the trained ones.
 
     `instance` (e.g. 'c7i.48xlarge') checks the fit on that node and times the communication
     at its network rate; without it, the recommended node is used. Every fit leaves
@@ -953,6 +960,7 @@ def plan(
         shm_ranks=world_size if world_size <= ranks_per_node else 0,  # all ranks on one node
         kept_pages=kept_pages,
         free_memory_growth_mib=free_memory_growth_mib,
+        reference_copy=reference_forward and not lora_rank,  # full fine-tuning DPO's frozen reference
     )
     # What the traffic depends on beyond the stage: LoRA's trainable part, DPO's reference gathers.
     comm_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets, reference_forward=reference_forward)
@@ -1097,7 +1105,8 @@ def format_table(result: dict[str, Any]) -> str:
             else " (full fine-tuning)"
         )
         + (
-            "; DPO: a reference forward each micro batch, the base with the adapters off"
+            "; DPO: a reference forward each micro batch, "
+            + ("the base with the adapters off" if i["lora_rank"] else "a frozen copy of the starting model")
             if i["reference_forward"]
             else ""
         ),
@@ -1233,7 +1242,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dpo",
         action="store_true",
-        help="plan DPO (data.format=preference, with --lora-rank): a reference forward each micro batch",
+        help="plan DPO (data.format=preference): a reference forward each micro batch; without --lora-rank "
+        "a frozen copy of the starting model too",
     )
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--instance", help="check the fit on this node and time the traffic at its network rate")

@@ -225,22 +225,22 @@ def evaluate_pairs(w: Worker, engine, shards: dict[str, Any]) -> dict[str, float
         engine,
         shards,
         t.micro_batch_size,
-        lambda batches: pair_eval_sums(engine, engine.module, batches, w.fused_loss, w.dpo_settings, t.eval_batches),
+        lambda batches: pair_eval_sums(engine, w.reference, batches, w.fused_loss, w.dpo_settings, t.eval_batches),
     )
     return pair_eval_metrics(sums)
 
 
 def pair_eval_sums(
-    model, peft_model, batches, fused: bool, loss_settings: dict[str, Any], max_batches: int = 0
+    model, reference, batches, fused: bool, loss_settings: dict[str, Any], max_batches: int = 0
 ) -> list[float]:
     """dpo.SUM_NAMES' sums over batches of preference eval blocks, the first `max_batches` (0:
-    all); the reference (`peft_model`'s adapters off) runs beside the model, as in training.
+    all); the `reference` (a dpo.Reference) runs beside the model, as in training.
     `loss_settings`: dpo.settings'."""
     from raytrain_cpu import dpo
 
     sums = [0.0] * len(dpo.SUM_NAMES)
     for batch in itertools.islice(batches, max_batches or None):
-        _, batch_sums = dpo.micro_batch_loss(model, peft_model, model_inputs(batch), fused, **loss_settings)
+        _, batch_sums = dpo.micro_batch_loss(model, reference, model_inputs(batch), fused, **loss_settings)
         sums = [a + b for a, b in zip(sums, batch_sums)]
     return sums
 
@@ -324,6 +324,7 @@ class Worker:
     # loss (the training loss by source: loss/<name>); () otherwise.
     loss_sources: tuple[str, ...] = ()
     fused_loss: bool = False  # the fused output layer and loss are installed (raytrain_cpu.loss)
+    reference: Any = None  # DPO's reference (a dpo.Reference), set once the engine exists
 
     @property
     def is_main(self) -> bool:
@@ -643,6 +644,8 @@ class Loaded:
     params: dict[str, int]  # {"trainable", "total"}
     lora: dict[str, Any] | None  # the resolved LoRA settings, None for full fine-tuning
     attention: str  # the attention the model runs: 'sdpa' or attention.impl_name(block)
+    # Full fine-tuning DPO: (the frozen starting model, its HfDeepSpeedConfig, kept as the model's).
+    reference: tuple[Any, Any] | None = None
 
 
 def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
@@ -664,6 +667,12 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
         # After the base weights are in their partitions (their names change under peft).
         model = lora.apply_lora(model, cfg.lora, model_dir)
         settings = lora.resolved_settings(model, cfg.lora)
+    reference = None
+    if w.preference and not cfg.lora.enabled:
+        # DPO's reference for full fine-tuning: the starting model, which training changes. From
+        # model_dir on every attempt, so a resumed run compares with the start, not its checkpoint.
+        reference = load_sharded(model_dir, ds_config, dtype)
+        w.log("[load] and a frozen copy of it: DPO's reference")
     # Every rank's loading peak, gathered with a one-hot sum (summary.json: cpu.load_peak_rss_bytes).
     peaks = _allreduce_sum([float(cpu.peak_rss_bytes()) if r == w.rank else 0.0 for r in range(w.world)])
     attn = choose_attention(w, model)  # after the peak: its timing's tensors are not the loading's
@@ -678,7 +687,7 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
         f"{params['trainable']:,} of {params['total']:,} parameters trainable"
         + (f" (LoRA rank {cfg.lora.rank} on {', '.join(settings['target_modules'])})" if settings else "")
     )
-    return Loaded(model, hf_ds_config, load_s, peaks, params, settings, attn)
+    return Loaded(model, hf_ds_config, load_s, peaks, params, settings, attn, reference)
 
 
 def choose_attention(w: Worker, model) -> str:
@@ -734,14 +743,14 @@ def install_fused_loss(w: Worker, model) -> None:
             w.loss_sources = tuple(e.name for e in w.cfg.data.mix)
 
 
-def install_fused_layer_ops(w: Worker, model) -> None:
+def install_fused_layer_ops(w: Worker, model, log: Callable[[str], None] | None = None) -> None:
     """model.fused_norm, model.fused_rotary, model.fused_mlp: Llama-style RMSNorms
     (raytrain_cpu.norm), rotary embeddings (raytrain_cpu.rotary) and SwiGLU activations
     (raytrain_cpu.mlp) as one autograd operation each; compiled models keep Hugging Face's,
-    which inductor fuses itself."""
+    which inductor fuses itself. `log`: w.log unless given."""
     from raytrain_cpu import mlp, norm, rotary
 
-    m = w.cfg.model
+    m, log = w.cfg.model, log or w.log
     for what, on, setting, install, kind in (
         ("norms", m.fused_norm, "model.fused_norm", norm.install, "RMSNorms"),
         ("rotary embeddings", m.fused_rotary, "model.fused_rotary", rotary.install, "rotary embeddings"),
@@ -749,10 +758,10 @@ def install_fused_layer_ops(w: Worker, model) -> None:
     ):
         if not on or m.compile:
             why = f"{setting}=false" if not on else "inductor fuses them in compiled code"
-            w.log(f"[model] {what}: Hugging Face's ({why})")
+            log(f"[model] {what}: Hugging Face's ({why})")
             continue
         n = install(model)
-        w.log(f"[model] {what}: {n} fused {kind}" if n else f"[model] {what}: Hugging Face's (no Llama-style {kind})")
+        log(f"[model] {what}: {n} fused {kind}" if n else f"[model] {what}: Hugging Face's (no Llama-style {kind})")
 
 
 def build_engine(w: Worker, model, ds_config: dict[str, Any]):
@@ -799,6 +808,37 @@ def build_engine(w: Worker, model, ds_config: dict[str, Any]):
     # less than a training step, which reuses them.
     cpu.release_free_memory()
     return engine, scheduler
+
+
+def build_reference(w: Worker, loaded: Loaded, engine, ds_config: dict[str, Any]):
+    """DPO's reference (a dpo.Reference; None for other data): under LoRA the engine with the
+    adapters off; for full fine-tuning the frozen copy load_model made, computing as the trained
+    model did at the start (its attention, fused loss and layer ops; uncompiled), run by an
+    engine of its own under ZeRO-3 (no optimizer: DeepSpeed only gathers its partitions)."""
+    import deepspeed
+    from deepspeed.utils import set_z3_leaf_module
+
+    from raytrain_cpu import dpo, loss
+    from raytrain_cpu.model import decoder_layers, unwrapped
+
+    if not w.preference:
+        return None
+    if loaded.reference is None:
+        return dpo.adapters_off(engine, engine.module, w.fused_loss)
+    model = loaded.reference[0].requires_grad_(False)
+    model.set_attn_implementation(unwrapped(loaded.model).config._attn_implementation)
+    fused = w.fused_loss and loss.install(model) is None
+    install_fused_layer_ops(w, model, log=lambda _: None)
+    zero3 = w.cfg.deepspeed.zero_stage == 3
+    if zero3:
+        if w.cfg.deepspeed.gather_whole_layers:  # as the trained model gathers
+            for layer in decoder_layers(model):
+                set_z3_leaf_module(layer, True)
+        inference = {k: v for k, v in ds_config.items() if k != "optimizer"}
+        model, *_ = deepspeed.initialize(model=model, config=inference, dist_init_required=False)
+    model.eval()
+    w.log(f"[engine] DPO's reference: the frozen starting model, {'its own ZeRO-3 engine' if zero3 else 'whole'}")
+    return dpo.frozen_copy(model, fused)
 
 
 def reuse_fp32_grad_buffer(engine) -> int:
@@ -1030,11 +1070,10 @@ def train_step(w: Worker, st: Loop, engine, batches, guard: StabilityGuard, cloc
 
 
 def preference_loss(w: Worker, st: Loop, engine, inputs: dict[str, Any]):
-    """A micro batch's DPO loss (the reference forward first, adapters off); its sums go to the
-    next log row."""
+    """A micro batch's DPO loss (the reference forward first); its sums go to the next log row."""
     from raytrain_cpu import dpo
 
-    loss, sums = dpo.micro_batch_loss(engine, engine.module, inputs, w.fused_loss, **w.dpo_settings)
+    loss, sums = dpo.micro_batch_loss(engine, w.reference, inputs, w.fused_loss, **w.dpo_settings)
     st.pair_sums = [a + b for a, b in zip(st.pair_sums, sums)] if st.pair_sums else sums
     return loss
 
@@ -1396,6 +1435,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     ds_config = deepspeed_config(cfg, w.world, universal=rescaled)
     loaded = load_model(w, ds_config)
     engine, scheduler = build_engine(w, loaded.model, ds_config)
+    w.reference = build_reference(w, loaded, engine, ds_config)
     time_mfu_peak(w, cpu_setup)
 
     # ---- resume

@@ -31,10 +31,8 @@ def test_cluster_config_loads():
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
     """What the README and the configs' own comments tell users to run: the keys are known and
-    every check that reads no model or cluster passes (a DPO config also trains LoRA adapters)."""
-    from raytrain_cpu.main import check_preference
-
-    check_preference(load_config(path))
+    every check the config makes of itself passes."""
+    load_config(path)
 
 
 def test_overrides_are_typed():

@@ -1,6 +1,7 @@
 """DPO on preference pairs: rows -> pairs, pairs packed side by side, each pair's log-likelihoods
 out of a packed block, the DPO loss and its gradient, the fused output layer's log-probabilities;
-then a LoRA DPO run end to end (the reference is the base with the adapters off)."""
+then DPO runs end to end: LoRA's (the reference is the base with the adapters off) and full
+fine-tuning's (a frozen copy of the starting model, kept across a resume)."""
 
 from __future__ import annotations
 
@@ -276,6 +277,21 @@ def test_a_micro_batch_without_a_pair_still_reaches_the_graph():
     assert loss.item() == 0.0 and counts[1] == 0 and dpo.metrics(counts) == {}
 
 
+def test_a_frozen_copy_scores_the_starting_model_and_takes_no_gradient():
+    """Full fine-tuning's reference: at the start the policy (fused output layer) and its frozen
+    copy (Hugging Face's) agree, so the loss is log 2; the backward reaches the policy only."""
+    reference, policy = fused_llama_pair(torch.float32)
+    reference.requires_grad_(False)
+    labels, position_ids = packed_batch()
+    ids = torch.randint(0, FUSED_VOCAB, labels.shape)
+    inputs = {"input_ids": ids, "labels": torch.where(labels == IGNORE, IGNORE, ids), "position_ids": position_ids}
+    loss, sums = dpo.micro_batch_loss(policy, dpo.frozen_copy(reference, fused=False), inputs, True, beta=0.1)
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-5) and sums[1] == 3
+    loss.backward()
+    assert all(p.grad is not None for p in policy.parameters() if p.requires_grad)
+    assert all(p.grad is None for p in reference.parameters())
+
+
 def test_fused_label_logps_match_the_logits_and_their_gradients():
     from raytrain_cpu import loss as fused
 
@@ -314,15 +330,6 @@ def test_preference_settings_are_checked():
     with pytest.raises(ConfigError, match=r"run.best_metric.*eval_dpo_loss"):
         load_config(None, ["run.best_metric=eval_dpo_loss"])  # text data has no DPO loss
     assert (BUNDLED_SFT / "preference_train.jsonl").is_file() and (BUNDLED_SFT / "preference_eval.jsonl").is_file()
-
-
-def test_preference_without_lora_fails_before_ray(capsys, tmp_path):
-    from raytrain_cpu.main import main
-
-    assert main([f"run.storage_path={tmp_path}", "data.format=preference"]) == 2
-    err = capsys.readouterr().err
-    assert "data.format" in err and "set lora.rank" in err
-    assert not any(tmp_path.iterdir())
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -377,5 +384,46 @@ def test_lora_dpo_run_learns_to_prefer_the_chosen_answers(ray_session, make_conf
     assert measured["eval_reward_margin"] == pytest.approx(evals[-1]["eval_reward_margin"], rel=0.1)
     assert measured["eval_reward_accuracy"] >= 0.9
     export_checkpoint(run_dir, tmp_path / "export", merge=True)
+    # A merged export scores its pairs against the model its run started from (the run's base).
     merged = evaluate_model(tmp_path / "export" / "merged", max_blocks=4 * 4)
-    assert "eval_dpo_loss" not in merged and merged["eval_loss"] == pytest.approx(measured["eval_loss"], abs=2e-2)
+    assert merged["eval_loss"] == pytest.approx(measured["eval_loss"], abs=2e-2)
+    assert merged["eval_dpo_loss"] == pytest.approx(measured["eval_dpo_loss"], abs=2e-2)
+
+
+@pytest.mark.slow
+def test_full_dpo_keeps_the_starting_model_as_its_reference_across_a_resume(ray_session, make_config, tmp_path):
+    from raytrain_cpu.evaluate import evaluate_model
+    from raytrain_cpu.main import run
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join((BUNDLED_SFT / "preference_train.jsonl").read_text().splitlines(True)[:16]))
+    overrides = [
+        "data.format=preference",
+        f"data.path={pairs}",
+        f"data.eval_path={pairs}",
+        "data.seq_len=256",
+        "scaling.num_workers=2",  # both models partitioned by ZeRO-3, each its own engine
+        "train.lr=1e-3",
+        "train.dpo_beta=0.2",
+        "train.eval_every=3",
+        "train.checkpoint_every=3",
+        "train.eval_on_start=true",
+    ]
+    run(make_config(*overrides, "train.max_steps=3"))
+    summary = run(make_config(*overrides, "train.max_steps=6"))  # resumes at step 3
+    assert summary["resumed_from_step"] == 3
+    run_dir = Path(summary["run_dir"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = {r["step"]: r for r in rows if "reward_accuracy" in r}
+    evals = [r for r in rows if "eval_dpo_loss" in r]
+    assert train[1]["loss"] == pytest.approx(math.log(2), abs=1e-4) and train[1]["reward_margin"] == 0.0
+    assert evals[0]["step"] == 0 and evals[0]["eval_dpo_loss"] == pytest.approx(math.log(2), abs=1e-4)
+    # The resumed attempt loaded the reference from the starting model again, not from the
+    # checkpoint: the policy is still ahead of it (were it the checkpoint, step 4 would be log 2).
+    assert train[4]["reward_margin"] > 0.5 and train[4]["loss"] < 0.5, train[4]
+    assert [e["step"] for e in evals] == [0, 3, 6]
+    assert evals[-1]["eval_dpo_loss"] < 0.2 and evals[-1]["eval_reward_accuracy"] >= 0.9, evals
+    # `evaluate` scores the pairs against the run's starting model too.
+    measured = evaluate_model(run_dir)
+    assert measured["eval_dpo_loss"] == pytest.approx(evals[-1]["eval_dpo_loss"], abs=2e-2)
+    assert measured["eval_reward_accuracy"] >= 0.9

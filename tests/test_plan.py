@@ -331,6 +331,23 @@ def test_dpo_plans_a_reference_forward():
     assert plan.main(["--config", str(ROOT / "configs/llama3-8b-dpo-c7i.yaml")]) == 0
 
 
+def test_full_dpo_plans_a_frozen_copy_of_the_starting_model():
+    """Without LoRA, DPO's reference is a frozen copy of the starting model: its weights, held as
+    the trained ones are (partitioned at ZeRO-3, whole at ZeRO-1/2), from the load on."""
+    kw = dict(model_shape="meta-llama/Meta-Llama-3-8B", world_size=4, seq_len=1024, activation_checkpointing=True)
+    full, plain = plan.plan(**kw, reference_forward=True), plan.plan(**kw)
+    ref = full["components_gib"]["reference"]
+    assert ref == full["components_gib"]["weights"] and plain["components_gib"]["reference"] == 0
+    for stage in ("after_load", "after_master", "after_optimizer"):
+        assert full["memory_gib"][stage] - plain["memory_gib"][stage] == pytest.approx(ref)
+    assert full["memory_gib"]["peak"] - plain["memory_gib"]["peak"] >= ref
+    zero1 = plan.plan(**kw, reference_forward=True, zero_stage=1)
+    assert zero1["components_gib"]["reference"] * plan.GIB == 2 * plan.resolve_shape(kw["model_shape"]).num_params
+    lora = plan.plan(**kw, reference_forward=True, lora_rank=16)  # the base with the adapters off: no copy
+    assert lora["components_gib"]["reference"] == 0
+    assert "a frozen copy of the starting model" in plan.format_table(full)
+
+
 # ----------------------------------------------------------------------------- recommendation
 
 
