@@ -974,6 +974,12 @@ class RunSettings:
     """Seconds a collective may wait on a peer before the attempt fails (Ray's default is 1800); also
     bounds Ray Train's own barriers and worker health checks, so a dead or hung peer ends the
     attempt within about this time."""
+    poll_interval_s: float = 0.5
+    """Seconds between Ray Train's polls of the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S): each
+    poll collects their reports (so registers checkpoints) and notices an attempt that finished or
+    failed. Ray's default, 2 s, kept every run ~2.3 s longer past its workers' end (the controller
+    polls twice before it lets them go; benchmarks/poll_interval.py); a poll is one small call to
+    each worker."""
     preemption_check_every: int = 1
     """Ask Ray every this many steps whether a node of the run is being drained (a spot notice) and
     checkpoint at once if so; 0 never asks. Each check is a small barrier across the workers. An
@@ -999,6 +1005,11 @@ class RunSettings:
         _require(self.num_to_keep >= 1, "run.num_to_keep", "must be >= 1.")
         _require(self.max_failures >= -1, "run.max_failures", "must be >= -1 (-1 = retry forever).")
         _require(self.gloo_timeout_s >= 10, "run.gloo_timeout_s", "must be at least 10 seconds.")
+        _require(
+            0.05 <= self.poll_interval_s <= 60,
+            "run.poll_interval_s",
+            f"got {self.poll_interval_s}; use 0.05 to 60 (e.g. 0.5).",
+        )
         _require(self.preemption_check_every >= 0, "run.preemption_check_every", "must be >= 0 (0 = never).")
 
     @property

@@ -969,6 +969,24 @@ def hold_run_dir(run_dir: Path) -> Iterator[None]:
                     d.rmdir()
 
 
+def ray_train_env(cfg: Config) -> dict[str, str]:
+    """The Ray Train settings that only environment variables carry."""
+    env = {
+        # A dead or hung peer ends the attempt within run.gloo_timeout_s wherever the others wait
+        # for it: in a gloo collective (the TorchConfig), in Ray Train's own barriers (report,
+        # preemption checks) or in the controller's health check of a worker that stopped answering.
+        "RAY_TRAIN_COLLECTIVE_TIMEOUT_S": str(cfg.run.gloo_timeout_s),
+        "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": str(cfg.run.gloo_timeout_s),
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(cfg.run.poll_interval_s),
+    }
+    if cfg.elastic:
+        # After a node loss Ray Train's view of the cluster lags up to 20 s (Ray Data's
+        # AutoscalingCoordinator refreshes it), so its first restart may still ask for the lost
+        # node's worker: it waits this long for it before taking the size that fits (Ray: 60 s).
+        env["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
+    return env
+
+
 def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     """The job once its files are here: Ray, the data, the model, the TorchTrainer, the summary."""
     from raytrain_cpu.data import mixture_sources, prepare, read_meta
@@ -1098,16 +1116,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         "record_block_ids": cfg.train.record_block_ids,
         "n_params": n_params,
     }
-    # A dead or hung peer ends the attempt within run.gloo_timeout_s wherever the others wait for it:
-    # in a gloo collective (TorchConfig below), in Ray Train's own barriers (report, preemption
-    # checks) or in the controller's health check of a worker that stopped answering.
-    os.environ["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] = str(cfg.run.gloo_timeout_s)
-    os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(cfg.run.gloo_timeout_s)
-    if cfg.elastic:
-        # After a node loss Ray Train's view of the cluster lags up to 20 s (Ray Data's
-        # AutoscalingCoordinator refreshes it), so its first restart may still ask for the lost
-        # node's worker: it waits this long for it before taking the size that fits (Ray: 60 s).
-        os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
+    os.environ.update(ray_train_env(cfg))  # the driver's: Ray Train hands them to its controller
     trainer = TorchTrainer(
         train_loop,
         train_loop_config=loop_config,

@@ -381,3 +381,22 @@ def test_a_deepspeed_file_may_not_contradict_the_config(tmp_path):
     f.write_text("{not json")
     with pytest.raises(ConfigError, match="is not valid JSON"):
         load_config(None, [f"deepspeed.config_file={f}"])
+
+
+def test_ray_train_gets_the_runs_timeouts_and_poll_interval(monkeypatch):
+    """Settings Ray Train reads only from the driver's environment (it hands them to its controller)."""
+    from raytrain_cpu.main import ray_train_env
+
+    env = ray_train_env(load_config(None, ["run.gloo_timeout_s=120", "run.poll_interval_s=0.5"]))
+    assert env == {
+        "RAY_TRAIN_COLLECTIVE_TIMEOUT_S": "120",
+        "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": "120",
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    }
+    monkeypatch.delenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", raising=False)
+    elastic = load_config(None, ["scaling.num_workers=2", "scaling.min_workers=1"])
+    assert ray_train_env(elastic)["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] == "30"
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")  # one set by hand stays
+    assert ray_train_env(elastic)["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] == "15"
+    with pytest.raises(ConfigError, match=r"run.poll_interval_s"):
+        load_config(None, ["run.poll_interval_s=0"])

@@ -313,7 +313,7 @@ def _wait_for_registered(run_dir: Path, min_step: int, future, timeout: float = 
     """The step of Ray's latest registered checkpoint once it is >= min_step.
 
     A checkpoint counts once Ray Train's controller has collected every rank's report (it polls
-    the workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S); a fault before that resumes from the one before.
+    the workers every run.poll_interval_s); a fault before that resumes from the one before.
     """
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -355,13 +355,10 @@ def _pid_alive(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("spot_scenario", "elastic_scenario")  # the cluster scenarios run beside this one
-def test_kill_and_hang_recover_and_resume_exactly(straight, tmp_path, shared_cache, monkeypatch, record_property):
+def test_kill_and_hang_recover_and_resume_exactly(straight, tmp_path, shared_cache, record_property):
     """Points 1, 3 and 7: a worker killed, later a worker hung; the run finishes with the straight run's losses."""
     from raytrain_cpu.main import run
 
-    # Ray's controller collects reports (and so registers checkpoints) every 0.25 s instead of 2 s,
-    # so the tiny run's checkpoints count before the faults below.
-    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
     # Two faults, and one restart more: the cluster scenarios beside it share the 2 cores, and once
     # a worker starved at start-up past its health check (gloo_timeout_s), spending a restart.
     cfg = load_config(
@@ -634,7 +631,6 @@ def _spot_scenario(args: dict) -> dict:
     ray._private.utils.write_ray_address = lambda *args, **kwargs: None
     t0 = time.time()
     os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "0.5"  # Ray polls drains every 5 s by default
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.25"  # and collects reports every 2 s
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     nodes = {}
     for _ in range(2):  # each can host both workers
@@ -786,7 +782,6 @@ def _elastic_scenario(args: dict) -> dict:
 
     ray._private.utils.write_ray_address = lambda *args, **kwargs: None  # as in _spot_scenario
     t0 = time.time()
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.25"
     # Ray Train's elastic policy counts nodes through Ray Data's AutoscalingCoordinator, whose view
     # of the cluster is refreshed every 20 s: until then it still offers a lost node, and the
     # restart waits for it (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 30 s in an elastic run) before it
