@@ -21,9 +21,10 @@ benchmarks/results/<machine>/<suite>.json and a markdown table next to it (or --
             offload, padded batches), interleaved ours, seed, ours: useful and raw tokens/s.
 * lora      LoRA (r=16, every projection) against full fine-tuning: tokens/s, peak RSS per
             rank, optimizer state bytes per rank, trainable parameters.
-* dpo       DPO against SFT on the same pairs (SFT on the chosen answers), full fine-tuning
-            (a frozen copy of the model as the reference) and LoRA r=16 (adapters off), and
-            full DPO against LoRA DPO: tokens/s, step breakdown, peak RSS per rank.
+* dpo       DPO and SimPO against SFT on the same pairs (SFT on the chosen answers), full
+            fine-tuning (a frozen copy of the model as DPO's reference; SimPO has none) and
+            LoRA r=16 (adapters off), and full DPO against LoRA DPO: tokens/s, step breakdown,
+            peak RSS per rank (`--variants` picks some: SFT,DPO,SimPO,...).
 * reference the 2-worker ZeRO-3 run against plain single-process PyTorch (no DeepSpeed, no
             Ray) on the same model, dtype, tokens per step and cores, interleaved zero3,
             reference, zero3: tokens/s per core and their ratio (issue 12's goal: >= 0.95).
@@ -564,21 +565,33 @@ def suite_dpo(r: Runner, args) -> dict[str, Any]:
     sft = [*pairs, "data.format=instruction", "data.response_column=chosen"]
     dpo = [*pairs, "data.format=preference"]
     lora = ["lora.rank=16", "lora.alpha=32"]
-    variants = {"SFT": sft, "DPO": dpo, "SFT LoRA r=16": [*sft, *lora], "DPO LoRA r=16": [*dpo, *lora]}
+    simpo = [*dpo, "train.dpo_loss=simpo", "train.dpo_beta=2.0"]
+    variants = {
+        "SFT": sft,
+        "DPO": dpo,
+        "SimPO": simpo,
+        "SFT LoRA r=16": [*sft, *lora],
+        "DPO LoRA r=16": [*dpo, *lora],
+    }
+    only = set(args.variants.split(",")) if args.variants else set(variants)
     rows = []
     for rep in range(args.repeats):
-        for name, ov in in_rep_order(variants.items(), rep):
+        for name, ov in in_rep_order([(k, v) for k, v in variants.items() if k in only], rep):
             rows.append(r.run(f"dpo-{len(rows)}", ov) | {"variant": name, "rep": rep})
     peaks = {x["variant"]: x for x in rows}  # the last repeat's
     tables = {}
-    for title, base, other in (("full fine-tuning", "SFT", "DPO"), ("LoRA r=16", "SFT LoRA r=16", "DPO LoRA r=16")):
-        table = _compare([x for x in rows if x["variant"] in (base, other)], base)
+    for title, base, others in (
+        ("full fine-tuning", "SFT", ("DPO", "SimPO")),
+        ("LoRA r=16", "SFT LoRA r=16", ("DPO LoRA r=16",)),
+    ):
+        table = _compare([x for x in rows if x["variant"] in (base, *others)], base)
         for t in table:
             t |= {k: peaks[t["variant"]][k] for k in ("load_peak_rss_gb", "train_peak_rss_gb_max_rank")}
-        tables[f"DPO against SFT, {title}"] = table
-    tables["DPO, full fine-tuning against LoRA r=16"] = _compare(
-        [x for x in rows if x["variant"] in ("DPO", "DPO LoRA r=16")], "DPO LoRA r=16"
-    )
+        if len(table) > 1:
+            tables[f"preference losses against SFT, {title}"] = table
+    full_lora = _compare([x for x in rows if x["variant"] in ("DPO", "DPO LoRA r=16")], "DPO LoRA r=16")
+    if len(full_lora) > 1:
+        tables["DPO, full fine-tuning against LoRA r=16"] = full_lora
     return {"runs": rows, "tables": tables}
 
 
@@ -1312,7 +1325,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--variants",
         default="",
-        help="options, lora: comma-separated subset of variants to run; reference: recipes (autocast, "
+        help="options, lora, dpo: comma-separated subset of variants to run; reference: recipes (autocast, "
         "bf16_master) and/or compile",
     )
     ap.add_argument("--workdir", default="/tmp/raytrain_bench", help="runs, data cache and model files")

@@ -644,7 +644,14 @@ class TrainConfig:
     over the rejected one, relative to the reference): 'sigmoid', DPO's -log sigmoid(beta x);
     'ipo', (x - 1/(2 beta))^2 on log-likelihoods averaged per response token (IPO: a pair the
     model already ranks right by that much is pushed no further; against overfitting small or
-    near-deterministic preference sets); 'hinge', max(0, 1 - beta x) (SLiC)."""
+    near-deterministic preference sets); 'hinge', max(0, 1 - beta x) (SLiC); 'simpo',
+    -log sigmoid(beta x - train.simpo_gamma) with x the chosen response's per-token
+    log-likelihood over the rejected one's and no reference model at all (SimPO: no reference
+    forward, no frozen copy; its beta is larger, e.g. train.dpo_beta=2.0)."""
+    simpo_gamma: float = 0.5
+    """For train.dpo_loss=simpo: the margin (in beta-scaled per-token log-likelihood) by which
+    the chosen response should beat the rejected one; TRL's default 0.5 (the SimPO paper: about
+    half of beta)."""
     dpo_sft_weight: float = 0.0
     """For data.format=preference: adds this weight times the chosen responses' per-token loss
     (SFT's) to the preference loss (RPO; TRL's rpo_alpha, e.g. 1.0). DPO alone may lower both
@@ -694,7 +701,8 @@ class TrainConfig:
         _require(self.early_stop_min_delta >= 0, "train.early_stop_min_delta", "must be >= 0.")
         _require(self.sample_tokens > 0, "train.sample_tokens", "must be a positive integer.")
         _require(self.dpo_beta > 0, "train.dpo_beta", f"got {self.dpo_beta}; must be > 0 (e.g. 0.1).")
-        _choice(self.dpo_loss, "train.dpo_loss", ("sigmoid", "ipo", "hinge"))
+        _choice(self.dpo_loss, "train.dpo_loss", ("sigmoid", "ipo", "hinge", "simpo"))
+        _require(self.simpo_gamma >= 0, "train.simpo_gamma", f"got {self.simpo_gamma}; must be >= 0 (e.g. 0.5).")
         _require(
             self.dpo_sft_weight >= 0, "train.dpo_sft_weight", f"got {self.dpo_sft_weight}; must be >= 0 (0: none)."
         )

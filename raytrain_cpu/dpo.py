@@ -9,15 +9,19 @@ with log pi(y) summed over the answer's tokens (Rafailov et al., 2023). beta is 
 train.dpo_loss picks another loss of the same margin x (the bracket above): 'ipo',
 (x - 1/(2 beta))^2 over log-likelihoods averaged per answer token (Azar et al., 2023), which stops
 pushing a pair once its margin reaches 1/(2 beta); 'hinge', max(0, 1 - beta x) (SLiC, Zhao et al.,
-2023). train.dpo_label_smoothing makes the sigmoid loss conservative (cDPO): each pair counts as
-mislabelled with that probability, (1 - e) x its loss + e x the loss of the pair reversed.
+2023); 'simpo', -log sigmoid(beta x - gamma) with x the difference of the answers'
+log-likelihoods averaged per token and no reference at all (SimPO, Meng et al., 2024; gamma is
+train.simpo_gamma): no reference forward and no copy of the model. train.dpo_label_smoothing
+makes the sigmoid loss conservative (cDPO): each pair counts as mislabelled with that
+probability, (1 - e) x its loss + e x the loss of the pair reversed.
 train.dpo_sft_weight adds that weight times the chosen answers' per-token loss, SFT's (RPO, Pang
 et al., 2024; TRL's rpo_alpha): DPO alone may lower both answers' likelihoods as long as the
 rejected one falls faster; the added term holds the chosen one up.
 
 **The reference** is the model as training started, one more forward per micro batch (no
-backward, no gradients). Under LoRA it is the frozen base with the adapters switched off
-(peft's `disable_adapter`: `adapters_off`), which costs no memory. Full fine-tuning keeps a
+backward, no gradients); SimPO has none (`reference_free`). Under LoRA it is the frozen base
+with the adapters switched off (peft's `disable_adapter`: `adapters_off`), which costs no
+memory. Full fine-tuning keeps a
 frozen copy of the starting model beside the trained one (`frozen_copy`), partitioned by ZeRO-3
 like the trained weights: its bf16 weights only, 2 bytes a parameter over the ranks (an 8B model
 on 4 ranks: 4 GiB a rank, against the ~30 GiB of weights, master copy, moments and gradients a
@@ -78,6 +82,9 @@ def pair_sums(label_logps: torch.Tensor, labels: torch.Tensor, position_ids: tor
     return {k: v[keep] for k, v in sums.items()}
 
 
+REFERENCE_FREE = ("simpo",)  # train.dpo_loss values that compare no reference
+
+
 def settings(train) -> dict[str, Any]:  # noqa: ANN001 - config.TrainConfig
     """dpo_loss's keyword arguments from the run's train settings."""
     return {
@@ -85,12 +92,16 @@ def settings(train) -> dict[str, Any]:  # noqa: ANN001 - config.TrainConfig
         "loss": train.dpo_loss,
         "label_smoothing": train.dpo_label_smoothing,
         "sft_weight": train.dpo_sft_weight,
+        "gamma": train.simpo_gamma,
     }
 
 
-def pair_losses(margin: torch.Tensor, beta: float, loss: str, label_smoothing: float) -> torch.Tensor:
+def pair_losses(
+    margin: torch.Tensor, beta: float, loss: str, label_smoothing: float, gamma: float = 0.0
+) -> torch.Tensor:
     """Each pair's loss from its margin (beta x the log-likelihood gain of the chosen answer over
-    the rejected one, relative to the reference); `loss` as train.dpo_loss."""
+    the rejected one, relative to the reference; SimPO's: beta x the per-token log-likelihood
+    difference); `loss` as train.dpo_loss."""
     logsigmoid = torch.nn.functional.logsigmoid
     if loss == "sigmoid":
         return -(1 - label_smoothing) * logsigmoid(margin) - label_smoothing * logsigmoid(-margin)
@@ -98,25 +109,32 @@ def pair_losses(margin: torch.Tensor, beta: float, loss: str, label_smoothing: f
         return (margin / beta - 1 / (2 * beta)) ** 2
     if loss == "hinge":
         return torch.relu(1 - margin)
+    if loss == "simpo":
+        return -logsigmoid(margin - gamma)
     raise ValueError(f"unknown DPO loss {loss!r}")
 
 
 def dpo_loss(
     policy: dict[str, torch.Tensor],
-    reference: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor] | None,
     beta: float,
     loss: str = "sigmoid",
     label_smoothing: float = 0.0,
     sft_weight: float = 0.0,
+    gamma: float = 0.0,
 ):
     """(mean loss over the pairs, plus sft_weight x the chosen answers' per-token loss; the sums
     this batch adds to SUM_NAMES, whose 'loss' is the pairs' alone); a batch with no pair gives a
-    zero loss that still reaches the graph (every rank must run the backward). IPO compares each
-    answer's log-likelihood per token, and its rewards are those too."""
-    scored = [_per_token(s) for s in (policy, reference)] if loss == "ipo" else [policy, reference]
-    gain_chosen, gain_rejected = (beta * (scored[0][side] - scored[1][side]) for side in ("chosen", "rejected"))
+    zero loss that still reaches the graph (every rank must run the backward). IPO and SimPO
+    compare each answer's log-likelihood per token, and their rewards are those too; SimPO's
+    `reference` is None (its rewards are beta x the policy's own)."""
+    per_token = loss in ("ipo", "simpo")
+    mine, ref = (_per_token(s) if per_token and s is not None else s for s in (policy, reference))
+    gain_chosen, gain_rejected = (
+        beta * (mine[side] - (ref[side] if ref is not None else 0.0)) for side in ("chosen", "rejected")
+    )
     margin = gain_chosen - gain_rejected
-    losses = pair_losses(margin, beta, loss, label_smoothing)
+    losses = pair_losses(margin, beta, loss, label_smoothing, gamma)
     n = len(losses)
     loss = losses.sum() / n if n else policy["chosen"].sum() * 0.0
     if sft_weight and n:
@@ -139,8 +157,9 @@ def forward_logps(engine, inputs: dict[str, Any], fused: bool) -> torch.Tensor:
     return label_logps_from_logits(engine(**plain, use_cache=False).logits, inputs["labels"])
 
 
-# A reference: a micro batch's model inputs -> the reference model's (B, T) log p(label).
-Reference = Callable[[dict[str, Any]], torch.Tensor]
+# A reference: a micro batch's model inputs -> the reference model's (B, T) log p(label), or
+# None where the loss compares none (reference_free).
+Reference = Callable[[dict[str, Any]], torch.Tensor | None]
 
 
 def adapters_off(model, peft_model, fused: bool) -> Reference:
@@ -161,12 +180,18 @@ def frozen_copy(model, fused: bool) -> Reference:
     return functools.partial(forward_logps, model, fused=fused)
 
 
+def reference_free(inputs: dict[str, Any]) -> None:
+    """SimPO's reference: none (no forward)."""
+    return None
+
+
 def micro_batch_loss(model, reference: Reference, inputs: dict[str, Any], fused: bool, **loss_settings: Any):
     """The DPO loss of a micro batch (the policy's graph: `model`'s forward) and its sums
-    (SUM_NAMES): the `reference` runs first, without gradients. `loss_settings`: dpo_loss's
-    (`settings`)."""
+    (SUM_NAMES): the `reference` runs first, without gradients (`reference_free`: none).
+    `loss_settings`: dpo_loss's (`settings`)."""
     with torch.no_grad():
-        ref = pair_sums(reference(inputs), inputs["labels"], inputs["position_ids"])
+        logps = reference(inputs)
+        ref = None if logps is None else pair_sums(logps, inputs["labels"], inputs["position_ids"])
     policy = pair_sums(forward_logps(model, inputs, fused), inputs["labels"], inputs["position_ids"])
     return dpo_loss(policy, ref, **loss_settings)
 

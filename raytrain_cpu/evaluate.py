@@ -14,8 +14,9 @@ evaluations' eval_loss), within each document where the run's data.attention_spa
 each source of a mixture too. A model on preference data also gets its DPO run's metrics
 (eval_dpo_loss, eval_reward_accuracy, ...) against the run's reference: a LoRA model's base
 with the adapters off; a fully fine-tuned (or merged) model's, the model its run started from
-(the run's recorded model directory, loaded beside it). A plain model, or one whose starting
-model is not on this machine, has no reference: its chosen answers' loss only.
+(the run's recorded model directory, loaded beside it); a SimPO run's, none. A plain model,
+or one whose starting model is not on this machine, has no reference: its chosen answers'
+loss only.
 
 Why: the base model against its fine-tuned export on the same held-out blocks, a model on
 text of your own (`data.eval_path=notes.txt` evaluates that file alone, in the run's format),
@@ -137,13 +138,16 @@ def _dpo_scoring(info: dict[str, Any], cfg: Config, log) -> dict[str, Any]:
 
 
 def _reference(model, info: dict[str, Any], log):
-    """DPO's reference for `model` (a dpo.Reference), or None (logged why): a LoRA model's base
-    with the adapters off; else the model its DPO run started from (`info`: _run_info's)."""
+    """DPO's reference for `model` (a dpo.Reference), or None (logged why): none for a
+    reference-free loss (SimPO); a LoRA model's base with the adapters off; else the model its
+    DPO run started from (`info`: _run_info's)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from raytrain_cpu import dpo
 
+    if (info.get("dpo") or {}).get("loss") in dpo.REFERENCE_FREE:
+        return dpo.reference_free
     if isinstance(model, PeftModel):
         return dpo.adapters_off(model, model, False)
     start = info.get("model_dir") if info.get("dpo") else None

@@ -336,6 +336,13 @@ class Worker:
         return self.cfg.data.format == "preference"
 
     @property
+    def reference_model(self) -> bool:
+        """The preference loss compares a reference model (every one but SimPO's)."""
+        from raytrain_cpu import dpo
+
+        return self.preference and self.cfg.train.dpo_loss not in dpo.REFERENCE_FREE
+
+    @property
     def dpo_settings(self) -> dict[str, Any] | None:
         """The preference loss settings (dpo.settings) a DPO run records in its manifests and
         summary, for `evaluate` and the closing summary; None for other data."""
@@ -668,7 +675,7 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
         model = lora.apply_lora(model, cfg.lora, model_dir)
         settings = lora.resolved_settings(model, cfg.lora)
     reference = None
-    if w.preference and not cfg.lora.enabled:
+    if w.reference_model and not cfg.lora.enabled:
         # DPO's reference for full fine-tuning: the starting model, which training changes. From
         # model_dir on every attempt, so a resumed run compares with the start, not its checkpoint.
         reference = load_sharded(model_dir, ds_config, dtype)
@@ -814,7 +821,8 @@ def build_reference(w: Worker, loaded: Loaded, engine, ds_config: dict[str, Any]
     """DPO's reference (a dpo.Reference; None for other data): under LoRA the engine with the
     adapters off; for full fine-tuning the frozen copy load_model made, computing as the trained
     model did at the start (its attention, fused loss and layer ops; uncompiled), run by an
-    engine of its own under ZeRO-3 (no optimizer: DeepSpeed only gathers its partitions)."""
+    engine of its own under ZeRO-3 (no optimizer: DeepSpeed only gathers its partitions);
+    SimPO's none (dpo.reference_free)."""
     import deepspeed
     from deepspeed.utils import set_z3_leaf_module
 
@@ -823,6 +831,9 @@ def build_reference(w: Worker, loaded: Loaded, engine, ds_config: dict[str, Any]
 
     if not w.preference:
         return None
+    if not w.reference_model:
+        w.log(f"[engine] no reference model: train.dpo_loss={w.cfg.train.dpo_loss} compares none")
+        return dpo.reference_free
     if loaded.reference is None:
         return dpo.adapters_off(engine, engine.module, w.fused_loss)
     model = loaded.reference[0].requires_grad_(False)
@@ -1171,7 +1182,7 @@ def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink
         # LoRA computes no weight gradients for the frozen base: ~4 of full training's 6 FLOPs a
         # parameter; DPO adds the reference's forward (2).
         st.last["mfu"] = mfu * (
-            (LORA_FLOPS_FRACTION if lora_on else 1.0) + (REFERENCE_FLOPS_FRACTION if w.preference else 0.0)
+            (LORA_FLOPS_FRACTION if lora_on else 1.0) + (REFERENCE_FLOPS_FRACTION if w.reference_model else 0.0)
         )
     if sink is not None:
         sink.write(st.last)

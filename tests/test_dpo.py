@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import FUSED_VOCAB, fused_llama_pair
 
-from raytrain_cpu import dpo
+from raytrain_cpu import dpo, plan
 from raytrain_cpu.config import ConfigError, DataConfig, load_config
 from raytrain_cpu.data import DataError, SourceSpec, Tokenize, _ExampleWriter, file_examples
 from raytrain_cpu.sft import IGNORE, RowError, row_pair
@@ -223,6 +223,39 @@ def test_ipo_compares_per_token_and_stops_at_its_margin_where_dpo_pushes_on():
     assert dpo.dpo_loss(further, reference, beta=0.1, loss="ipo")[0].item() == pytest.approx(9.0)
 
 
+def test_simpo_compares_per_token_likelihoods_with_no_reference():
+    """SimPO: -log sigmoid(beta x (per-token log p(chosen) - per-token log p(rejected)) - gamma);
+    the reference forward is skipped (reference_free), the rewards are beta x the policy's own."""
+    labels, position_ids = packed_batch()
+    logps = (-torch.rand(2, 12) * (labels != IGNORE)).requires_grad_()
+    policy = dpo.pair_sums(logps, labels, position_ids)
+    loss, sums = dpo.dpo_loss(policy, None, beta=2.0, loss="simpo", gamma=0.5)
+    avg = {side: policy[side] / policy[f"{side}_tokens"] for side in ("chosen", "rejected")}
+    margin = 2.0 * (avg["chosen"] - avg["rejected"])
+    expected = torch.nn.functional.softplus(-(margin - 0.5)).mean()
+    assert loss.item() == pytest.approx(expected.item())
+    m = dpo.metrics(sums)
+    assert m["reward_chosen"] == pytest.approx(2.0 * avg["chosen"].mean().item())
+    assert m["reward_accuracy"] == pytest.approx((margin > 0).float().mean().item())
+    loss.backward()
+    chosen = dpo.chosen_labels(labels, position_ids) != IGNORE
+    rejected = (labels != IGNORE) & ~chosen
+    assert (logps.grad[chosen] < 0).all() and (logps.grad[rejected] > 0).all()
+    # At equal per-token likelihoods the loss is log(1 + e^gamma), not log 2.
+    even = dpo.pair_losses(torch.zeros(1), 2.0, "simpo", 0.0, gamma=0.5)
+    assert even.item() == pytest.approx(math.log(1 + math.exp(0.5)))
+
+    ids = torch.randint(0, FUSED_VOCAB, labels.shape)
+    inputs = {"input_ids": ids, "labels": torch.where(labels == IGNORE, IGNORE, ids), "position_ids": position_ids}
+    _, model = fused_llama_pair(torch.float32)
+    value, batch_sums = dpo.micro_batch_loss(model, dpo.reference_free, inputs, True, beta=2.0, loss="simpo", gamma=0.5)
+    assert math.isfinite(value.item()) and batch_sums[1] == 3
+    c = load_config(None, ["data.format=preference", "train.dpo_loss=simpo", "train.dpo_beta=2.0"])
+    assert plan.inputs_from_config(c)["reference_forward"] is False  # no reference forward, no copy
+    with pytest.raises(ConfigError, match=r"train.simpo_gamma"):
+        load_config(None, ["train.simpo_gamma=-1"])
+
+
 def test_sft_weight_adds_the_chosen_answers_per_token_loss():
     labels, position_ids = packed_batch()
     logps = (-torch.rand(2, 12) * (labels != IGNORE)).requires_grad_()
@@ -257,7 +290,7 @@ def test_label_smoothing_mixes_in_the_reversed_pair():
     assert torch.allclose(smoothed, 0.8 * plain + 0.2 * reversed_pair)
     assert torch.allclose(dpo.pair_losses(margin, 0.1, "hinge", 0.0), torch.tensor([1.0, 0.3, 2.3]))
     c = load_config(None, ["train.dpo_loss=ipo", "train.dpo_beta=0.5"]).train
-    assert dpo.settings(c) == {"beta": 0.5, "loss": "ipo", "label_smoothing": 0.0, "sft_weight": 0.0}
+    assert dpo.settings(c) == {"beta": 0.5, "loss": "ipo", "label_smoothing": 0.0, "sft_weight": 0.0, "gamma": 0.5}
     with pytest.raises(ConfigError, match=r"train.dpo_sft_weight"):
         load_config(None, ["train.dpo_sft_weight=-1"])
     with pytest.raises(ConfigError, match=r"train.dpo_loss"):
@@ -373,7 +406,7 @@ def test_lora_dpo_run_learns_to_prefer_the_chosen_answers(ray_session, make_conf
     assert evals[-1]["eval_dpo_loss"] < 0.6 and evals[-1]["eval_reward_accuracy"] >= 0.9, evals
     assert evals[-1]["eval_reward_chosen"] > evals[-1]["eval_reward_rejected"]
     assert summary["best_checkpoint"]["metric"] == "eval_dpo_loss" and summary["best_checkpoint"]["step"] == 16
-    assert summary["dpo"] == {"beta": 0.2, "loss": "sigmoid", "label_smoothing": 0.0, "sft_weight": 0.0}
+    assert summary["dpo"] == {"beta": 0.2, "loss": "sigmoid", "label_smoothing": 0.0, "sft_weight": 0.0, "gamma": 0.5}
     # evaluate measures what the run's evaluation did, on the blocks it covered (1 worker x
     # train.eval_batches x micro batch): the chosen answers' eval_loss, and DPO's metrics with the
     # adapters off for the reference; a merged export has no reference: its chosen answers' loss only.
@@ -427,3 +460,33 @@ def test_full_dpo_keeps_the_starting_model_as_its_reference_across_a_resume(ray_
     measured = evaluate_model(run_dir)
     assert measured["eval_dpo_loss"] == pytest.approx(evals[-1]["eval_dpo_loss"], abs=2e-2)
     assert measured["eval_reward_accuracy"] >= 0.9
+
+
+@pytest.mark.slow
+def test_simpo_trains_with_no_reference_model(ray_session, make_config, tmp_path):
+    from raytrain_cpu.evaluate import evaluate_model
+    from raytrain_cpu.main import run
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join((BUNDLED_SFT / "preference_train.jsonl").read_text().splitlines(True)[:16]))
+    summary = run(
+        make_config(
+            "data.format=preference",
+            f"data.path={pairs}",
+            f"data.eval_path={pairs}",
+            "data.seq_len=256",
+            "scaling.num_workers=1",
+            "train.lr=1e-3",
+            "train.dpo_loss=simpo",
+            "train.dpo_beta=2.0",
+            "train.max_steps=6",
+        )
+    )
+    run_dir = Path(summary["run_dir"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "reward_accuracy" in r]
+    # No reference: the first step's loss is SimPO's at the random model's own margins, not log 2.
+    assert train[0]["loss"] == pytest.approx(math.log(1 + math.exp(0.5)), abs=0.1) and train[0]["reward_margin"] != 0
+    assert summary["dpo"]["loss"] == "simpo" and summary["eval_reward_accuracy"] >= 0.9
+    measured = evaluate_model(run_dir)  # no reference model loaded there either
+    assert measured["eval_dpo_loss"] == pytest.approx(summary["eval_dpo_loss"], abs=2e-2)
