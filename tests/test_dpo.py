@@ -368,22 +368,29 @@ def test_preference_settings_are_checked():
 # ----------------------------------------------------------------------------- end to end
 
 
+def seen_pairs(tmp_path: Path) -> list[str]:
+    """Overrides for 16 of the bundled pairs, trained on and evaluated on themselves: a random tiny
+    model learns no meaning in a minute, but a preference loss must make it prefer the chosen
+    answers it saw."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join((BUNDLED_SFT / "preference_train.jsonl").read_text().splitlines(True)[:16]))
+    # a bundled pair takes ~140 tokens
+    return ["data.format=preference", f"data.path={pairs}", f"data.eval_path={pairs}", "data.seq_len=256"]
+
+
+def metric_rows(summary: dict) -> list[dict]:
+    return [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 def test_lora_dpo_run_learns_to_prefer_the_chosen_answers(ray_session, make_config, tmp_path):
     from raytrain_cpu.evaluate import evaluate_model
     from raytrain_cpu.export import export_checkpoint
     from raytrain_cpu.main import run
 
-    # 16 of the bundled pairs, trained on for 4 epochs and evaluated on themselves: a random tiny
-    # model learns no meaning in a minute, but DPO must make it prefer the chosen answers it saw.
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join((BUNDLED_SFT / "preference_train.jsonl").read_text().splitlines(True)[:16]))
     summary = run(
         make_config(
-            "data.format=preference",
-            f"data.path={pairs}",
-            f"data.eval_path={pairs}",
-            "data.seq_len=256",  # a bundled pair takes ~140 tokens
+            *seen_pairs(tmp_path),  # 4 epochs of them
             "lora.rank=8",
             "scaling.num_workers=1",
             "train.lr=2e-2",
@@ -395,8 +402,7 @@ def test_lora_dpo_run_learns_to_prefer_the_chosen_answers(ray_session, make_conf
             "run.best_metric=eval_dpo_loss",
         )
     )
-    run_dir = Path(summary["run_dir"])
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run_dir, rows = Path(summary["run_dir"]), metric_rows(summary)
     train = [r for r in rows if "reward_accuracy" in r]
     evals = [r for r in rows if "eval_dpo_loss" in r]
     assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)  # the policy starts as the reference
@@ -409,7 +415,7 @@ def test_lora_dpo_run_learns_to_prefer_the_chosen_answers(ray_session, make_conf
     assert summary["dpo"] == {"beta": 0.2, "loss": "sigmoid", "label_smoothing": 0.0, "sft_weight": 0.0, "gamma": 0.5}
     # evaluate measures what the run's evaluation did, on the blocks it covered (1 worker x
     # train.eval_batches x micro batch): the chosen answers' eval_loss, and DPO's metrics with the
-    # adapters off for the reference; a merged export has no reference: its chosen answers' loss only.
+    # adapters off for the reference.
     measured = evaluate_model(run_dir, max_blocks=4 * 4)
     assert measured["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], abs=2e-2)  # bf16: engine vs HF forward
     assert measured["eval_pairs"] == 16
@@ -428,13 +434,8 @@ def test_full_dpo_keeps_the_starting_model_as_its_reference_across_a_resume(ray_
     from raytrain_cpu.evaluate import evaluate_model
     from raytrain_cpu.main import run
 
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join((BUNDLED_SFT / "preference_train.jsonl").read_text().splitlines(True)[:16]))
     overrides = [
-        "data.format=preference",
-        f"data.path={pairs}",
-        f"data.eval_path={pairs}",
-        "data.seq_len=256",
+        *seen_pairs(tmp_path),
         "scaling.num_workers=2",  # both models partitioned by ZeRO-3, each its own engine
         "train.lr=1e-3",
         "train.dpo_beta=0.2",
@@ -445,8 +446,7 @@ def test_full_dpo_keeps_the_starting_model_as_its_reference_across_a_resume(ray_
     run(make_config(*overrides, "train.max_steps=3"))
     summary = run(make_config(*overrides, "train.max_steps=6"))  # resumes at step 3
     assert summary["resumed_from_step"] == 3
-    run_dir = Path(summary["run_dir"])
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run_dir, rows = Path(summary["run_dir"]), metric_rows(summary)
     train = {r["step"]: r for r in rows if "reward_accuracy" in r}
     evals = [r for r in rows if "eval_dpo_loss" in r]
     assert train[1]["loss"] == pytest.approx(math.log(2), abs=1e-4) and train[1]["reward_margin"] == 0.0
@@ -467,14 +467,9 @@ def test_simpo_trains_with_no_reference_model(ray_session, make_config, tmp_path
     from raytrain_cpu.evaluate import evaluate_model
     from raytrain_cpu.main import run
 
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join((BUNDLED_SFT / "preference_train.jsonl").read_text().splitlines(True)[:16]))
     summary = run(
         make_config(
-            "data.format=preference",
-            f"data.path={pairs}",
-            f"data.eval_path={pairs}",
-            "data.seq_len=256",
+            *seen_pairs(tmp_path),
             "scaling.num_workers=1",
             "train.lr=1e-3",
             "train.dpo_loss=simpo",
@@ -483,8 +478,7 @@ def test_simpo_trains_with_no_reference_model(ray_session, make_config, tmp_path
         )
     )
     run_dir = Path(summary["run_dir"])
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if "reward_accuracy" in r]
+    train = [r for r in metric_rows(summary) if "reward_accuracy" in r]
     # No reference: the first step's loss is SimPO's at the random model's own margins, not log 2.
     assert train[0]["loss"] == pytest.approx(math.log(1 + math.exp(0.5)), abs=0.1) and train[0]["reward_margin"] != 0
     assert summary["dpo"]["loss"] == "simpo" and summary["eval_reward_accuracy"] >= 0.9
