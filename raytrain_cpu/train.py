@@ -1517,6 +1517,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     dist.barrier()
     if w.is_main and cfg.run.export_on_finish and st.last_ckpt is not None:
         del engine, loaded  # free this rank's shard before consolidating the whole model
+        w.reference = None  # and full fine-tuning DPO's reference copy (its engine)
         best = st.watch.best_checkpoint  # run.best_metric: the best checkpoint, else the final one
         exported = w.run_dir / best["name"] if best else st.last_ckpt
         probe = export_probe if exported.name == ckpt_io.checkpoint_dir_name(st.step) else None

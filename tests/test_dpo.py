@@ -444,8 +444,9 @@ def test_full_dpo_keeps_the_starting_model_as_its_reference_across_a_resume(ray_
         "train.eval_on_start=true",
     ]
     run(make_config(*overrides, "train.max_steps=3"))
-    summary = run(make_config(*overrides, "train.max_steps=6"))  # resumes at step 3
+    summary = run(make_config(*overrides, "train.max_steps=6", "run.export_on_finish=true"))  # resumes at step 3
     assert summary["resumed_from_step"] == 3
+    assert summary["export"]["export_max_abs_logit_diff"] == 0.0  # the trained model, not its reference
     run_dir, rows = Path(summary["run_dir"]), metric_rows(summary)
     train = {r["step"]: r for r in rows if "reward_accuracy" in r}
     evals = [r for r in rows if "eval_dpo_loss" in r]
