@@ -260,6 +260,7 @@ CLI_OVERRIDES = [
     "guards.action=skip",
     "guards.loss_window=5",
     "guards.inject=spike@12:50,nan@16",
+    "run.poll_interval_s=0.25",  # as FAST
 ]
 
 

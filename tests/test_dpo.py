@@ -431,7 +431,8 @@ def test_lora_dpo_run_learns_to_prefer_the_chosen_answers(ray_session, make_conf
 
 @pytest.mark.slow
 def test_full_dpo_keeps_the_starting_model_as_its_reference_across_a_resume(ray_session, make_config, tmp_path):
-    from raytrain_cpu.evaluate import evaluate_model
+    """(`evaluate` on a fully fine-tuned DPO model, against its run's starting model: the merged
+    export in test_lora_dpo_run_learns_to_prefer_the_chosen_answers takes the same way.)"""
     from raytrain_cpu.main import run
 
     overrides = [
@@ -447,7 +448,7 @@ def test_full_dpo_keeps_the_starting_model_as_its_reference_across_a_resume(ray_
     summary = run(make_config(*overrides, "train.max_steps=6", "run.export_on_finish=true"))  # resumes at step 3
     assert summary["resumed_from_step"] == 3
     assert summary["export"]["export_max_abs_logit_diff"] == 0.0  # the trained model, not its reference
-    run_dir, rows = Path(summary["run_dir"]), metric_rows(summary)
+    rows = metric_rows(summary)
     train = {r["step"]: r for r in rows if "reward_accuracy" in r}
     evals = [r for r in rows if "eval_dpo_loss" in r]
     assert train[1]["loss"] == pytest.approx(math.log(2), abs=1e-4) and train[1]["reward_margin"] == 0.0
@@ -457,10 +458,6 @@ def test_full_dpo_keeps_the_starting_model_as_its_reference_across_a_resume(ray_
     assert train[4]["reward_margin"] > 0.5 and train[4]["loss"] < 0.5, train[4]
     assert [e["step"] for e in evals] == [0, 3, 6]
     assert evals[-1]["eval_dpo_loss"] < 0.2 and evals[-1]["eval_reward_accuracy"] >= 0.9, evals
-    # `evaluate` scores the pairs against the run's starting model too.
-    measured = evaluate_model(run_dir)
-    assert measured["eval_dpo_loss"] == pytest.approx(evals[-1]["eval_dpo_loss"], abs=2e-2)
-    assert measured["eval_reward_accuracy"] >= 0.9
 
 
 @pytest.mark.slow
