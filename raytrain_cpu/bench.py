@@ -282,7 +282,7 @@ class Runner:
         params = n_params(self.spec["model"])
         row = {
             "variant": name,
-            "overrides": " ".join(overrides),
+            "overrides": " ".join(overrides).replace(str(REPO), "<repo>"),  # as recorded: no machine's paths
             "workers": s["world_size"],
             "threads": s["scaling"]["threads_per_worker"],
             "dtype": s["cpu"]["dtype"]["dtype"],

@@ -572,6 +572,9 @@ class DataConfig:
 # ----------------------------------------------------------------------------- training
 
 
+REFERENCE_FREE_LOSSES = ("simpo",)  # train.dpo_loss values that compare no reference model
+
+
 @dataclass
 class TrainConfig:
     """The optimisation loop."""
@@ -731,6 +734,11 @@ class TrainConfig:
                 f"{self.global_batch_size} is not a multiple of micro_batch_size x grad_accum_steps "
                 f"= {per_worker}; set it to {per_worker} x <number of workers> or to 0 to derive it.",
             )
+
+    @property
+    def dpo_reference(self) -> bool:
+        """Whether train.dpo_loss compares a reference model (every preference loss but SimPO's)."""
+        return self.dpo_loss not in REFERENCE_FREE_LOSSES
 
     def derive_global_batch(self, world_size: int) -> int:
         """Blocks per optimizer step; raises ConfigError when the batch can't split evenly."""

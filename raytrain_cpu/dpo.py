@@ -82,9 +82,6 @@ def pair_sums(label_logps: torch.Tensor, labels: torch.Tensor, position_ids: tor
     return {k: v[keep] for k, v in sums.items()}
 
 
-REFERENCE_FREE = ("simpo",)  # train.dpo_loss values that compare no reference
-
-
 def settings(train) -> dict[str, Any]:  # noqa: ANN001 - config.TrainConfig
     """dpo_loss's keyword arguments from the run's train settings."""
     return {

@@ -145,8 +145,9 @@ def _reference(model, info: dict[str, Any], log):
     from transformers import AutoModelForCausalLM
 
     from raytrain_cpu import dpo
+    from raytrain_cpu.config import REFERENCE_FREE_LOSSES
 
-    if (info.get("dpo") or {}).get("loss") in dpo.REFERENCE_FREE:
+    if (info.get("dpo") or {}).get("loss") in REFERENCE_FREE_LOSSES:
         return dpo.reference_free
     if isinstance(model, PeftModel):
         return dpo.adapters_off(model, model, False)
@@ -181,9 +182,8 @@ def evaluate_model(
 
     path = best_of(path) if best else checkpoint_of(path)
     info = _run_info(path)
-    evaluation_config(
-        path, path, list(overrides), info
-    )  # bad settings fail before the export (minutes for a large model)
+    # Bad settings fail before the export (minutes for a large model).
+    evaluation_config(path, path, list(overrides), info)
     with ExitStack() as stack:
         # A LoRA checkpoint as its adapter on the base: it computes as training did, and DPO's
         # reference is that base with the adapters off.

@@ -1071,7 +1071,7 @@ def inputs_from_config(cfg: Any, model: str = "", world_size: int = 0) -> dict[s
         kept_pages=cfg.scaling.allocator != "system",
         free_memory_growth_mib=cfg.scaling.free_memory_growth_mib,
         # SimPO (train.dpo_loss=simpo) compares no reference: neither its forward nor a copy.
-        reference_forward=cfg.data.format == "preference" and cfg.train.dpo_loss != "simpo",
+        reference_forward=cfg.data.format == "preference" and cfg.train.dpo_reference,
     )
 
 

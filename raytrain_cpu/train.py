@@ -338,9 +338,7 @@ class Worker:
     @property
     def reference_model(self) -> bool:
         """The preference loss compares a reference model (every one but SimPO's)."""
-        from raytrain_cpu import dpo
-
-        return self.preference and self.cfg.train.dpo_loss not in dpo.REFERENCE_FREE
+        return self.preference and self.cfg.train.dpo_reference
 
     @property
     def dpo_settings(self) -> dict[str, Any] | None:
