@@ -399,15 +399,19 @@ def test_ray_data_tells_the_throttle_when_a_consumer_waits(ray_session):
             seen.append(datathrottle.consumer_waiting(executor))
             super().on_execution_step(executor)
 
+    # One task at a time, 32 of 0.1 s: the stream is still running through the consumer's busy
+    # spell however late its first batch comes (on a loaded machine, 8 tasks side by side once all
+    # finished before the first batch arrived, and no step saw a busy consumer).
     def slow(batch):
-        time.sleep(0.05)
+        time.sleep(0.1)
         return batch
 
     ctx = DataContext.get_current()
     kept = list(ctx.custom_execution_callback_classes)
     ctx.custom_execution_callback_classes = [Recording]
     try:
-        it = iter(ray.data.range(64, override_num_blocks=8).map_batches(slow, batch_size=8).iter_batches(batch_size=8))
+        ds = ray.data.range(256, override_num_blocks=32).map_batches(slow, batch_size=8, concurrency=1)
+        it = iter(ds.iter_batches(batch_size=8))
         next(it)  # waited for
         time.sleep(0.5)  # busy: the loop goes on without a waiting consumer
         sum(1 for _ in it)
