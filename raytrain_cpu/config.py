@@ -580,7 +580,16 @@ class TrainConfig:
     """The optimisation loop."""
 
     max_steps: int = 200
-    """Optimizer steps to run in total (a resumed run counts from where it stopped)."""
+    """Optimizer steps to run in total (a resumed run counts from where it stopped). Derived
+    instead when train.epochs is set."""
+    epochs: float = 0.0
+    """Passes over the training data, in place of train.max_steps: once the data are packed the
+    run takes ceil(epochs x training blocks / global batch) steps, so every block is trained on
+    at least once an epoch (the last step may take a few blocks of the next pass). A mixture
+    counts the blocks of all its sources (the console then says how often each source is read).
+    Fractions work (0.5: half the data). 0 (default): train.max_steps says how long. Set one of
+    the two: where the command line gives one and the --config file the other, the command line's
+    wins."""
     micro_batch_size: int = 8
     """Blocks per worker per forward/backward pass."""
     grad_accum_steps: int = 1
@@ -721,7 +730,12 @@ class TrainConfig:
         )
         _require(self.eps > 0, "train.eps", f"got {self.eps}; must be > 0 (AdamW divides by sqrt(v) + eps), e.g. 1e-8.")
         _require(
-            self.profile_step <= self.max_steps,
+            math.isfinite(self.epochs) and self.epochs >= 0,
+            "train.epochs",
+            f"got {self.epochs}; must be >= 0, e.g. 3 (0: train.max_steps says how long).",
+        )
+        _require(
+            self.epochs > 0 or self.profile_step <= self.max_steps,  # epochs: known once the data are packed
             "train.profile_step",
             f"{self.profile_step} is past train.max_steps={self.max_steps}; pick a step in 1..max_steps, "
             "past the warm-up (the first two steps compile and allocate), or 0 for none.",
@@ -739,6 +753,10 @@ class TrainConfig:
     def dpo_reference(self) -> bool:
         """Whether train.dpo_loss compares a reference model (every preference loss but SimPO's)."""
         return self.dpo_loss not in REFERENCE_FREE_LOSSES
+
+    def epoch_steps(self, blocks: int, global_batch: int) -> int:
+        """train.epochs as optimizer steps over `blocks` training blocks, `global_batch` a step."""
+        return max(1, math.ceil(self.epochs * blocks / global_batch - 1e-9))  # 2 x 600 / 400 is 3, not 4
 
     def derive_global_batch(self, world_size: int) -> int:
         """Blocks per optimizer step; raises ConfigError when the batch can't split evenly."""
@@ -1414,10 +1432,36 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"--config: {path} must hold a mapping of sections (model:, data:, train:, ...).")
-    for item in overrides:
-        key, value = parse_override(item)
+    given = [parse_override(item) for item in overrides]
+    _choose_run_length(raw, {key: value for key, value in given}, path)
+    for key, value in given:
         _set_dotted(raw, key, value)
     return Config.from_dict(raw)
+
+
+def _choose_run_length(raw: dict[str, Any], overrides: dict[str, Any], path: Any) -> None:
+    """train.max_steps or train.epochs (> 0): one of them says how long the run is. The file
+    and the command line may each choose one; the command line's replaces the file's."""
+
+    def chosen(train: dict[str, Any]) -> set[str]:  # epochs=0 chooses nothing: it leaves max_steps to say
+        return {"max_steps"} & train.keys() | ({"epochs"} if train.get("epochs") not in (None, 0, 0.0) else set())
+
+    cli = chosen({k.removeprefix("train."): v for k, v in overrides.items() if k.startswith("train.")})
+    if len(cli) == 2:
+        raise ConfigError(
+            "train.max_steps and train.epochs: the command line sets both; keep one (train.epochs derives "
+            "the steps from the packed data)."
+        )
+    train = raw.get("train")
+    if not isinstance(train, dict):
+        return
+    if cli:  # the command line's choice of length replaces the file's
+        train.pop("epochs" if cli == {"max_steps"} else "max_steps", None)
+    elif len(chosen(train)) == 2:
+        raise ConfigError(
+            f"train.max_steps and train.epochs: --config {path} sets both; keep one (train.epochs derives the "
+            "steps from the packed data), or choose on the command line, which replaces the file's choice."
+        )
 
 
 # ----------------------------------------------------------------------------- help text

@@ -267,7 +267,11 @@ def finished_run(cfg: Config) -> dict[str, Any] | None:
     if latest is None:
         return None
     if latest["step"] >= cfg.train.max_steps:
-        why = f"train.max_steps={cfg.train.max_steps}: nothing to train. Raise train.max_steps to train on"
+        length = "train.epochs" if cfg.train.epochs else "train.max_steps"
+        steps = (
+            f"={cfg.train.epochs:g} ({cfg.train.max_steps} steps)" if cfg.train.epochs else f"={cfg.train.max_steps}"
+        )
+        why = f"{length}{steps}: nothing to train. Raise {length} to train on"
     elif EvalWatch.for_run(cfg, latest).stop_reason:  # its evaluations used up train.early_stop_patience
         why = (
             f"where it stopped early (train.early_stop_patience={cfg.train.early_stop_patience}): nothing to train. "
@@ -856,6 +860,26 @@ def no_evaluation(meta: dict[str, Any], world: int, source: str = "") -> str:
     )
 
 
+def steps_of_epochs(cfg: Config, meta: dict[str, Any], global_batch: int) -> Config:
+    """The config with train.max_steps derived from train.epochs, now that the blocks are counted
+    (unchanged without train.epochs). Workers, config.yaml and the checkpoints see the steps."""
+    t = cfg.train
+    if not t.epochs:
+        return cfg
+    steps = t.epoch_steps(meta["blocks"], global_batch)
+    print(
+        f"[raytrain] train.epochs={t.epochs:g}: {meta['blocks']:,} training blocks, {global_batch} a step: "
+        f"{steps} steps",
+        flush=True,
+    )
+    if t.profile_step > steps:
+        raise ConfigError(
+            f"train.profile_step: {t.profile_step} is past the {steps} steps of train.epochs={t.epochs:g}; "
+            f"pick a step in 1..{steps}, or 0 for none."
+        )
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=steps))
+
+
 def note_epochs(meta: dict[str, Any], needed: int) -> None:
     """Says when the run reads its data (a mixture: a source) more than once."""
     if "sources" not in meta:
@@ -875,7 +899,7 @@ def run(cfg: Config) -> dict[str, Any]:
     A Ray it starts prints raytrain's lines only, unless run.verbose (see "console" above); a
     Ray the caller started keeps the caller's console.
     """
-    done = finished_run(cfg)
+    done = None if cfg.train.epochs else finished_run(cfg)  # train.epochs: the steps are known once packed
     if done is not None:
         return done
     t0 = time.perf_counter()
@@ -1062,7 +1086,13 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     cache = prepare(cfg, log=lambda m: print(m, flush=True))
     meta = read_meta(cache)
     sources = mixture_sources(cache, meta)
-    note_epochs(meta, cfg.train.max_steps * global_batch)
+    cfg = steps_of_epochs(cfg, meta, global_batch)
+    if cfg.train.epochs and (done := finished_run(cfg)) is not None:
+        if restore_stderr is not None:
+            restore_stderr()
+        return done
+    if not cfg.train.epochs or "sources" in meta:  # a mixture: how often each source is read
+        note_epochs(meta, cfg.train.max_steps * global_batch)
     for name, _, source_meta in sources:
         if source_meta["eval_blocks"] < world:  # else the summary's eval perplexity is n/a without a word why
             print(f"[raytrain] {no_evaluation(source_meta, world, name)}", flush=True)
@@ -1296,7 +1326,8 @@ def where_it_resumes(cfg: Config) -> str:
 
 def print_interrupted(cfg: Config) -> None:
     print(
-        f"\n[raytrain] interrupted: run {cfg.run.name!r} stopped before step {cfg.train.max_steps}; "
+        f"\n[raytrain] interrupted: run {cfg.run.name!r} stopped before "
+        f"{f'the end of train.epochs={cfg.train.epochs:g}' if cfg.train.epochs else f'step {cfg.train.max_steps}'}; "
         f"{where_it_resumes(cfg)}",
         file=sys.stderr,
         flush=True,

@@ -86,6 +86,51 @@ def test_local_paths_are_recorded_absolute(tmp_path, monkeypatch):
     assert (Config().model.name_or_path, Config().model.tokenizer) == ("tiny", "bundled")
 
 
+def test_the_run_length_is_steps_or_epochs_and_the_command_line_chooses(tmp_path):
+    """train.epochs replaces train.max_steps; one place setting both is a mistake to name, and the
+    command line's choice replaces the file's (configs/local.yaml spells max_steps out)."""
+    local = ROOT / "configs/local.yaml"
+    cfg = load_config(local, ["train.epochs=2"])
+    assert cfg.train.epochs == 2 and load_config(local, ["train.epochs=0"]).train.epochs == 0
+    both = tmp_path / "both.yaml"
+    both.write_text("train:\n  max_steps: 5\n  epochs: 2\n")
+    with pytest.raises(ConfigError, match=r"^train.max_steps and train.epochs: --config .*both.yaml sets both"):
+        load_config(both)
+    assert (
+        load_config(both, ["train.max_steps=7"]).train.max_steps,
+        load_config(both, ["train.max_steps=7"]).train.epochs,
+    ) == (7, 0)
+    assert load_config(both, ["train.epochs=1"]).train.epochs == 1
+    with pytest.raises(ConfigError, match=r"^train.max_steps and train.epochs: the command line sets both; keep one"):
+        load_config(local, ["train.epochs=2", "train.max_steps=5"])
+    assert (
+        load_config(None, ["train.epochs=1", "train.profile_step=300"]).train.profile_step == 300
+    )  # checked once packed
+
+
+@pytest.mark.parametrize(
+    ("epochs", "blocks", "batch", "steps"),
+    [(1, 80, 8, 10), (1, 81, 8, 11), (2, 600, 400, 3), (0.5, 80, 8, 5), (0.01, 80, 8, 1), (3, 7, 8, 3)],
+)
+def test_epochs_become_steps_that_train_every_block(epochs, blocks, batch, steps):
+    """ceil: each pass trains every block at least once; 2 x 600 / 400 is 3, not 4 (floating point)."""
+    assert load_config(None, [f"train.epochs={epochs}"]).train.epoch_steps(blocks, batch) == steps
+
+
+def test_epochs_set_the_steps_once_the_data_are_packed(capsys):
+    from raytrain_cpu.main import steps_of_epochs
+
+    cfg = load_config(None, ["train.epochs=2.5"])
+    resolved = steps_of_epochs(cfg, {"blocks": 1000}, 16)
+    assert resolved.train.max_steps == 157 and resolved.train.epochs == 2.5 and resolved.model == cfg.model
+    assert "[raytrain] train.epochs=2.5: 1,000 training blocks, 16 a step: 157 steps" in capsys.readouterr().out
+    plain = load_config(None, ["train.max_steps=9"])
+    assert steps_of_epochs(plain, {"blocks": 1000}, 16) is plain
+    late = load_config(None, ["train.epochs=1", "train.profile_step=70"])
+    with pytest.raises(ConfigError, match=r"^train.profile_step: 70 is past the 63 steps of train.epochs=1; pick"):
+        steps_of_epochs(late, {"blocks": 1000}, 16)
+
+
 def test_round_trip_through_plain_dict():
     cfg = load_config(None, ["train.max_steps=7", "scaling.resources_per_worker={c7i_48xl: 1}"])
     assert Config.from_dict(cfg.to_dict()) == cfg
@@ -101,6 +146,8 @@ def test_round_trip_through_plain_dict():
         (["model.activation_checkpointing=maybe"], "model.activation_checkpointing", "true or false"),
         (["train.max_steps=0"], "train.max_steps", "positive"),
         (["train.lr=-1"], "train.lr", "> 0"),
+        (["train.epochs=-1"], "train.epochs", ">= 0, e.g. 3"),
+        (["train.epochs=.inf"], "train.epochs", ">= 0, e.g. 3"),
         (["train.schedule=linear"], "train.schedule", "cosine"),
         (["model.dtype=fp16"], "model.dtype", "bf16"),
         (["model.tiny.num_heads=3"], "model.tiny.num_heads", "divide"),

@@ -197,6 +197,42 @@ def test_the_best_checkpoint_is_kept_and_a_run_stops_early(ray_session, make_con
     )
 
 
+def test_epochs_train_every_block_each_pass_and_a_resume_adds_passes(ray_session, make_config, tmp_path, capsys):
+    """train.epochs: the steps come from the packed blocks (ceil, so one epoch trains every block);
+    the same command again has nothing to train, and train.epochs=2 resumes for the second pass."""
+    from raytrain_cpu.data import read_meta
+    from raytrain_cpu.main import run
+    from raytrain_cpu.tokenizer import BUNDLED_WIKITEXT
+
+    lines = (BUNDLED_WIKITEXT / "valid.txt").read_text().splitlines(keepends=True)
+    (tmp_path / "short.txt").write_text("".join(lines[:40]))
+    overrides = [f"data.path={tmp_path / 'short.txt'}", "train.record_block_ids=true", "train.eval_batches=1"]
+    first = run(make_config(*overrides, "train.epochs=1"))
+    blocks = read_meta(Path(first["data_cache"]))["blocks"]
+    steps = -(-blocks // 8)  # 2 workers x 4 blocks a step
+    assert 3 <= steps <= 8 and first["steps"] == steps, (blocks, first["steps"])
+    assert f"[raytrain] train.epochs=1: {blocks:,} training blocks, 8 a step: {steps} steps" in capsys.readouterr().out
+    run_dir = Path(first["run_dir"])
+    recorded = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]
+    assert (recorded["max_steps"], recorded["epochs"]) == (steps, 1.0)  # the workers' steps, the user's epochs
+
+    def trained() -> list[int]:
+        return [int(b) for r in (0, 1) for b in (run_dir / "block_ids" / f"rank{r}.txt").read_text().split()]
+
+    assert len(trained()) == steps * 8 and set(trained()) == set(range(blocks))  # every block, a few twice
+
+    again = run(make_config(*overrides, "train.epochs=1"))
+    assert again["checkpoint_path"] == first["checkpoint_path"] and again["steps"] == steps
+    assert (
+        f"train.epochs=1 ({steps} steps): nothing to train. Raise train.epochs to train on" in capsys.readouterr().out
+    )
+
+    second = run(make_config(*overrides, "train.epochs=2"))
+    assert second["resumed_from_step"] == steps and second["steps"] == -(-2 * blocks // 8)
+    counts = np.bincount(trained(), minlength=blocks)
+    assert counts.sum() == second["steps"] * 8 and counts.min() == 2  # the second pass trained each block again
+
+
 def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, make_config, tmp_path, capsys):
     """data.mix: chat fine-tuning on the bundled examples with a small text corpus kept in, 1:3,
     and the bundled wikitext watched at weight 0. The blocks trained on follow the weights
