@@ -23,8 +23,9 @@ benchmarks/results/<machine>/<suite>.json and a markdown table next to it (or --
             rank, optimizer state bytes per rank, trainable parameters.
 * dpo       DPO and SimPO against SFT on the same pairs (SFT on the chosen answers), full
             fine-tuning (a frozen copy of the model as DPO's reference; SimPO has none) and
-            LoRA r=16 (adapters off), and full DPO against LoRA DPO: tokens/s, step breakdown,
-            peak RSS per rank (`--variants` picks some: SFT,DPO,SimPO,...).
+            LoRA r=16 (adapters off), each DPO also with its reference precomputed, and full
+            DPO against LoRA DPO: tokens/s, step breakdown, peak RSS per rank, the precomputing
+            pass's seconds (`--variants` picks some: SFT,DPO,SimPO,...).
 * reference the 2-worker ZeRO-3 run against plain single-process PyTorch (no DeepSpeed, no
             Ray) on the same model, dtype, tokens per step and cores, interleaved zero3,
             reference, zero3: tokens/s per core and their ratio (issue 12's goal: >= 0.95).
@@ -299,6 +300,7 @@ class Runner:
             "other_s": bd["other_s"],
             "steps_timed": bd["steps"],
             "final_loss": s["final_loss"],
+            "reference_pass_s": (s.get("reference_pass") or {}).get("seconds"),  # DPO's precomputed reference
             "load_peak_rss_gb": max(s["cpu"]["load_peak_rss_bytes"]) / GB,
             "train_peak_rss_gb_max_rank": _train_peak_rss_gb(s["run_dir"]),
             "malloc": s["cpu"].get("malloc", s["cpu"]["allocator"]),
@@ -558,7 +560,8 @@ def suite_lora(r: Runner, args) -> dict[str, Any]:
 def suite_dpo(r: Runner, args) -> dict[str, Any]:
     """DPO against SFT on the chosen answers of the same bundled pairs, the same block shape,
     interleaved; full fine-tuning (DPO's reference: a frozen copy of the starting model) and
-    LoRA r=16 (the base with the adapters off)."""
+    LoRA r=16 (the base with the adapters off); each also with the reference precomputed
+    (train.dpo_precompute_reference: its pass's seconds beside the tokens/s, which leave it out)."""
     from raytrain_cpu.tokenizer import BUNDLED_SFT
 
     pairs = [f"data.path={BUNDLED_SFT / 'preference_train.jsonl'}", "data.source=jsonl"]
@@ -566,12 +569,15 @@ def suite_dpo(r: Runner, args) -> dict[str, Any]:
     dpo = [*pairs, "data.format=preference"]
     lora = ["lora.rank=16", "lora.alpha=32"]
     simpo = [*dpo, "train.dpo_loss=simpo", "train.dpo_beta=2.0"]
+    precomputed = [*dpo, "train.dpo_precompute_reference=true"]
     variants = {
         "SFT": sft,
         "DPO": dpo,
+        "DPO precomputed": precomputed,
         "SimPO": simpo,
         "SFT LoRA r=16": [*sft, *lora],
         "DPO LoRA r=16": [*dpo, *lora],
+        "DPO LoRA r=16 precomputed": [*precomputed, *lora],
     }
     only = set(args.variants.split(",")) if args.variants else set(variants)
     rows = []
@@ -581,12 +587,13 @@ def suite_dpo(r: Runner, args) -> dict[str, Any]:
     peaks = {x["variant"]: x for x in rows}  # the last repeat's
     tables = {}
     for title, base, others in (
-        ("full fine-tuning", "SFT", ("DPO", "SimPO")),
-        ("LoRA r=16", "SFT LoRA r=16", ("DPO LoRA r=16",)),
+        ("full fine-tuning", "SFT", ("DPO", "DPO precomputed", "SimPO")),
+        ("LoRA r=16", "SFT LoRA r=16", ("DPO LoRA r=16", "DPO LoRA r=16 precomputed")),
     ):
         table = _compare([x for x in rows if x["variant"] in (base, *others)], base)
         for t in table:
             t |= {k: peaks[t["variant"]][k] for k in ("load_peak_rss_gb", "train_peak_rss_gb_max_rank")}
+            t["reference pass s"] = peaks[t["variant"]]["reference_pass_s"]  # before the first step
         if len(table) > 1:
             tables[f"preference losses against SFT, {title}"] = table
     full_lora = _compare([x for x in rows if x["variant"] in ("DPO", "DPO LoRA r=16")], "DPO LoRA r=16")

@@ -673,6 +673,16 @@ class TrainConfig:
     """For train.dpo_loss=sigmoid: the probability that a pair's labels are swapped (conservative
     DPO): each pair's loss is (1 - e) x DPO's + e x DPO's on the pair reversed. 0: plain DPO;
     below 0.5 (at 0.5 chosen and rejected weigh the same)."""
+    dpo_precompute_reference: bool = False
+    """For data.format=preference: compute the reference model's log-likelihoods of every pair the
+    run will train and evaluate on once, before the first step, and keep them in <run dir>/
+    reference_logps/ (4 bytes a token), each computed in the micro batch that first holds its
+    block, so the numbers are the reference forward's. Training then runs no reference forward
+    (a DPO step costs about what an SFT step does) and full fine-tuning holds no frozen copy of
+    the model (2 bytes a parameter over the ranks, saved). The pass costs one forward over
+    those pairs: it pays off when pairs come round again (train.epochs > 1, repeated
+    evaluations) or where the copy does not fit. A resume computes only pairs it has not kept
+    (more steps, more data). TRL's precompute_ref_log_probs."""
     record_block_ids: bool = False
     """Append the id of every block each rank trains on to <run dir>/block_ids/rank<r>.txt
     (an audit trail of the data order; the resume tests count them)."""
@@ -753,6 +763,12 @@ class TrainConfig:
     def dpo_reference(self) -> bool:
         """Whether train.dpo_loss compares a reference model (every preference loss but SimPO's)."""
         return self.dpo_loss not in REFERENCE_FREE_LOSSES
+
+    @property
+    def reference_each_step(self) -> bool:
+        """Whether the reference model runs beside training (a forward each micro batch; full
+        fine-tuning: a frozen copy), not precomputed once (train.dpo_precompute_reference)."""
+        return self.dpo_reference and not self.dpo_precompute_reference
 
     def epoch_steps(self, blocks: int, global_batch: int) -> int:
         """train.epochs as optimizer steps over `blocks` training blocks, `global_batch` a step."""
@@ -1177,6 +1193,17 @@ class Config:
 
         if self.run.best_metric or self.train.early_stop_patience:
             _check_watched_metric(self)
+        if self.train.dpo_precompute_reference:
+            _require(
+                self.data.format == "preference" and self.train.dpo_reference,
+                "train.dpo_precompute_reference",
+                "precomputes a DPO reference model's log-likelihoods, and "
+                + (
+                    f"train.dpo_loss={self.train.dpo_loss} compares no reference; leave it false."
+                    if self.data.format == "preference"
+                    else f"data.format={self.data.format} trains on no preference pairs; leave it false."
+                ),
+            )
         _require(
             not self.train.sample_prompt or self.train.sample_tokens < self.data.seq_len,
             "train.sample_tokens",

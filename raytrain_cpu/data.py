@@ -563,7 +563,7 @@ def materialize_tokenizer(path: str, cfg: Config) -> tuple[str, int]:
 
 def documents_eos(cfg: Config) -> int | None:
     """data.attention_span=document: the EOS id that ends each text document, which the streams
-    count positions from (_read_blocks); None where attention spans the block."""
+    count positions from (read_blocks); None where attention spans the block."""
     if cfg.data.attention_span != "document":
         return None
     return materialize_tokenizer(resolve_tokenizer_path(cfg.model.tokenizer, cfg.model.name_or_path), cfg)[1]
@@ -1272,7 +1272,7 @@ class StreamPlan:
     # any does, a text source's labels are its inputs: every token a target.
     source_labels: tuple[bool, ...] = ()
     # data.attention_span=document: the EOS id that ends each text document, and the rows carry
-    # position_ids (_read_blocks); None: they don't.
+    # position_ids (read_blocks); None: they don't.
     documents_eos: int | None = None
 
     @property
@@ -1302,7 +1302,7 @@ class StreamPlan:
                 ids[epoch == e] = global_order(n, self.seed, int(e), self.window)[within[epoch == e]]
             block_id[sel] = first_id[s] + ids
             labelled = self.has_labels and self.source_labels[s]
-            part = _read_blocks(self.train_dirs[s], ids, labelled, self.documents_eos)
+            part = read_blocks(self.train_dirs[s], ids, labelled, self.documents_eos)
             if self.has_labels and not labelled:
                 part["labels"] = part["input_ids"]
             for column, values in part.items():
@@ -1312,7 +1312,7 @@ class StreamPlan:
         return {"pos": pos, "block_id": block_id, **rows}
 
 
-def _read_blocks(
+def read_blocks(
     split_dir: str, block_ids: np.ndarray, has_labels: bool, documents_eos: int | None = None
 ) -> dict[str, np.ndarray]:
     """Rows `block_ids` of a cache split (BLOCKS_PER_FILE to a parquet file), stacked per column:
@@ -1374,7 +1374,7 @@ def eval_stream(
 ):
     """Rank r evaluates eval blocks r, r+W, ... (its first `max_blocks`; 0: all); every rank
     gets the same count (ZeRO-3 needs every rank in every forward), so up to W-1 trailing
-    blocks are left out. Columns as in _read_blocks.
+    blocks are left out. Columns as in read_blocks.
 
     Fetched by index like the training stream: an evaluation reads the blocks it evaluates,
     not the whole split (reading and filtering the split cost seconds an evaluation).
@@ -1388,7 +1388,7 @@ def eval_stream(
 
     def fetch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         block_id = batch["id"].astype(np.int64) * world_size + rank
-        return {"block_id": block_id, **_read_blocks(split_dir, block_id, has_labels, documents_eos)}
+        return {"block_id": block_id, **read_blocks(split_dir, block_id, has_labels, documents_eos)}
 
     return ray.data.range(per_rank, override_num_blocks=max(1, min(64, per_rank // 256))).map_batches(
         fetch, batch_format="numpy", batch_size=256, num_cpus=0.25

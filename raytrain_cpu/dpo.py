@@ -26,7 +26,9 @@ frozen copy of the starting model beside the trained one (`frozen_copy`), partit
 like the trained weights: its bf16 weights only, 2 bytes a parameter over the ranks (an 8B model
 on 4 ranks: 4 GiB a rank, against the ~30 GiB of weights, master copy, moments and gradients a
 full fine-tuning rank holds). A resumed run loads it again from the model the run started from,
-so it never becomes the resumed weights.
+so it never becomes the resumed weights. train.dpo_precompute_reference runs neither: the
+reference's rows are computed once before training (raytrain_cpu.train.precompute_reference) and read back
+by what each block holds (`precomputed`).
 
 **The blocks**: the data layer packs each pair's two conversations (prompt + chosen answer, then
 prompt + rejected answer) side by side into one block, several pairs to a block, padding at its
@@ -46,9 +48,12 @@ are, as an SFT run would measure them, so a run can watch that DPO does not unle
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from raytrain_cpu.loss import IGNORE_INDEX, label_logps_from_logits
@@ -180,6 +185,70 @@ def frozen_copy(model, fused: bool) -> Reference:
 def reference_free(inputs: dict[str, Any]) -> None:
     """SimPO's reference: none (no forward)."""
     return None
+
+
+# ----------------------------------------------------------------------------- a precomputed reference
+# train.dpo_precompute_reference: the reference's log p(label) of each block, computed once and
+# kept on the run's storage, found again by what the block holds (its tokens, labels and
+# positions), so a block keeps its row whatever its id, split, rank or worker count.
+
+
+def block_digests(inputs: dict[str, Any]) -> list[bytes]:
+    """A 16-byte key for each row of a micro batch's inputs (int64 tensors, as the streams give)."""
+    cols = [inputs[k].to(torch.long).numpy() for k in ("input_ids", "labels", "position_ids") if k in inputs]
+    return [
+        hashlib.blake2b(b"".join(c[i].tobytes() for c in cols), digest_size=16).digest() for i in range(len(cols[0]))
+    ]
+
+
+class KeptLogps:
+    """The reference log-likelihood rows kept in `directory` (memory-mapped), by block digest:
+    parts <name>.logps.npy ((N, T) float32) and <name>.keys.npy ((N, 16) bytes), the keys written
+    last, so a part an interrupted attempt left half-written is not read."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.index: dict[bytes, tuple[int, int]] = {}
+        self.parts: list[np.ndarray] = []
+        for keys_file in sorted(Path(directory).glob("*.keys.npy")):
+            keys = np.load(keys_file)
+            self.parts.append(np.load(str(keys_file).removesuffix(".keys.npy") + ".logps.npy", mmap_mode="r"))
+            for row, key in enumerate(keys):
+                self.index.setdefault(key.tobytes(), (len(self.parts) - 1, row))
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self.index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def rows(self, digests: list[bytes]) -> np.ndarray:
+        missing = sum(d not in self.index for d in digests)
+        if missing:  # the pass covers every block the run reads: a bug, not bad input
+            raise RuntimeError(
+                f"{missing} of a micro batch's {len(digests)} blocks have no reference row kept in {self.directory}"
+            )
+        return np.stack([self.parts[p][r] for p, r in (self.index[d] for d in digests)])
+
+
+def keep_logps(directory: Path, name: str, digests: list[bytes], logps: np.ndarray) -> None:
+    """Adds a part to `directory` (KeptLogps), each file written whole then renamed into place."""
+    directory.mkdir(parents=True, exist_ok=True)
+    keys = np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(digests), 16)
+    for suffix, array in ((".logps.npy", logps.astype(np.float32)), (".keys.npy", keys)):
+        tmp = directory / f".{name}{suffix}.tmp"
+        with open(tmp, "wb") as f:
+            np.save(f, array)
+        tmp.rename(directory / f"{name}{suffix}")
+
+
+def precomputed(kept: KeptLogps) -> Reference:
+    """The reference as kept rows: no forward."""
+
+    def logps(inputs: dict[str, Any]) -> torch.Tensor:
+        return torch.from_numpy(kept.rows(block_digests(inputs)))
+
+    return logps
 
 
 def micro_batch_loss(model, reference: Reference, inputs: dict[str, Any], fused: bool, **loss_settings: Any):

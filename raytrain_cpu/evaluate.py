@@ -106,12 +106,12 @@ def _batches(cache: Path, meta: dict[str, Any], n_blocks: int, eos: int | None):
     import numpy as np
     import torch
 
-    from raytrain_cpu.data import _read_blocks
+    from raytrain_cpu.data import read_blocks
 
     has_labels = meta.get("data_format", "text") != "text"
     for lo in range(0, n_blocks, MICRO_BATCH):
         ids = np.arange(lo, min(lo + MICRO_BATCH, n_blocks))
-        blocks = _read_blocks(str(cache / "eval"), ids, has_labels, eos)
+        blocks = read_blocks(str(cache / "eval"), ids, has_labels, eos)
         yield {k: torch.from_numpy(v.astype(np.int64)) for k, v in blocks.items()}
 
 

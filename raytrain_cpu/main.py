@@ -1143,6 +1143,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         "worker_bundle": {"CPU": sizing["cpus_per_worker"], **cfg.scaling.resources_per_worker},
         "start_position": start,
         "data_key": meta["key"],  # recorded in the checkpoints: a resume notices data that changed
+        "data_cache": str(cache),  # train.dpo_precompute_reference reads the blocks it covers
         "record_block_ids": cfg.train.record_block_ids,
         "n_params": n_params,
     }

@@ -1070,8 +1070,9 @@ def inputs_from_config(cfg: Any, model: str = "", world_size: int = 0) -> dict[s
         attention_probs=m.attention_probs,
         kept_pages=cfg.scaling.allocator != "system",
         free_memory_growth_mib=cfg.scaling.free_memory_growth_mib,
-        # SimPO (train.dpo_loss=simpo) compares no reference: neither its forward nor a copy.
-        reference_forward=cfg.data.format == "preference" and cfg.train.dpo_reference,
+        # SimPO (train.dpo_loss=simpo) compares no reference, and a precomputed one runs no forward:
+        # neither plans the forward nor a copy.
+        reference_forward=cfg.data.format == "preference" and cfg.train.reference_each_step,
     )
 
 

@@ -12,11 +12,15 @@ import itertools
 import json
 import math
 import time
+import uuid
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from raytrain_cpu import checkpoint as ckpt_io
 from raytrain_cpu import export as export_io
@@ -325,6 +329,8 @@ class Worker:
     loss_sources: tuple[str, ...] = ()
     fused_loss: bool = False  # the fused output layer and loss are installed (raytrain_cpu.loss)
     reference: Any = None  # DPO's reference (a dpo.Reference), set once the engine exists
+    # train.dpo_precompute_reference's pass: {"blocks", "computed", "seconds"} (summary.json)
+    reference_pass: dict[str, Any] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -339,6 +345,11 @@ class Worker:
     def reference_model(self) -> bool:
         """The preference loss compares a reference model (every one but SimPO's)."""
         return self.preference and self.cfg.train.dpo_reference
+
+    @property
+    def reference_each_step(self) -> bool:
+        """The reference runs beside training (a forward each micro batch), not precomputed."""
+        return self.preference and self.cfg.train.reference_each_step
 
     @property
     def dpo_settings(self) -> dict[str, Any] | None:
@@ -673,7 +684,7 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
         model = lora.apply_lora(model, cfg.lora, model_dir)
         settings = lora.resolved_settings(model, cfg.lora)
     reference = None
-    if w.reference_model and not cfg.lora.enabled:
+    if w.reference_each_step and not cfg.lora.enabled:
         # DPO's reference for full fine-tuning: the starting model, which training changes. From
         # model_dir on every attempt, so a resumed run compares with the start, not its checkpoint.
         reference = load_sharded(model_dir, ds_config, dtype)
@@ -832,6 +843,8 @@ def build_reference(w: Worker, loaded: Loaded, engine, ds_config: dict[str, Any]
     if not w.reference_model:
         w.log(f"[engine] no reference model: train.dpo_loss={w.cfg.train.dpo_loss} compares none")
         return dpo.reference_free
+    if w.cfg.train.dpo_precompute_reference:
+        return precompute_reference(w, engine)
     if loaded.reference is None:
         return dpo.adapters_off(engine, engine.module, w.fused_loss)
     model = loaded.reference[0].requires_grad_(False)
@@ -848,6 +861,133 @@ def build_reference(w: Worker, loaded: Loaded, engine, ds_config: dict[str, Any]
     model.eval()
     w.log(f"[engine] DPO's reference: the frozen starting model, {'its own ZeRO-3 engine' if zero3 else 'whole'}")
     return dpo.frozen_copy(model, fused)
+
+
+def reference_batches(w: Worker) -> list[tuple[int, list[tuple[str, int]]]]:
+    """(rank, its blocks as (cache split directory, block id)) of every micro batch that first
+    trains on each block (the stream's positions, data.StreamPlan: rank r's j-th micro batch
+    holds positions (j W + r) m ... + m, up to the end of the first pass over the blocks or of
+    the run), then of every evaluation's (data.eval_stream: rank r evaluates r, r + W, ...), in
+    that order, each as the run composes it."""
+    from raytrain_cpu.data import global_order, read_meta
+
+    cfg, t, world, m = w.cfg, w.cfg.train, w.world, w.cfg.train.micro_batch_size
+    cache = Path(w.loop_config["data_cache"])
+    meta = read_meta(cache)
+    n, rounds = meta["blocks"], world * m
+    # The first pass's last round of micro batches may reach into the second (pairs with its first blocks).
+    end = min(t.max_steps * w.global_batch, -(-n // rounds) * rounds)
+    pos = np.arange(end)
+    ids = np.concatenate([global_order(n, t.seed, e, cfg.data.shuffle_window) for e in range(-(-end // n))])[pos]
+    train = str(cache / "train")
+    batches = [(j % world, [(train, int(i)) for i in ids[j * m : (j + 1) * m]]) for j in range(end // m)]
+    if meta["eval_blocks"] >= world:  # a source with fewer eval blocks than workers is not evaluated
+        per_rank = meta["eval_blocks"] // world
+        if t.eval_batches:
+            per_rank = min(per_rank, t.eval_batches * m)
+        evals = str(cache / "eval")
+        for lo in range(0, per_rank, m):
+            batches += [(r, [(evals, k * world + r) for k in range(lo, min(lo + m, per_rank))]) for r in range(world)]
+    return batches
+
+
+KEPT_ROWS_PER_PART = 512  # a part on the run's storage every 512 blocks: an interrupted pass keeps them
+
+
+def precompute_reference(w: Worker, engine):
+    """train.dpo_precompute_reference: the reference's log p(label) of every block the run trains
+    and evaluates on, computed by the engine itself before resume() loads a checkpoint into it:
+    it still is the starting model (under LoRA its adapters are still zero), so no copy is ever
+    loaded. Each block's row comes from the micro batch that first holds it, composed as the run
+    composes it (reference_batches; a GEMM's last bits can depend on its batch-mates), so it is
+    the forward the reference would have run there. Kept in <run dir>/reference_logps/
+    (dpo.KeptLogps); a block an earlier attempt kept (an interrupted pass's parts too) is not
+    computed again."""
+    import torch.distributed as dist
+
+    from raytrain_cpu import dpo
+
+    t0 = time.perf_counter()
+    directory = w.run_dir / "reference_logps"
+    read = _block_reader(w)
+    kept = dpo.KeptLogps(directory)
+    batches = reference_batches(w)
+    owner: dict[bytes, tuple[int, int]] = {}  # each block's first (micro batch, row)
+    for b, (_, blocks) in enumerate(batches):
+        for row, digest in enumerate(dpo.block_digests(read(blocks))):
+            owner.setdefault(digest, (b, row))
+    rows: dict[int, list[int]] = {}  # the micro batches to run, each with the rows they keep
+    for digest, (b, row) in owner.items():
+        if digest not in kept:
+            rows.setdefault(b, []).append(row)
+    computed = sum(len(r) for r in rows.values())
+    dist.barrier()  # every rank has read what is kept (so plans the same batches) before any adds to it
+    if rows:
+        _compute_reference_rows(w, engine, batches, rows, read, directory)
+        kept = dpo.KeptLogps(directory)
+    w.reference_pass = {"blocks": len(owner), "computed": computed, "seconds": time.perf_counter() - t0}
+    w.log(
+        f"[reference] DPO's reference log-likelihoods of {len(owner):,} blocks: {computed:,} computed by the "
+        f"starting model in {w.reference_pass['seconds']:.1f}s, {len(owner) - computed:,} kept from before "
+        f"({directory}); training runs no reference forward"
+    )
+    return dpo.precomputed(kept)
+
+
+def _block_reader(w: Worker) -> Callable[[list[tuple[str, int]]], dict[str, Any]]:
+    """(cache split, block id) pairs -> their rows as one batch of int64 tensors, as the streams give."""
+    import torch
+
+    from raytrain_cpu.data import documents_eos, read_blocks
+
+    eos = documents_eos(w.cfg)
+
+    def read(blocks: list[tuple[str, int]]) -> dict[str, Any]:
+        parts = [read_blocks(split, [i], True, eos) for split, i in blocks]
+        return {k: torch.from_numpy(np.concatenate([p[k] for p in parts]).astype(np.int64)) for k in parts[0]}
+
+    return read
+
+
+def _compute_reference_rows(w: Worker, engine, batches, rows: dict[int, list[int]], read, directory: Path) -> None:
+    """This rank's micro batches among `rows` through the engine in eval mode, their kept rows
+    written a part at a time. Every rank runs as many forwards (ZeRO-3 gathers the weights for
+    each): the busiest rank's count, the others repeating a batch whose rows they drop. Every
+    rank knows every batch's rank, so the counts need no collective; the barrier at the end
+    puts every part in place before any rank reads them."""
+    import torch
+    import torch.distributed as dist
+
+    from raytrain_cpu import dpo
+
+    mine = [b for b in sorted(rows) if batches[b][0] == w.rank]
+    forwards = max(Counter(batches[b][0] for b in rows).values())
+    digests, logps, last_note = [], [], time.perf_counter()
+
+    def keep() -> None:
+        if digests:
+            dpo.keep_logps(directory, f"{uuid.uuid4().hex[:12]}-rank{w.rank}", digests, np.concatenate(logps))
+        digests.clear()
+        logps.clear()
+
+    engine.eval()
+    with torch.no_grad():
+        for k in range(forwards):
+            b = mine[k] if k < len(mine) else next(iter(rows))  # past its own: a forward for the gathers only
+            inputs = model_inputs(read(batches[b][1]))
+            out = dpo.forward_logps(engine, inputs, w.fused_loss).float().numpy()
+            if k < len(mine):
+                batch_digests = dpo.block_digests(inputs)
+                digests.extend(batch_digests[r] for r in rows[b])
+                logps.append(out[rows[b]])
+            if len(digests) >= KEPT_ROWS_PER_PART:
+                keep()
+            if time.perf_counter() - last_note > 30:
+                w.log(f"[reference] {k + 1:,} of {forwards:,} micro batches a rank")
+                last_note = time.perf_counter()
+    keep()
+    engine.train()
+    dist.barrier()
 
 
 def reuse_fp32_grad_buffer(engine) -> int:
@@ -1180,7 +1320,7 @@ def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink
         # LoRA computes no weight gradients for the frozen base: ~4 of full training's 6 FLOPs a
         # parameter; DPO adds the reference's forward (2).
         st.last["mfu"] = mfu * (
-            (LORA_FLOPS_FRACTION if lora_on else 1.0) + (REFERENCE_FLOPS_FRACTION if w.reference_model else 0.0)
+            (LORA_FLOPS_FRACTION if lora_on else 1.0) + (REFERENCE_FLOPS_FRACTION if w.reference_each_step else 0.0)
         )
     if sink is not None:
         sink.write(st.last)
@@ -1383,6 +1523,7 @@ def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu
         "optimizer_state_bytes": loaded.params["optimizer_state_bytes"],  # per rank
         "lora": loaded.lora,
         "dpo": w.dpo_settings,
+        "reference_pass": w.reference_pass,
         "attention": loaded.attention,
         "train_wall_s": st.wall(),
         "guard_events_this_attempt": guard.counts,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -325,6 +326,37 @@ def test_a_frozen_copy_scores_the_starting_model_and_takes_no_gradient():
     assert all(p.grad is None for p in reference.parameters())
 
 
+def test_kept_reference_rows_are_found_by_what_a_block_holds(tmp_path):
+    """train.dpo_precompute_reference's store: kept rows score the policy as the frozen copy they
+    came from does; a micro batch finds them by content (whatever the order, or the rank that kept
+    them), a half-written part is not read, and a block no pass covered fails rather than scoring
+    against nothing."""
+    reference, policy = fused_llama_pair(torch.float32)
+    labels, position_ids = packed_batch()
+    ids = torch.randint(0, FUSED_VOCAB, labels.shape)
+    inputs = {"input_ids": ids, "labels": torch.where(labels == IGNORE, IGNORE, ids), "position_ids": position_ids}
+    digests = dpo.block_digests(inputs)
+    assert len(set(digests)) == len(digests) == len(ids) and all(len(d) == 16 for d in digests)
+    moved = dict(inputs, position_ids=torch.roll(position_ids, 1, dims=1))  # the same tokens placed otherwise
+    assert not set(dpo.block_digests(moved)) & set(digests)
+    with torch.no_grad():
+        logps = dpo.forward_logps(reference, inputs, fused=False).numpy()
+    dpo.keep_logps(tmp_path, "a-rank0", digests[:1], logps[:1])
+    dpo.keep_logps(tmp_path, "b-rank1", digests[1:], logps[1:])
+    (tmp_path / "c-rank0.logps.npy").write_bytes(b"interrupted")  # its keys never written: not read
+    kept = dpo.KeptLogps(tmp_path)
+    assert len(kept) == len(ids) and not list(tmp_path.glob(".*.tmp"))
+    flipped = {k: v.flip(0) for k, v in inputs.items()}
+    assert np.array_equal(dpo.precomputed(kept)(flipped).numpy(), logps[::-1])
+    policy_loss = {
+        name: dpo.micro_batch_loss(policy, ref, inputs, True, beta=0.1)[1]
+        for name, ref in (("kept", dpo.precomputed(kept)), ("copy", dpo.frozen_copy(reference, fused=False)))
+    }
+    assert policy_loss["kept"] == policy_loss["copy"]
+    with pytest.raises(RuntimeError, match=r"^2 of a micro batch's 2 blocks have no reference row kept in"):
+        dpo.precomputed(kept)({k: v.clone().fill_(7) for k, v in inputs.items()})
+
+
 def test_fused_label_logps_match_the_logits_and_their_gradients():
     from raytrain_cpu import loss as fused
 
@@ -362,6 +394,12 @@ def test_preference_settings_are_checked():
     assert c.data.attention_span == "document" and c.data.source == "bundled"
     with pytest.raises(ConfigError, match=r"run.best_metric.*eval_dpo_loss"):
         load_config(None, ["run.best_metric=eval_dpo_loss"])  # text data has no DPO loss
+    precompute = "train.dpo_precompute_reference=true"
+    with pytest.raises(ConfigError, match=r"^train.dpo_precompute_reference: .*data.format=text trains on no"):
+        load_config(None, [precompute])
+    with pytest.raises(ConfigError, match=r"^train.dpo_precompute_reference: .*dpo_loss=simpo compares no reference"):
+        load_config(None, ["data.format=preference", "train.dpo_loss=simpo", precompute])
+    assert not load_config(None, ["data.format=preference", precompute]).train.reference_each_step
     assert (BUNDLED_SFT / "preference_train.jsonl").is_file() and (BUNDLED_SFT / "preference_eval.jsonl").is_file()
 
 
@@ -430,8 +468,11 @@ def test_lora_dpo_run_learns_to_prefer_the_chosen_answers(ray_session, make_conf
 
 
 @pytest.mark.slow
-def test_full_dpo_keeps_the_starting_model_as_its_reference_across_a_resume(ray_session, make_config, tmp_path):
-    """(`evaluate` on a fully fine-tuned DPO model, against its run's starting model: the merged
+def test_full_dpo_keeps_the_starting_model_as_its_reference_across_a_resume(ray_session, make_config, tmp_path, capsys):
+    """Both ways of keeping it: the first leg precomputes the reference's log-likelihoods
+    (train.dpo_precompute_reference: no copy of the model); the second resumes with a frozen copy
+    loaded from the starting model; the third precomputes again and finds every block kept.
+    (`evaluate` on a fully fine-tuned DPO model, against its run's starting model: the merged
     export in test_lora_dpo_run_learns_to_prefer_the_chosen_answers takes the same way.)"""
     from raytrain_cpu.main import run
 
@@ -444,20 +485,31 @@ def test_full_dpo_keeps_the_starting_model_as_its_reference_across_a_resume(ray_
         "train.checkpoint_every=3",
         "train.eval_on_start=true",
     ]
-    run(make_config(*overrides, "train.max_steps=3"))
+    precompute = "train.dpo_precompute_reference=true"
+    run(make_config(*overrides, "train.max_steps=3", precompute))
+    out = capsys.readouterr().out
+    assert "frozen copy" not in out and "DPO's reference: the frozen starting model" not in out
+    kept = re.search(r"reference log-likelihoods of (\d+) blocks: (\d+) computed by the starting model", out)
+    assert kept and int(kept[1]) == int(kept[2]) > 8, out  # every block the run trains and evaluates on
     summary = run(make_config(*overrides, "train.max_steps=6", "run.export_on_finish=true"))  # resumes at step 3
+    assert "[load] and a frozen copy of it: DPO's reference" in capsys.readouterr().out
     assert summary["resumed_from_step"] == 3
     assert summary["export"]["export_max_abs_logit_diff"] == 0.0  # the trained model, not its reference
+    summary = run(make_config(*overrides, "train.max_steps=8", precompute))
+    assert f"of {kept[1]} blocks: 0 computed by the starting model" in capsys.readouterr().out
     rows = metric_rows(summary)
     train = {r["step"]: r for r in rows if "reward_accuracy" in r}
     evals = [r for r in rows if "eval_dpo_loss" in r]
+    # The kept reference is the model's own forward at the start, to the bit.
     assert train[1]["loss"] == pytest.approx(math.log(2), abs=1e-4) and train[1]["reward_margin"] == 0.0
     assert evals[0]["step"] == 0 and evals[0]["eval_dpo_loss"] == pytest.approx(math.log(2), abs=1e-4)
-    # The resumed attempt loaded the reference from the starting model again, not from the
-    # checkpoint: the policy is still ahead of it (were it the checkpoint, step 4 would be log 2).
-    assert train[4]["reward_margin"] > 0.5 and train[4]["loss"] < 0.5, train[4]
-    assert [e["step"] for e in evals] == [0, 3, 6]
-    assert evals[-1]["eval_dpo_loss"] < 0.2 and evals[-1]["eval_reward_accuracy"] >= 0.9, evals
+    # Each resumed attempt compared with the starting model, not with its checkpoint: the policy
+    # is still ahead of it (were it the checkpoint, steps 4 and 7 would start at log 2).
+    for step in (4, 7):
+        assert train[step]["reward_margin"] > 0.5 and train[step]["loss"] < 0.5, train[step]
+    assert [e["step"] for e in evals] == [0, 3, 6, 8]
+    assert evals[2]["eval_dpo_loss"] < 0.2 and evals[2]["eval_reward_accuracy"] >= 0.9, evals
+    assert evals[3]["eval_dpo_loss"] <= evals[2]["eval_dpo_loss"] + 0.02  # the kept rows score as the copy did
 
 
 @pytest.mark.slow

@@ -318,8 +318,13 @@ def test_communication_volume():
 
 def test_dpo_plans_a_reference_forward():
     """DPO (a preference config): the reference's forward gathers the frozen base once more at
-    ZeRO-3 and adds a forward's FLOPs; it keeps no activations, so the peak is LoRA's."""
-    dpo = plan.inputs_from_run_config(str(ROOT / "configs/llama3-8b-dpo-c7i.yaml"))
+    ZeRO-3 and adds a forward's FLOPs; it keeps no activations, so the peak is LoRA's. The
+    config as shipped precomputes its reference: no forward beside training at all."""
+    from raytrain_cpu.config import load_config
+
+    config = ROOT / "configs/llama3-8b-dpo-c7i.yaml"
+    assert not plan.inputs_from_run_config(str(config))["reference_forward"]
+    dpo = plan.inputs_from_config(load_config(config, ["train.dpo_precompute_reference=false"]))
     assert dpo["reference_forward"] and dpo["lora_rank"] == 16
     with_ref, without = plan.plan(**dpo), plan.plan(**(dpo | {"reference_forward": False}))
     assert with_ref["memory_gib"] == without["memory_gib"]
