@@ -16,7 +16,7 @@ each source of a mixture too. A model on preference data also gets its DPO run's
 with the adapters off; a fully fine-tuned (or merged) model's, the model its run started from
 (the run's recorded model directory, loaded beside it); a SimPO run's, none. A plain model,
 or one whose starting model is not on this machine, has no reference: its chosen answers'
-loss only.
+loss only, unless --reference names one (which also replaces a run's own).
 
 Why: the base model against its fine-tuned export on the same held-out blocks, a model on
 text of your own (`data.eval_path=notes.txt` evaluates that file alone, in the run's format),
@@ -132,15 +132,20 @@ def _dpo_scoring(info: dict[str, Any], cfg: Config, log) -> dict[str, Any]:
     recorded = info.get("dpo")
     scoring = recorded or dpo.settings(cfg.train)
     smoothing = f", label smoothing {scoring['label_smoothing']}" if scoring["label_smoothing"] else ""
-    whose = "the run's" if recorded else "the defaults: this checkpoint predates recording the run's"
+    if recorded:
+        whose = "the run's"
+    elif info:
+        whose = "the defaults: this checkpoint predates recording the run's"
+    else:
+        whose = "the defaults: no DPO run recorded any"
     log(f"[evaluate] DPO's {scoring['loss']} loss, beta {scoring['beta']}{smoothing} ({whose})")
     return scoring
 
 
-def _reference(model, info: dict[str, Any], log):
+def _reference(model, info: dict[str, Any], log, given: str = ""):
     """DPO's reference for `model` (a dpo.Reference), or None (logged why): none for a
-    reference-free loss (SimPO); a LoRA model's base with the adapters off; else the model its
-    DPO run started from (`info`: _run_info's)."""
+    reference-free loss (SimPO); the `given` model (--reference); a LoRA model's base with the
+    adapters off; else the model its DPO run started from (`info`: _run_info's)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -149,15 +154,31 @@ def _reference(model, info: dict[str, Any], log):
 
     if (info.get("dpo") or {}).get("loss") in REFERENCE_FREE_LOSSES:
         return dpo.reference_free
-    if isinstance(model, PeftModel):
+    if given:
+        start, whose = given, "given by --reference"
+    elif isinstance(model, PeftModel):
         return dpo.adapters_off(model, model, False)
-    start = info.get("model_dir") if info.get("dpo") else None
-    if not start or not Path(start).is_dir():
-        why = f"the model its run started from, {start}, is not on this machine" if start else "no DPO run recorded"
-        log(f"[evaluate] no DPO metrics: {why}, so no reference model; the chosen answers' loss only")
-        return None
-    log(f"[evaluate] DPO's reference: {start}, the model the run started from")
+    else:
+        start, whose = info.get("model_dir") if info.get("dpo") else None, "the model the run started from"
+        if not start or not Path(start).is_dir():
+            why = f"the model its run started from, {start}, is not on this machine" if start else "no DPO run recorded"
+            fix = " (--reference <model dir> names one)" if start else ""
+            log(f"[evaluate] no DPO metrics: {why}{fix}, so no reference model; the chosen answers' loss only")
+            return None
+    log(f"[evaluate] DPO's reference: {start}, {whose}")
     return dpo.frozen_copy(AutoModelForCausalLM.from_pretrained(start, dtype=model.dtype).eval(), False)
+
+
+def check_reference(given: str) -> None:
+    """--reference names a model directory (or a hub id, loaded as transformers loads one)."""
+    from raytrain_cpu.hub import is_hub_id
+
+    if given and not (Path(given, "config.json").is_file() or is_hub_id(given)):
+        what = "has no config.json" if Path(given).is_dir() else "is not a directory"
+        raise ValueError(
+            f"--reference: {given!r} {what}; give the model DPO's rewards are measured against (the model the "
+            "run started from: its directory, an export, or a hub id)"
+        )
 
 
 def evaluate_model(
@@ -167,11 +188,14 @@ def evaluate_model(
     best: bool = False,
     max_blocks: int = 0,
     dtype: str = "auto",
+    reference: str = "",
     log=print,
 ) -> dict[str, Any]:
     """eval_loss, eval_perplexity, eval_tokens (and each mixture source's) of the model at
     `path` on its run's evaluation data (or the data `overrides` name), over each source's first
-    `max_blocks` eval blocks (0: all of them); with eval_blocks and the checkpoint evaluated."""
+    `max_blocks` eval blocks (0: all of them); with eval_blocks and the checkpoint evaluated.
+    On preference data DPO's metrics too, against `reference` (a model directory) where given,
+    else the run's own reference (_reference)."""
     import functools
 
     import torch
@@ -184,6 +208,7 @@ def evaluate_model(
     info = _run_info(path)
     # Bad settings fail before the export (minutes for a large model).
     evaluation_config(path, path, list(overrides), info)
+    check_reference(reference)
     with ExitStack() as stack:
         # A LoRA checkpoint as its adapter on the base: it computes as training did, and DPO's
         # reference is that base with the adapters off.
@@ -202,9 +227,9 @@ def evaluate_model(
                 blocks += n
                 if meta.get("data_format") != "preference":
                     sums += eval_sums(forward, batches)
-                elif reference := _reference(model, info, log):  # preference data is never a mixture
+                elif ref := _reference(model, info, log, reference):  # preference data is never a mixture
                     scoring = _dpo_scoring(info, cfg, log)
-                    pairs = pair_eval_metrics(pair_eval_sums(model, reference, batches, False, scoring))
+                    pairs = pair_eval_metrics(pair_eval_sums(model, ref, batches, False, scoring))
                 else:
                     sums += eval_sums(forward, _chosen_only(batches))
     out = pairs or eval_metrics([name for name, _, _ in sources], sums)
@@ -230,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--best", action="store_true", help=BEST_HELP)
     ap.add_argument("--max-blocks", type=int, default=0, help="evaluate each source's first N eval blocks (0: all)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: the dtype it was saved in")
+    ap.add_argument(
+        "--reference",
+        default="",
+        help="preference data: the model DPO's rewards are measured against (a model directory or hub id), in place of "
+        "the run's (a LoRA model's base with the adapters off, else the model its run started from): for a run "
+        "whose starting model is elsewhere now, or to score any model against another",
+    )
     args = ap.parse_intermixed_args(argv)  # overrides may follow the options
     if args.max_blocks < 0:
         print("error: --max-blocks must be >= 0 (0: all)", file=sys.stderr)
@@ -257,7 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with progress_to_stderr():
             result = evaluate_model(
-                args.model, args.overrides, best=args.best, max_blocks=args.max_blocks, dtype=args.dtype, log=log
+                args.model,
+                args.overrides,
+                best=args.best,
+                max_blocks=args.max_blocks,
+                dtype=args.dtype,
+                reference=args.reference,
+                log=log,
             )
     except (CheckpointError, ConfigError, DataError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1144,6 +1144,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         "start_position": start,
         "data_key": meta["key"],  # recorded in the checkpoints: a resume notices data that changed
         "data_cache": str(cache),  # train.dpo_precompute_reference reads the blocks it covers
+        "train_blocks": meta["blocks"],  # the metrics rows' epoch counts passes over them
         "record_block_ids": cfg.train.record_block_ids,
         "n_params": n_params,
     }

@@ -218,8 +218,9 @@ class Progress:
     it only a little. Start-up (loading, the first step's warm-up) is left out.
     """
 
-    def __init__(self, total_steps: int, start_step: int = 0) -> None:
+    def __init__(self, total_steps: int, start_step: int = 0, show_epoch: bool = False) -> None:
         self.total = total_steps
+        self.show_epoch = show_epoch  # train.epochs: the line says which pass over the data a step is in
         self._origin: tuple[int, float] = (start_step, time.perf_counter())
         self._first_update = True
 
@@ -238,7 +239,8 @@ class Progress:
         """One line for the terminal and `ray job logs`, e.g.
         ``step 120/2000 (6%) | loss 3.2145 | lr 2.95e-04 | 1,234 tok/s | mem 3.1 GiB | eta 2h05m``."""
         step = row["step"]
-        parts = [f"step {step}/{self.total} ({100 * step / self.total:.0f}%)"]
+        epoch = f", epoch {row['epoch']:.2f}" if self.show_epoch and row.get("epoch") is not None else ""
+        parts = [f"step {step}/{self.total} ({100 * step / self.total:.0f}%{epoch})"]
         if row.get("loss") is not None:
             each = ", ".join(f"{name} {v:.4f}" for name, v in by_source(row, "loss").items())
             parts.append(f"loss {row['loss']:.4f}" + (f" ({each})" if each else ""))
@@ -303,6 +305,7 @@ TB_TAGS = {
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "tokens_seen": "train/tokens_seen",
+    "epoch": "train/epoch",
     "tokens_per_s": "perf/tokens_per_s",
     "mfu": "perf/mfu",
     "data_wait_frac": "perf/data_wait_frac",

@@ -363,6 +363,10 @@ class Worker:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.cfg.data.seq_len
 
+    def epochs(self, step: int) -> float:
+        """Passes over the training blocks by the end of `step` (a mixture: over all its sources' blocks)."""
+        return step * self.global_batch / self.loop_config["train_blocks"]
+
 
 @dataclass
 class Loop:
@@ -1303,6 +1307,7 @@ def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink
         "lr": scheduler.get_last_lr()[0],
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "tokens_seen": st.step * w.tokens_per_step,
+        "epoch": w.epochs(st.step),
         "tokens_per_s": st.window_tokens / dt,
         "workers": w.world,  # a resume may change it: the report shows when
         "data_wait_frac": st.window_wait / dt,
@@ -1502,6 +1507,7 @@ def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu
     summary = {
         "steps": st.step,
         "tokens_seen": st.step * w.tokens_per_step,
+        "epochs": w.epochs(st.step),
         "final_loss": st.last.get("loss"),
         **{f"final_{k}": v for k, v in st.last.items() if k.startswith("loss/")},  # a mixture's: final_loss/<name>
         "eval_loss": st.eval_metrics.get("eval_loss"),
@@ -1606,7 +1612,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     guard = StabilityGuard(
         cfg.guards, _allreduce_sum, w.world, w.rank, cfg.deepspeed.zero_stage, on_event=on_guard_event
     )
-    progress = obs.Progress(t.max_steps, start_step=st.step)
+    progress = obs.Progress(t.max_steps, start_step=st.step, show_epoch=t.epochs > 0)
     # Step-time breakdown (summary.json: step_breakdown); collectives only with train.profile_breakdown.
     # A short run (or a resumed one near its end) still times its last step.
     warmup = min(cpu.WARMUP_STEPS, max(t.max_steps - st.step - 1, 0))

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -465,6 +466,17 @@ def test_lora_dpo_run_learns_to_prefer_the_chosen_answers(ray_session, make_conf
     merged = evaluate_model(tmp_path / "export" / "merged", max_blocks=4 * 4)
     assert merged["eval_loss"] == pytest.approx(measured["eval_loss"], abs=2e-2)
     assert merged["eval_dpo_loss"] == pytest.approx(measured["eval_dpo_loss"], abs=2e-2)
+    # Moved where its starting model is not: the chosen answers' loss only, unless --reference
+    # says where that model is now (the same numbers then).
+    moved = tmp_path / "moved"
+    shutil.copytree(tmp_path / "export" / "merged", moved)
+    info = json.loads((moved / "raytrain.json").read_text())
+    (moved / "raytrain.json").write_text(json.dumps(info | {"model_dir": str(tmp_path / "gone")}))
+    assert "eval_dpo_loss" not in evaluate_model(moved, max_blocks=4 * 4)
+    again = evaluate_model(moved, max_blocks=4 * 4, reference=info["model_dir"])
+    assert again == merged | {"model": str(moved)}
+    with pytest.raises(ValueError, match=r"^--reference: '.*gone' is not a directory; give the model"):
+        evaluate_model(moved, reference=str(tmp_path / "gone"))
 
 
 @pytest.mark.slow

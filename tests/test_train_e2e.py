@@ -211,7 +211,10 @@ def test_epochs_train_every_block_each_pass_and_a_resume_adds_passes(ray_session
     blocks = read_meta(Path(first["data_cache"]))["blocks"]
     steps = -(-blocks // 8)  # 2 workers x 4 blocks a step
     assert 3 <= steps <= 8 and first["steps"] == steps, (blocks, first["steps"])
-    assert f"[raytrain] train.epochs=1: {blocks:,} training blocks, 8 a step: {steps} steps" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"[raytrain] train.epochs=1: {blocks:,} training blocks, 8 a step: {steps} steps" in out
+    assert f"step {steps}/{steps} (100%, epoch {steps * 8 / blocks:.2f}) | loss" in out  # just past 1: ceil
+    assert first["epochs"] == pytest.approx(steps * 8 / blocks)
     run_dir = Path(first["run_dir"])
     recorded = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]
     assert (recorded["max_steps"], recorded["epochs"]) == (steps, 1.0)  # the workers' steps, the user's epochs
@@ -229,6 +232,9 @@ def test_epochs_train_every_block_each_pass_and_a_resume_adds_passes(ray_session
 
     second = run(make_config(*overrides, "train.epochs=2"))
     assert second["resumed_from_step"] == steps and second["steps"] == -(-2 * blocks // 8)
+    rows = [m for m in _metrics(run_dir) if "loss" in m]
+    assert [m["epoch"] for m in rows] == pytest.approx([m["step"] * 8 / blocks for m in rows])
+    assert [m["step"] for m in rows] == list(range(1, second["steps"] + 1))
     counts = np.bincount(trained(), minlength=blocks)
     assert counts.sum() == second["steps"] * 8 and counts.min() == 2  # the second pass trained each block again
 
