@@ -881,8 +881,7 @@ def reference_batches(w: Worker) -> list[tuple[int, list[tuple[str, int]]]]:
     n, rounds = meta["blocks"], world * m
     # The first pass's last round of micro batches may reach into the second (pairs with its first blocks).
     end = min(t.max_steps * w.global_batch, -(-n // rounds) * rounds)
-    pos = np.arange(end)
-    ids = np.concatenate([global_order(n, t.seed, e, cfg.data.shuffle_window) for e in range(-(-end // n))])[pos]
+    ids = np.concatenate([global_order(n, t.seed, e, cfg.data.shuffle_window) for e in range(-(-end // n))])[:end]
     train = str(cache / "train")
     batches = [(j % world, [(train, int(i)) for i in ids[j * m : (j + 1) * m]]) for j in range(end // m)]
     if meta["eval_blocks"] >= world:  # a source with fewer eval blocks than workers is not evaluated
