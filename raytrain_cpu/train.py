@@ -867,8 +867,8 @@ def build_reference(w: Worker, loaded: Loaded, engine, ds_config: dict[str, Any]
     return dpo.frozen_copy(model, fused)
 
 
-def reference_batches(w: Worker) -> list[tuple[int, list[tuple[str, int]]]]:
-    """(rank, its blocks as (cache split directory, block id)) of every micro batch that first
+def reference_batches(w: Worker) -> list[tuple[int, str, np.ndarray]]:
+    """(rank, cache split directory, block ids) of every micro batch that first
     trains on each block (the stream's positions, data.StreamPlan: rank r's j-th micro batch
     holds positions (j W + r) m ... + m, up to the end of the first pass over the blocks or of
     the run), then of every evaluation's (data.eval_stream: rank r evaluates r, r + W, ...), in
@@ -883,14 +883,14 @@ def reference_batches(w: Worker) -> list[tuple[int, list[tuple[str, int]]]]:
     end = min(t.max_steps * w.global_batch, -(-n // rounds) * rounds)
     ids = np.concatenate([global_order(n, t.seed, e, cfg.data.shuffle_window) for e in range(-(-end // n))])[:end]
     train = str(cache / "train")
-    batches = [(j % world, [(train, int(i)) for i in ids[j * m : (j + 1) * m]]) for j in range(end // m)]
+    batches = [(j % world, train, ids[j * m : (j + 1) * m]) for j in range(end // m)]
     if meta["eval_blocks"] >= world:  # a source with fewer eval blocks than workers is not evaluated
         per_rank = meta["eval_blocks"] // world
         if t.eval_batches:
             per_rank = min(per_rank, t.eval_batches * m)
         evals = str(cache / "eval")
         for lo in range(0, per_rank, m):
-            batches += [(r, [(evals, k * world + r) for k in range(lo, min(lo + m, per_rank))]) for r in range(world)]
+            batches += [(r, evals, np.arange(lo, min(lo + m, per_rank)) * world + r) for r in range(world)]
     return batches
 
 
@@ -916,17 +916,15 @@ def precompute_reference(w: Worker, engine):
     kept = dpo.KeptLogps(directory)
     batches = reference_batches(w)
     owner: dict[bytes, tuple[int, int]] = {}  # each block's first (micro batch, row)
-    for b, (_, blocks) in enumerate(batches):
-        for row, digest in enumerate(dpo.block_digests(read(blocks))):
-            owner.setdefault(digest, (b, row))
-    rows: dict[int, list[int]] = {}  # the micro batches to run, each with the rows they keep
-    for digest, (b, row) in owner.items():
-        if digest not in kept:
-            rows.setdefault(b, []).append(row)
+    rows: dict[int, list[bytes]] = {}  # the micro batches to run, each with the blocks they keep, in row order
+    for b, (_, split, ids) in enumerate(batches):
+        for row, digest in enumerate(dpo.block_digests(read(split, ids))):
+            if owner.setdefault(digest, (b, row)) == (b, row) and digest not in kept:
+                rows.setdefault(b, []).append(digest)
     computed = sum(len(r) for r in rows.values())
     dist.barrier()  # every rank has read what is kept (so plans the same batches) before any adds to it
     if rows:
-        _compute_reference_rows(w, engine, batches, rows, read, directory)
+        _compute_reference_rows(w, engine, batches, rows, owner, read, directory)
         kept = dpo.KeptLogps(directory)
     w.reference_pass = {"blocks": len(owner), "computed": computed, "seconds": time.perf_counter() - t0}
     w.log(
@@ -937,22 +935,23 @@ def precompute_reference(w: Worker, engine):
     return dpo.precomputed(kept)
 
 
-def _block_reader(w: Worker) -> Callable[[list[tuple[str, int]]], dict[str, Any]]:
-    """(cache split, block id) pairs -> their rows as one batch of int64 tensors, as the streams give."""
+def _block_reader(w: Worker) -> Callable[[str, np.ndarray], dict[str, Any]]:
+    """(cache split, block ids) -> their rows as one batch of int64 tensors, as the streams give."""
     import torch
 
     from raytrain_cpu.data import documents_eos, read_blocks
 
     eos = documents_eos(w.cfg)
 
-    def read(blocks: list[tuple[str, int]]) -> dict[str, Any]:
-        parts = [read_blocks(split, [i], True, eos) for split, i in blocks]
-        return {k: torch.from_numpy(np.concatenate([p[k] for p in parts]).astype(np.int64)) for k in parts[0]}
+    def read(split: str, ids: np.ndarray) -> dict[str, Any]:
+        return {k: torch.from_numpy(v.astype(np.int64)) for k, v in read_blocks(split, ids, True, eos).items()}
 
     return read
 
 
-def _compute_reference_rows(w: Worker, engine, batches, rows: dict[int, list[int]], read, directory: Path) -> None:
+def _compute_reference_rows(
+    w: Worker, engine, batches, rows: dict[int, list[bytes]], owner: dict[bytes, tuple[int, int]], read, directory: Path
+) -> None:
     """This rank's micro batches among `rows` through the engine in eval mode, their kept rows
     written a part at a time. Every rank runs as many forwards (ZeRO-3 gathers the weights for
     each): the busiest rank's count, the others repeating a batch whose rows they drop. Every
@@ -977,12 +976,10 @@ def _compute_reference_rows(w: Worker, engine, batches, rows: dict[int, list[int
     with torch.no_grad():
         for k in range(forwards):
             b = mine[k] if k < len(mine) else next(iter(rows))  # past its own: a forward for the gathers only
-            inputs = model_inputs(read(batches[b][1]))
-            out = dpo.forward_logps(engine, inputs, w.fused_loss).float().numpy()
-            if k < len(mine):
-                batch_digests = dpo.block_digests(inputs)
-                digests.extend(batch_digests[r] for r in rows[b])
-                logps.append(out[rows[b]])
+            out = dpo.forward_logps(engine, model_inputs(read(*batches[b][1:])), w.fused_loss).float().numpy()
+            if k < len(mine):  # the digests the plan made of this batch's blocks: not hashed again
+                digests.extend(rows[b])
+                logps.append(out[[owner[d][1] for d in rows[b]]])
             if len(digests) >= KEPT_ROWS_PER_PART:
                 keep()
             if time.perf_counter() - last_note > 30:
