@@ -42,6 +42,7 @@ import os
 import pickle
 import random
 import shutil
+import time
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -559,17 +560,25 @@ def save_and_report(
 # ----------------------------------------------------------------------------- finding and checking
 
 
-def _snapshot(run_dir: Path) -> dict[str, Any]:
-    """Ray Train's record of the run's reported checkpoints ({} before the first)."""
+def _snapshot(run_dir: Path, tries: int = 5, wait_s: float = 0.2) -> dict[str, Any]:
+    """Ray Train's record of the run's reported checkpoints ({} before the first).
+
+    Ray Train rewrites the file in place (truncate, then write) each time a checkpoint is
+    reported, so a reader polling a live run can catch it empty or half written: read again a
+    few times before calling it unreadable."""
     snapshot = Path(run_dir) / SNAPSHOT
-    if not snapshot.is_file():
-        return {}
-    try:
-        return json.loads(snapshot.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(
-            f"{snapshot} is unreadable ({e}); Ray Train can't tell which checkpoint to resume from"
-        ) from e
+    for attempt in range(tries):
+        if attempt:
+            time.sleep(wait_s)
+        if not snapshot.is_file():
+            return {}
+        try:
+            return json.loads(snapshot.read_text())
+        except (OSError, ValueError) as e:
+            error = e
+    raise CheckpointError(
+        f"{snapshot} is unreadable ({error}); Ray Train can't tell which checkpoint to resume from"
+    ) from error
 
 
 def latest_reported(run_dir: Path) -> Path | None:

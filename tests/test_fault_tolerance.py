@@ -32,6 +32,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -252,6 +253,25 @@ def test_a_worker_reads_what_the_resumed_checkpoint_settled_or_nothing(tmp_path)
     manifest = {"format": ck.FORMAT, "files": {}, "dtype": "bf16", "attention": "sdpa"}
     (tmp_path / ck.MANIFEST).write_text(json.dumps(manifest))
     assert _manifest_or_nothing(tmp_path) == manifest
+
+
+def test_a_snapshot_caught_mid_write_is_read_again_and_a_broken_one_is_named(tmp_path):
+    """Ray Train rewrites its snapshot in place at every report, so a poll of a live run can catch
+    it empty: the read waits for the whole file; one that stays broken is an error naming it."""
+    snapshot = tmp_path / ck.SNAPSHOT
+    snapshot.write_text("")
+    whole = {"latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_000003"}}
+    writer = threading.Timer(0.3, lambda: snapshot.write_text(json.dumps(whole)))
+    writer.start()
+    try:
+        assert ck.latest_reported(tmp_path) == tmp_path / "checkpoint_000003"
+    finally:
+        writer.join()
+    snapshot.write_text('{"latest_checkpoint_result": {"checkpoint_di')
+    with pytest.raises(ck.CheckpointError, match=f"{ck.SNAPSHOT} is unreadable"):
+        ck.latest_reported(tmp_path)
+    snapshot.unlink()
+    assert ck.latest_reported(tmp_path) is None
 
 
 # ----------------------------------------------------------------------------- point 3 (the pieces)
