@@ -262,11 +262,11 @@ def to_universal(ckpt_dir: str | Path) -> str:
     """Converts checkpoint `ckpt_dir`'s ZeRO shards into DeepSpeed's universal format, once, in
     `<ckpt_dir>/universal/`, so any number of ranks can load it; returns what it did.
 
-    The conversion runs in a child process (DeepSpeed's ds_to_universal) that reads one rank's
-    optimizer shard at a time: its memory peak is about one shard, not the model. A second child
-    then empties the copy of a shard DeepSpeed leaves beside the result (slim_common_state). It
-    writes into `universal.partial/` and renames it when done, so an interrupted conversion
-    leaves no directory that looks finished. The checkpoint's own files are only read.
+    The conversion runs in a child process (`_convert`: DeepSpeed's ds_to_universal, which reads
+    one rank's optimizer shard at a time, so its memory peak is about one shard, not the model;
+    then slim_common_state), so what it loads leaves with the process. It writes into
+    `universal.partial/` and renames it when done, so an interrupted conversion leaves no
+    directory that looks finished. The checkpoint's own files are only read.
     """
     import time
 
@@ -285,12 +285,8 @@ def to_universal(ckpt_dir: str | Path) -> str:
             "free some space (run.num_to_keep keeps fewer checkpoints) and run again."
         )
     t0 = time.perf_counter()
-    args = ["--input_folder", str(ckpt_dir / DS_TAG), "--output_folder", str(partial)]
-    # inject_missing_state: ZeRO-1/2 shards lack the layout notes Megatron adds; plain data parallelism needs none.
-    args += ["--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
-    _child(["deepspeed.checkpoint.ds_to_universal", *args], partial, f"DeepSpeed could not convert {ckpt_dir}")
+    _child([__name__, str(ckpt_dir / DS_TAG), str(partial)], partial, f"DeepSpeed could not convert {ckpt_dir}")
     (ckpt_dir / "latest_universal").unlink(missing_ok=True)  # DeepSpeed's pointer: tags here are explicit
-    _child([__name__, str(partial)], partial, f"could not empty the shard copy in {partial}")
     _fsync_dir(partial)
     partial.rename(out)
     _fsync_dir(ckpt_dir)
@@ -769,7 +765,22 @@ def batches_to_skip(start_position: int, step: int, global_batch: int, accum: in
     return (resumed_position - start_position) // global_batch * accum
 
 
-if __name__ == "__main__":  # to_universal's child: the shard it loads leaves with the process
+def _convert(ds_dir: str, out: str) -> None:
+    """to_universal's child: DeepSpeed's conversion, then slim_common_state. One process for
+    both, as each start-up imports torch and DeepSpeed (seconds a process, for a checkpoint of
+    any size)."""
     import sys
 
-    slim_common_state(Path(sys.argv[1]))
+    from deepspeed.checkpoint import ds_to_universal
+
+    # inject_missing_state: ZeRO-1/2 shards lack the layout notes Megatron adds; plain data parallelism needs none.
+    sys.argv = ["ds_to_universal", "--input_folder", ds_dir, "--output_folder", out, "--inject_missing_state"]
+    sys.argv += ["--num_extract_workers", "1", "--num_merge_workers", "1"]  # in this process, one shard at a time
+    ds_to_universal.main(ds_to_universal.parse_arguments())
+    slim_common_state(Path(out))
+
+
+if __name__ == "__main__":  # to_universal's child: what it loads leaves with the process
+    import sys
+
+    _convert(*sys.argv[1:])

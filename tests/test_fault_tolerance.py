@@ -225,7 +225,7 @@ def test_a_conversion_that_cannot_finish_leaves_the_checkpoint_as_it_was(tmp_pat
     # FakeEngine's shards are no torch files: DeepSpeed's converter fails on them.
     with pytest.raises(
         ck.CheckpointError,
-        match=r"DeepSpeed could not convert .* \(exit 1: .*\)\. The whole output: python -m deepspeed",
+        match=r"DeepSpeed could not convert .* \(exit 1: .*\)\. The whole output: python -m raytrain_cpu.checkpoint .*/ds ",
     ):
         ck.to_universal(good)
     monkeypatch.setattr(ck.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 3000, 3000))
