@@ -120,7 +120,9 @@ def init_deepspeed_comm(shm: bool = False, timeout_s: float = 600, log: Callable
     """
     import deepspeed
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # Set without reading it first: the first read probes every DeepSpeed op, compiling test
+    # programs with the C compiler in each worker; only this entry is ever read back.
+    vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     if shm:
         from raytrain_cpu import collectives
