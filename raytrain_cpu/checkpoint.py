@@ -268,8 +268,6 @@ def to_universal(ckpt_dir: str | Path) -> str:
     `universal.partial/` and renames it when done, so an interrupted conversion leaves no
     directory that looks finished. The checkpoint's own files are only read.
     """
-    import time
-
     ckpt_dir = Path(ckpt_dir)
     out, partial = ckpt_dir / UNIVERSAL, ckpt_dir / f"{UNIVERSAL}.partial"
     if universal_ready(ckpt_dir):
