@@ -905,6 +905,7 @@ def plan(
     kept_pages: bool = True,
     free_memory_growth_mib: int = FREE_MEMORY_GROWTH_MIB,
     reference_forward: bool = False,
+    dpo_reference: str = "",
 ) -> dict[str, Any]:
     """The whole estimate as a JSON-able dict (what `--json` prints).
 
@@ -913,7 +914,9 @@ def plan(
     (data.format=preference): one more forward a micro batch, the reference's, under no_grad
     (its activations are not kept, so the peak is the training's), which gathers the model once
     more; without LoRA the reference is a frozen copy of the starting model, whose weights are
-    held beside the trained ones.
+    held beside the trained ones. `dpo_reference` names how a DPO run keeps its reference, for
+    the table ("each step", "precomputed" or "none" for SimPO; "" when not DPO): only "each step"
+    changes the figures, which `reference_forward` carries.
 
     `instance` (e.g. 'c7i.48xlarge') checks the fit on that node and times the communication
     at its network rate; without it, the recommended node is used. Every fit leaves
@@ -1001,7 +1004,7 @@ def plan(
         "model": asdict(shape) | {"num_params": shape.num_params, "trainable_params": trainable},
         "inputs": dict(world_size=world_size, grad_accum_steps=grad_accum_steps, ranks_per_node=ranks_per_node)
         | mem_kwargs
-        | {"lora_targets": list(lora_targets), "reference_forward": reference_forward},
+        | {"lora_targets": list(lora_targets), "reference_forward": reference_forward, "dpo_reference": dpo_reference},
         "memory_gib": {k: v / GIB for k, v in stages.items()},
         # What every fit leaves free per rank above the peak (FREE_MEMORY_GROWTH_MIB).
         "release_margin_gib": margin / GIB,
@@ -1073,7 +1076,26 @@ def inputs_from_config(cfg: Any, model: str = "", world_size: int = 0) -> dict[s
         # SimPO (train.dpo_loss=simpo) compares no reference, and a precomputed one runs no forward:
         # neither plans the forward nor a copy.
         reference_forward=cfg.data.format == "preference" and cfg.train.reference_each_step,
+        dpo_reference=_dpo_reference(cfg),
     )
+
+
+def _dpo_reference(cfg: Any) -> str:
+    """How a DPO run keeps its reference ("" for every other run): plan()'s `dpo_reference`."""
+    if cfg.data.format != "preference":
+        return ""
+    if cfg.train.dpo_loss == "simpo":
+        return "none"
+    return "each step" if cfg.train.reference_each_step else "precomputed"
+
+
+# The table's note for a DPO run that runs no reference forward beside training (its figures
+# are SFT's): train.dpo_precompute_reference, and SimPO, which compares no reference at all.
+DPO_WITHOUT_FORWARD = {
+    "precomputed": "; DPO: the reference's log-likelihoods computed once before step 1 (a forward over "
+    "every block the run trains and evaluates on), no reference forward or copy beside training",
+    "none": "; SimPO: no reference model",
+}
 
 
 def _count(n: float) -> str:
@@ -1110,7 +1132,7 @@ def format_table(result: dict[str, Any]) -> str:
             "; DPO: a reference forward each micro batch, "
             + ("the base with the adapters off" if i["lora_rank"] else "a frozen copy of the starting model")
             if i["reference_forward"]
-            else ""
+            else DPO_WITHOUT_FORWARD.get(i.get("dpo_reference", ""), "")
         ),
         "",
         "memory per rank (GiB, resident)",
@@ -1243,9 +1265,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--dpo",
-        action="store_true",
-        help="plan DPO (data.format=preference): a reference forward each micro batch; without --lora-rank "
-        "a frozen copy of the starting model too",
+        nargs="?",
+        const="each-step",
+        choices=("each-step", "precomputed"),
+        help="plan DPO (data.format=preference). each-step (the default): a reference forward each micro "
+        "batch, and without --lora-rank a frozen copy of the starting model too; precomputed "
+        "(train.dpo_precompute_reference=true): the reference's log-likelihoods computed before training, "
+        "so training plans as SFT",
     )
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--instance", help="check the fit on this node and time the traffic at its network rate")
@@ -1278,6 +1304,7 @@ def main(argv: list[str] | None = None) -> int:
         free_memory_growth_mib=FREE_MEMORY_GROWTH_MIB,
         max_live_parameters=DS_MAX_LIVE_PARAMETERS,
         reference_forward=False,
+        dpo_reference="",
     )
     try:
         if args.config:
@@ -1302,7 +1329,8 @@ def main(argv: list[str] | None = None) -> int:
             kept_pages=args.kept_pages,
             free_memory_growth_mib=args.free_memory_growth_mib,
             max_live_parameters=int(args.max_live_parameters) if args.max_live_parameters else None,
-            reference_forward=args.dpo or None,
+            reference_forward=args.dpo == "each-step" if args.dpo else None,
+            dpo_reference={"each-step": "each step", "precomputed": "precomputed"}.get(args.dpo),
         )
         inputs |= {k: v for k, v in flags.items() if v is not None}
         if args.model:

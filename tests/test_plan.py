@@ -336,6 +336,36 @@ def test_dpo_plans_a_reference_forward():
     assert plan.main(["--config", str(ROOT / "configs/llama3-8b-dpo-c7i.yaml")]) == 0
 
 
+def test_the_plan_says_how_a_dpo_run_keeps_its_reference(capsys):
+    """`--dpo` plans the reference forward each micro batch (as before); `--dpo precomputed`
+    (train.dpo_precompute_reference) plans training as SFT's and says why; a config tells which
+    it is, and SimPO that it has no reference."""
+    from raytrain_cpu.config import load_config
+
+    def table(*argv: str) -> str:
+        assert plan.main(["--model", "tiny", *argv]) == 0
+        return capsys.readouterr().out
+
+    plain, each, precomputed = table(), table("--dpo"), table("--dpo", "precomputed")
+    assert "DPO: a reference forward each micro batch, a frozen copy of the starting model" in each
+    assert "DPO: the reference's log-likelihoods computed once before step 1" in precomputed
+    figures = [line for line in plain.splitlines() if "GiB" in line or "TFLOP" in line]
+    assert figures == [line for line in precomputed.splitlines() if "GiB" in line or "TFLOP" in line]
+    assert figures != [line for line in each.splitlines() if "GiB" in line or "TFLOP" in line]
+    with pytest.raises(SystemExit) as e:  # argparse names the choices
+        plan.main(["--model", "tiny", "--dpo", "later"])
+    assert e.value.code == 2 and "invalid choice: 'later'" in capsys.readouterr().err
+
+    config = ROOT / "configs/llama3-8b-dpo-c7i.yaml"
+    assert plan.inputs_from_run_config(str(config))["dpo_reference"] == "precomputed"
+    simpo = plan.inputs_from_config(
+        load_config(config, ["train.dpo_loss=simpo", "train.dpo_precompute_reference=false"])
+    )
+    assert simpo["dpo_reference"] == "none" and not simpo["reference_forward"]
+    assert "; SimPO: no reference model" in plan.format_table(plan.plan(**simpo))
+    assert plan.inputs_from_config(load_config(None, []))["dpo_reference"] == ""
+
+
 def test_full_dpo_plans_a_frozen_copy_of_the_starting_model():
     """Without LoRA, DPO's reference is a frozen copy of the starting model: its weights, held as
     the trained ones are (partitioned at ZeRO-3, whole at ZeRO-1/2), from the load on."""
