@@ -915,7 +915,7 @@ def plan(
     (its activations are not kept, so the peak is the training's), which gathers the model once
     more; without LoRA the reference is a frozen copy of the starting model, whose weights are
     held beside the trained ones. `dpo_reference` names how a DPO run keeps its reference, for
-    the table ("each step", "precomputed" or "none" for SimPO; "" when not DPO): only "each step"
+    the table ("each-step", "precomputed" or "none" for SimPO; "" when not DPO): only "each-step"
     changes the figures, which `reference_forward` carries.
 
     `instance` (e.g. 'c7i.48xlarge') checks the fit on that node and times the communication
@@ -1046,6 +1046,7 @@ def inputs_from_config(cfg: Any, model: str = "", world_size: int = 0) -> dict[s
         shape = ModelShape(**{**asdict(shape), "tie_word_embeddings": t.tie_word_embeddings})
     else:
         shape = resolve_shape(model or m.name_or_path)
+    dpo_reference = _dpo_reference(cfg)
     return dict(
         model_shape=shape,
         # 0 = auto: 2 on one machine
@@ -1075,8 +1076,8 @@ def inputs_from_config(cfg: Any, model: str = "", world_size: int = 0) -> dict[s
         free_memory_growth_mib=cfg.scaling.free_memory_growth_mib,
         # SimPO (train.dpo_loss=simpo) compares no reference, and a precomputed one runs no forward:
         # neither plans the forward nor a copy.
-        reference_forward=cfg.data.format == "preference" and cfg.train.reference_each_step,
-        dpo_reference=_dpo_reference(cfg),
+        reference_forward=dpo_reference == "each-step",
+        dpo_reference=dpo_reference,
     )
 
 
@@ -1084,9 +1085,9 @@ def _dpo_reference(cfg: Any) -> str:
     """How a DPO run keeps its reference ("" for every other run): plan()'s `dpo_reference`."""
     if cfg.data.format != "preference":
         return ""
-    if cfg.train.dpo_loss == "simpo":
-        return "none"
-    return "each step" if cfg.train.reference_each_step else "precomputed"
+    if cfg.train.reference_each_step:
+        return "each-step"
+    return "precomputed" if cfg.train.dpo_reference else "none"
 
 
 # The table's note for a DPO run that runs no reference forward beside training (its figures
@@ -1330,7 +1331,7 @@ def main(argv: list[str] | None = None) -> int:
             free_memory_growth_mib=args.free_memory_growth_mib,
             max_live_parameters=int(args.max_live_parameters) if args.max_live_parameters else None,
             reference_forward=args.dpo == "each-step" if args.dpo else None,
-            dpo_reference={"each-step": "each step", "precomputed": "precomputed"}.get(args.dpo),
+            dpo_reference=args.dpo,
         )
         inputs |= {k: v for k, v in flags.items() if v is not None}
         if args.model:

@@ -918,15 +918,15 @@ def precompute_reference(w: Worker, engine):
     kept = dpo.KeptLogps(directory)
     batches = reference_batches(w)
     owner: dict[bytes, tuple[int, int]] = {}  # each block's first (micro batch, row)
-    rows: dict[int, list[bytes]] = {}  # the micro batches to run, each with the blocks they keep, in row order
+    rows: dict[int, list[tuple[int, bytes]]] = {}  # the micro batches to run, each with the (row, block) they keep
     for b, (_, split, ids) in enumerate(batches):
         for row, digest in enumerate(dpo.block_digests(read(split, ids))):
             if owner.setdefault(digest, (b, row)) == (b, row) and digest not in kept:
-                rows.setdefault(b, []).append(digest)
+                rows.setdefault(b, []).append((row, digest))
     computed = sum(len(r) for r in rows.values())
     dist.barrier()  # every rank has read what is kept (so plans the same batches) before any adds to it
     if rows:
-        _compute_reference_rows(w, engine, batches, rows, owner, read, directory)
+        _compute_reference_rows(w, engine, batches, rows, read, directory)
         kept = dpo.KeptLogps(directory)
     w.reference_pass = {"blocks": len(owner), "computed": computed, "seconds": time.perf_counter() - t0}
     w.log(
@@ -952,7 +952,7 @@ def _block_reader(w: Worker) -> Callable[[str, np.ndarray], dict[str, Any]]:
 
 
 def _compute_reference_rows(
-    w: Worker, engine, batches, rows: dict[int, list[bytes]], owner: dict[bytes, tuple[int, int]], read, directory: Path
+    w: Worker, engine, batches, rows: dict[int, list[tuple[int, bytes]]], read, directory: Path
 ) -> None:
     """This rank's micro batches among `rows` through the engine in eval mode, their kept rows
     written a part at a time. Every rank runs as many forwards (ZeRO-3 gathers the weights for
@@ -980,8 +980,8 @@ def _compute_reference_rows(
             b = mine[k] if k < len(mine) else next(iter(rows))  # past its own: a forward for the gathers only
             out = dpo.forward_logps(engine, model_inputs(read(*batches[b][1:])), w.fused_loss).float().numpy()
             if k < len(mine):  # the digests the plan made of this batch's blocks: not hashed again
-                digests.extend(rows[b])
-                logps.append(out[[owner[d][1] for d in rows[b]]])
+                digests.extend(d for _, d in rows[b])
+                logps.append(out[[row for row, _ in rows[b]]])
             if len(digests) >= KEPT_ROWS_PER_PART:
                 keep()
             if time.perf_counter() - last_note > 30:

@@ -337,10 +337,7 @@ def _wait_for_registered(run_dir: Path, min_step: int, future, timeout: float = 
     """
     deadline = time.time() + timeout
     while time.time() < deadline:
-        try:
-            latest = ck.latest_reported(run_dir)
-        except ck.CheckpointError:  # caught Ray rewriting its snapshot
-            latest = None
+        latest = ck.latest_reported(run_dir)  # reads again a snapshot caught while Ray rewrites it
         if latest is not None and int(latest.name.split("_")[1]) >= min_step:
             return int(latest.name.split("_")[1])
         if future.done():
