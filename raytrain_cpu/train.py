@@ -123,11 +123,32 @@ def init_deepspeed_comm(shm: bool = False, timeout_s: float = 600, log: Callable
     # Set without reading it first: the first read probes every DeepSpeed op, compiling test
     # programs with the C compiler in each worker; only this entry is ever read back.
     vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
+    keep_muon_unimported()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     if shm:
         from raytrain_cpu import collectives
 
         collectives.install(timeout_s, log)
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def keep_muon_unimported() -> None:
+    """A stand-in for DeepSpeed's Muon optimizer module, unless something imported the real one.
+
+    Building any ZeRO engine imports it, only to ask whether the optimizer is a Muon
+    (zero/utils.py is_zero_supported_optimizer, stage3.py); the module compiles its kernels with
+    torch.compile at import, which loads inductor: measured on a 2-core host, a worker's engine
+    set-up took 1.35 s with it and 0.33 s without, at every start. Our optimizer is always AdamW (deepspeed_config never passes an
+    "optimizer" section through), so nothing is a Muon and the answer stays the same."""
+    import sys
+    import types
+
+    if MUON_MODULE not in sys.modules:
+        stand_in = types.ModuleType(MUON_MODULE, "raytrain_cpu's stand-in: runs never use Muon")
+        stand_in.MuonWithAuxAdam = type("MuonWithAuxAdam", (), {})  # an instance of it: never
+        sys.modules[MUON_MODULE] = stand_in
 
 
 def free_port() -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,7 @@ def _train_and_save(rank: int, root: str, port: int) -> None:
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=_param_groups(model, 0.1), config=ds_config, dist_init_required=False
     )
+    assert "torch._inductor.compile_fx" not in sys.modules, "the engine's set-up loaded the compiler (Muon)"
     x = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(rank))
     for _ in range(STEP):
         engine.backward(engine(input_ids=x, labels=x).loss)
