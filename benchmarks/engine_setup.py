@@ -1,0 +1,121 @@
+"""A worker's engine set-up with and without DeepSpeed's Muon module, side by side in one run.
+
+Building any ZeRO engine makes DeepSpeed import its Muon optimizer module, only to ask whether
+the optimizer is one; that module compiles kernels with torch.compile at import, which loads
+inductor. `train.keep_muon_unimported` puts a stand-in in its place (runs never use Muon). Each
+measurement is a fresh process, as a worker is: it loads the default tiny model into ZeRO-3
+partitions (one rank, a real gloo group) and builds the engine with the run's DeepSpeed config;
+"DeepSpeed's Muon import" imports the real module first, inside the timed span, which is what
+DeepSpeed does without the stand-in. The ways alternate, `--reps` times each. Writes the medians
+(set-up seconds, and the whole process from start to engine) and their ratios to
+benchmarks/results/<machine>/engine_setup.{json,md}.
+
+    python benchmarks/engine_setup.py    # about 1 minute on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+WAYS = {"stand-in (keep_muon_unimported)": "stand_in", "DeepSpeed's Muon import (before)": "muon"}
+
+
+def child(way: str, model_dir: str) -> None:
+    """One worker's set-up in this fresh process; prints {setup_s, inductor_loaded} as JSON."""
+    import torch
+
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.model import load_sharded
+    from raytrain_cpu.train import _param_groups, deepspeed_config, free_port, init_deepspeed_comm, init_local_group
+
+    torch.set_num_threads(1)
+    init_local_group(0, 1, free_port())
+    cfg = load_config(None, ["model.dtype=bf16"])
+    ds_config = deepspeed_config(cfg, 1)
+    t0 = time.perf_counter()
+    if way == "muon":
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    init_deepspeed_comm()
+    import deepspeed
+
+    model, hf_ds_config = load_sharded(model_dir, ds_config, torch.bfloat16)
+    deepspeed.initialize(model=model, model_parameters=_param_groups(model, 0.1), config=ds_config)
+    setup_s = time.perf_counter() - t0
+    print(json.dumps({"setup_s": setup_s, "inductor_loaded": "torch._inductor.compile_fx" in sys.modules}))
+    del hf_ds_config
+
+
+def measure(way: str, model_dir: Path) -> dict[str, float]:
+    t0 = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", way, str(model_dir)], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1]) | {"process_s": time.perf_counter() - t0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=5, help="processes each way")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(*args.child)
+
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.cpu import cpu_features
+    from raytrain_cpu.model import write_tiny_model
+    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+
+    root = Path(tempfile.mkdtemp(prefix="engine_setup_"))
+    tok = load_tokenizer(resolve_tokenizer_path("bundled", "tiny"))
+    model_dir = write_tiny_model(load_config(None, []), tok, root / "model")
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in WAYS}
+    for rep in range(args.reps):
+        for name in list(WAYS) if rep % 2 == 0 else list(reversed(WAYS)):  # neither way always goes first
+            runs[name].append(measure(WAYS[name], model_dir))
+    assert not any(r["inductor_loaded"] for r in runs[next(iter(WAYS))]), "the stand-in still loaded inductor"
+    features = cpu_features()
+    median = {
+        name: {k: statistics.median(r[k] for r in rs) for k in ("setup_s", "process_s")} for name, rs in runs.items()
+    }
+    new, old = (median[name] for name in WAYS)
+    ratios = {k: round(new[k] / old[k], 3) for k in new}
+    result = {
+        "machine": features.model_name,
+        "isa": features.best_isa,
+        "model": "the default tiny model (model.tiny), ZeRO-3, one rank",
+        "runs": {name: [{k: round(v, 3) for k, v in r.items()} for r in rs] for name, rs in runs.items()},
+        "median": {name: {k: round(v, 3) for k, v in m.items()} for name, m in median.items()},
+        "stand_in_over_before": ratios,
+    }
+    rows = ["| way | median set-up s | median process s | inductor loaded |", "|---|---|---|---|"]
+    for name, rs in runs.items():
+        loaded = "yes" if all(r["inductor_loaded"] for r in rs) else "no"
+        rows.append(f"| {name} | {median[name]['setup_s']:.2f} | {median[name]['process_s']:.2f} | {loaded} |")
+    table = "\n".join(rows) + (
+        f"\n\n{args.reps} fresh processes each way, alternating. Stand-in / before: set-up "
+        f"{ratios['setup_s']:.2f}x, whole process {ratios['process_s']:.2f}x\n"
+    )
+    print(table)
+    if not args.no_write:
+        folder = REPO / "benchmarks" / "results" / features.slug
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "engine_setup.json").write_text(json.dumps(result, indent=2) + "\n")
+        header = f"# A worker's engine set-up without and with DeepSpeed's Muon import ({features.model_name}, {features.best_isa})\n\n"
+        command = f"python benchmarks/engine_setup.py --reps {args.reps}"
+        (folder / "engine_setup.md").write_text(f"{header}`{command}`\n\n{table}")
+
+
+if __name__ == "__main__":
+    main()
