@@ -1,6 +1,7 @@
-"""Fine-tuning end to end: chat SFT with LoRA under ZeRO-3 (2 workers), full-parameter SFT at
-world size 1 (ZeRO-3) and 2 (ZeRO-2), export of the adapter and the merged model, generate,
-LoRA with whole-layer gathers, and LoRA's bad input."""
+"""Fine-tuning end to end: chat SFT with LoRA under ZeRO-3 (2 workers), full-parameter SFT under
+ZeRO-2 (2 workers), export of the adapter and the merged model, generate, LoRA with whole-layer
+gathers, and LoRA's bad input. (ZeRO-3 at world size 1, the edge case of its checkpoint files,
+trains in tests/test_train_e2e.py's best-checkpoint test.)"""
 
 from __future__ import annotations
 
@@ -100,36 +101,28 @@ def test_lora_sft_two_workers_resume_export_generate(ray_session, make_config, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "stage"), [(1, 3), (2, 2)])
-def test_full_parameter_sft(ray_session, make_config, world, stage):
-    """Chat SFT of every parameter: ZeRO-3 at world size 1 (the edge case), and ZeRO-2 at 2 (what
-    `plan` advises where the whole model fits every rank), which also resumes and exports."""
+def test_full_parameter_sft_under_zero2_resumes_and_exports(ray_session, make_config):
+    """Chat SFT of every parameter under ZeRO-2 on 2 workers (what `plan` advises where the whole
+    model fits every rank): it resumes and exports (ZeRO-3's resume and export: the LoRA test above)."""
     from raytrain_cpu.main import run
 
-    common = [*SFT, "train.lr=1e-2", f"scaling.num_workers={world}", f"deepspeed.zero_stage={stage}"]
-    common += [f"run.name=sft{world}"]
-    resume_and_export = stage == 2  # ZeRO-3's resume and export are covered by the LoRA test above
-    if resume_and_export:
-        common += ["train.checkpoint_every=3"]
-        assert run(make_config(*common, "train.max_steps=3"))["steps"] == 3
-    s = run(make_config(*common, "train.max_steps=5", f"run.export_on_finish={resume_and_export}"))
-    assert s["world_size"] == world and s["steps"] == 5 and s["global_batch"] == 4 * world
+    common = [*SFT, "train.lr=1e-2", "scaling.num_workers=2", "deepspeed.zero_stage=2", "run.name=sft2"]
+    common += ["train.checkpoint_every=3"]
+    assert run(make_config(*common, "train.max_steps=3"))["steps"] == 3
+    s = run(make_config(*common, "train.max_steps=5", "run.export_on_finish=true"))
+    assert s["world_size"] == 2 and s["steps"] == 5 and s["global_batch"] == 4 * 2
     assert s["trainable_params"] == s["total_params"] and s["lora"] is None
-    if resume_and_export:
-        assert s["resumed_from_step"] == 3 and s["optimizer_step_at_resume"] == 3
-        assert s["export"]["export_max_abs_logit_diff"] == 0.0  # the export computes as training did
-    # Each rank's optimizer partition in the final checkpoint, and no more (world size 1 is the
-    # edge case); the model states per rank at ZeRO-3, once (whole) below it.
+    assert s["resumed_from_step"] == 3 and s["optimizer_step_at_resume"] == 3
+    assert s["export"]["export_max_abs_logit_diff"] == 0.0  # the export computes as training did
+    # Each rank's optimizer partition in the final checkpoint, and the model states once, whole.
     ds_files = {p.name for p in (Path(s["checkpoint_path"]) / "ds").iterdir()}
-    assert {f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)} <= ds_files
-    model_states = {f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)} if stage == 3 else set()
-    assert model_states | {"mp_rank_00_model_states.pt"} >= {f for f in ds_files if f.endswith("model_states.pt")}
-    assert model_states <= ds_files
-    assert not any(f"rank_{world}_" in f for f in ds_files)
+    assert {f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)} <= ds_files
+    assert {f for f in ds_files if f.endswith("model_states.pt")} == {"mp_rank_00_model_states.pt"}
+    assert not any("rank_2_" in f for f in ds_files)
     losses = _losses(Path(s["run_dir"]))
     assert losses[5] < losses[1] - 0.5, losses
     # Eval over the response tokens only: fewer targets than the blocks' tokens.
-    assert 0 < s["eval_tokens"] < world * 2 * 4 * 127  # eval_batches x micro blocks a rank, 127 targets each
+    assert 0 < s["eval_tokens"] < 2 * 2 * 4 * 127  # eval_batches x micro blocks a rank, 127 targets each
     assert s["padding_frac"] >= 0.0 and s["truncated_examples"] >= 0
 
 

@@ -117,7 +117,8 @@ def test_the_best_checkpoint_is_kept_and_a_run_stops_early(ray_session, make_con
     """run.best_metric keeps the best checkpoint beside the newest, names it and exports it;
     train.early_stop_patience stops a run whose eval loss stopped improving, counted across a
     resume (which trains with the config's new learning rate); running the stopped run again
-    trains nothing; `evaluate` measures the best checkpoint as the run did."""
+    trains nothing; `evaluate` measures the best checkpoint as the run did. One worker: ZeRO-3's
+    edge case, whose checkpoints hold one rank's partitions."""
     from raytrain_cpu.evaluate import main as evaluate_main
     from raytrain_cpu.export import main as export_main
     from raytrain_cpu.main import print_summary, run
@@ -161,6 +162,10 @@ def test_the_best_checkpoint_is_kept_and_a_run_stops_early(ray_session, make_con
     assert second["best_checkpoint"]["step"] == 4
     # Ray Train kept the best (4) and the newest (8), which a resume loads; 2 and 6 are gone.
     assert sorted(p.name for p in run_dir.glob("checkpoint_0*")) == ["checkpoint_000004", "checkpoint_000008"]
+    # ZeRO-3 at world size 1, the edge case: one rank's optimizer and model-state partitions, no more.
+    ds_files = {p.name for p in (run_dir / "checkpoint_000008" / "ds").iterdir()}
+    assert {"bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"} <= ds_files
+    assert not any("rank_1_" in f for f in ds_files)
 
     # The same command again: already stopped, nothing trains (Ray is not started).
     again = run(make_config(*overrides, "train.max_steps=12", "train.lr=1.0"))
