@@ -8,7 +8,7 @@ partitions (one rank, a real gloo group) and builds the engine with the run's De
 "DeepSpeed's Muon import" imports the real module first, inside the timed span, which is what
 DeepSpeed does without the stand-in. The ways alternate, `--reps` times each. Writes the medians
 (set-up seconds, and the whole process from start to engine) and their ratios to
-benchmarks/results/<machine>/engine_setup.{json,md}.
+benchmarks/results/<machine>/engine_setup.{json,md} (raytrain_cpu.bench.write_results).
 
     python benchmarks/engine_setup.py    # about 1 minute on 2 cores
 """
@@ -72,8 +72,10 @@ def main() -> None:
     if args.child:
         return child(*args.child)
 
+    from raytrain_cpu.bench import write_results
     from raytrain_cpu.config import load_config
     from raytrain_cpu.cpu import cpu_features
+    from raytrain_cpu.metrics import markdown_table
     from raytrain_cpu.model import write_tiny_model
     from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
 
@@ -85,36 +87,35 @@ def main() -> None:
         for name in list(WAYS) if rep % 2 == 0 else list(reversed(WAYS)):  # neither way always goes first
             runs[name].append(measure(WAYS[name], model_dir))
     assert not any(r["inductor_loaded"] for r in runs[next(iter(WAYS))]), "the stand-in still loaded inductor"
-    features = cpu_features()
     median = {
         name: {k: statistics.median(r[k] for r in rs) for k in ("setup_s", "process_s")} for name, rs in runs.items()
     }
     new, old = (median[name] for name in WAYS)
     ratios = {k: round(new[k] / old[k], 3) for k in new}
-    result = {
-        "machine": features.model_name,
-        "isa": features.best_isa,
-        "model": "the default tiny model (model.tiny), ZeRO-3, one rank",
-        "runs": {name: [{k: round(v, 3) for k, v in r.items()} for r in rs] for name, rs in runs.items()},
-        "median": {name: {k: round(v, 3) for k, v in m.items()} for name, m in median.items()},
-        "stand_in_over_before": ratios,
-    }
-    rows = ["| way | median set-up s | median process s | inductor loaded |", "|---|---|---|---|"]
-    for name, rs in runs.items():
-        loaded = "yes" if all(r["inductor_loaded"] for r in rs) else "no"
-        rows.append(f"| {name} | {median[name]['setup_s']:.2f} | {median[name]['process_s']:.2f} | {loaded} |")
-    table = "\n".join(rows) + (
-        f"\n\n{args.reps} fresh processes each way, alternating. Stand-in / before: set-up "
-        f"{ratios['setup_s']:.2f}x, whole process {ratios['process_s']:.2f}x\n"
+    table = [
+        {
+            "way": name,
+            "median set-up s": median[name]["setup_s"],
+            "median process s": median[name]["process_s"],
+            "inductor loaded": "yes" if all(r["inductor_loaded"] for r in rs) else "no",
+        }
+        for name, rs in runs.items()
+    ]
+    note = (
+        f"{args.reps} fresh processes each way, alternating; the default tiny model, ZeRO-3, one rank. "
+        f"Stand-in / before: set-up {ratios['setup_s']:.2f}x, whole process {ratios['process_s']:.2f}x"
     )
-    print(table)
+    print(markdown_table(table) + "\n\n" + note)
     if not args.no_write:
-        folder = REPO / "benchmarks" / "results" / features.slug
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "engine_setup.json").write_text(json.dumps(result, indent=2) + "\n")
-        header = f"# A worker's engine set-up without and with DeepSpeed's Muon import ({features.model_name}, {features.best_isa})\n\n"
-        command = f"python benchmarks/engine_setup.py --reps {args.reps}"
-        (folder / "engine_setup.md").write_text(f"{header}`{command}`\n\n{table}")
+        result = {
+            "command": f"python benchmarks/engine_setup.py --reps {args.reps}",
+            "machine": f"{cpu_features().model_name} ({cpu_features().best_isa})",
+            "runs": {name: [{k: round(v, 3) for k, v in r.items()} for r in rs] for name, rs in runs.items()},
+            "stand_in_over_before": ratios,
+            "tables": {"A worker's engine set-up: the Muon stand-in against DeepSpeed's Muon import": table},
+            "notes": [note],
+        }
+        print(write_results("engine_setup", result, None))
 
 
 if __name__ == "__main__":
