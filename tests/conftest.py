@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -147,6 +148,35 @@ def log_streams_outlive_capture():
     for handler in (h for logger in loggers for h in logger.handlers):
         if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
             handler.stream = sys.__stderr__  # fd 2, which pytest's capture reads (setStream flushes the closed one)
+
+
+# ----------------------------------------------------------------------------- where the suite's time goes
+# The suite is CPU-bound on 2 cores (80% of their time busy): what a test costs is the CPU it
+# spends, mostly in the Ray processes it starts, which are not its children. With
+# RAYTRAIN_TEST_CPU_LOG=<file>, each test appends {test, wall, busy, total}: its seconds
+# (set-up, call and teardown) and the machine's busy and total core-seconds meanwhile (/proc/stat).
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """(busy, total) core-seconds of this machine since boot."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle and iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - idle) / hz, sum(ticks) / hz
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    log = os.environ.get("RAYTRAIN_TEST_CPU_LOG")
+    if not log:
+        yield
+        return
+    (busy, total), t0 = _cpu_seconds(), time.time()
+    yield
+    busy_end, total_end = _cpu_seconds()
+    row = {"test": item.nodeid, "wall": time.time() - t0, "busy": busy_end - busy, "total": total_end - total}
+    with open(log, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 @pytest.fixture(scope="session")
