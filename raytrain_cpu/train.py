@@ -1410,11 +1410,26 @@ def checkpoint_reason(w: Worker, st: Loop) -> str | None:
         notice = ray.train.get_preemption_info()
         if notice is not None:
             st.saved_on_notice = True
-            w.log(f"spot notice: nodes {notice.preempted_node_ids} go at {notice.deadline_ms} ms; checkpointing now")
+            w.log(spot_notice_line(notice.preempted_node_ids, notice.deadline_ms, time.time()))
             return "preemption"
         if room_to_grow(w, st):
             return "growth"
     return None
+
+
+def spot_notice_line(node_ids: list[str], deadline_ms: int, now: float) -> str:
+    """What rank 0 says when Ray tells of a coming preemption (a drained node)."""
+    if deadline_ms:
+        when = (
+            f"at {time.strftime('%H:%M:%S', time.gmtime(deadline_ms / 1000))} UTC (in {deadline_ms / 1000 - now:.0f} s)"
+        )
+    else:
+        when = "with no deadline"
+    nodes = ", ".join(n[:12] for n in node_ids)
+    return (
+        f"spot notice: node(s) {nodes} go {when}; checkpointing now. Ray Train then restarts the workers "
+        "without them, from this checkpoint (not counted in run.max_failures)"
+    )
 
 
 def room_to_grow(w: Worker, st: Loop) -> bool:

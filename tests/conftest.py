@@ -325,3 +325,53 @@ def cli_run(tmp_path_factory, shared_cache) -> dict:
         "seconds": time.time() - t0,
         "run_dir": Path(load_config(None, args).run.run_dir),
     }
+
+
+# ----------------------------------------------------------------------------- a stand-in for EC2's IMDS
+class FakeIMDS:
+    """EC2's instance metadata service as raytrain_cpu.spot reads it (IMDSv2: a token from
+    PUT /latest/api/token, then GET .../spot/instance-action with it), on 127.0.0.1. No notice
+    until notice() posts one; expire_token() makes the next read answer 401, as IMDS does."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        imds = self
+        self.token, self.action = "t0", None
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_PUT(self) -> None:
+                if self.path != "/latest/api/token" or not self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
+                    return self.send_error(400)
+                self._send(200, imds.token.encode())
+
+            def do_GET(self) -> None:
+                if self.headers.get("X-aws-ec2-metadata-token") != imds.token:
+                    return self.send_error(401)
+                if self.path != "/latest/meta-data/spot/instance-action" or imds.action is None:
+                    return self.send_error(404)
+                self._send(200, json.dumps(imds.action).encode())
+
+            def _send(self, code: int, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def notice(self, action: str, at: float) -> None:
+        self.action = {"action": action, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))}
+
+    def expire_token(self) -> None:
+        self.token += "'"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -261,6 +261,17 @@ def test_worker_environment_for_cpu_training(cluster):
     assert env["DS_ACCELERATOR"] == "cpu"
 
 
+def test_every_worker_starts_the_spot_notice_watcher_after_ray(cluster):
+    worker = next(c for c in cluster["worker_start_ray_commands"] if "ray start" in c)
+    started = worker[worker.index("ray start") :]
+    # Only once Ray is up (`&&`, which also keeps a failed `ray start` the command's failure), in
+    # the background, with the head's address and the start command's environment (the token mode).
+    assert re.search(
+        r"ray start [^;&]*&&\s*\(nohup python -m raytrain_cpu\.spot --address=\$RAY_HEAD_IP:6379 .*&\)$", started
+    )
+    assert "RAY_AUTH_MODE=token" in worker[: worker.index("ray start")]
+
+
 # ----------------------------------------------------------------------------- resources vs. the run config
 
 

@@ -3,7 +3,7 @@
 Issue 6, point by point, and elastic training after it (fast tests first, then the Ray runs, marked slow):
 
 1. restart on failure ........ test_kill_and_hang_recover_and_resume_exactly (a worker SIGKILLed),
-                               test_node_loss_after_spot_notice (a node removed from a Ray Cluster)
+                               test_elastic_run_shrinks_on_node_loss_and_grows_back (a node removed)
 2. whole checkpoints only .... test_save_is_whole_or_absent, test_incomplete_checkpoint_fails_loudly
 3. deterministic resume ...... test_rng_state_round_trip, test_kill_and_hang_recover_and_resume_exactly
 4. distributed = single ...... test_distributed_matches_single_process
@@ -13,14 +13,15 @@ Issue 6, point by point, and elastic training after it (fast tests first, then t
 6. export at the end ......... test_export_on_finish (the CLI itself: tests/test_export.py)
 7. failures surface fast ..... test_kill_and_hang_recover_and_resume_exactly (a worker SIGSTOPped),
                                test_save_is_whole_or_absent (storage full / read-only)
-8. spot notices .............. test_node_loss_after_spot_notice
-9. elastic training .......... test_elastic_run_shrinks_on_node_loss_and_grows_back (nodes removed
-                               and added on a Ray Cluster; the batch rule: tests/test_config.py)
+8. spot notices .............. test_elastic_run_shrinks_on_node_loss_and_grows_back (the node it
+                               loses is drained for preemption first)
+9. elastic training .......... test_elastic_run_shrinks_on_node_loss_and_grows_back (a node removed
+                               and one added on a Ray Cluster; the batch rule: tests/test_config.py)
 
 The slow tests share two 2-worker runs of the same config: `straight` (conftest.py: 64 steps,
 no faults) and the fault run (killed, then hung, then finished).
-Run this file alone as a script to get the measured figures printed: it is the cluster
-scenarios' entry point too (`python tests/test_fault_tolerance.py '<json>'`).
+Run this file alone as a script to get the measured figures printed: it is the
+cluster scenario's entry point too (`python tests/test_fault_tolerance.py '<json>'`).
 """
 
 from __future__ import annotations
@@ -34,17 +35,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import BF16_LOSS_TOL, CKPT_EVERY, STEPS, run_losses, straight_overrides, train_rows
+from conftest import BF16_LOSS_TOL, CKPT_EVERY, STEPS, FakeIMDS, run_losses, straight_overrides, train_rows
 
 from raytrain_cpu import checkpoint as ck
 from raytrain_cpu.config import ConfigError, load_config
 
 HANG_TIMEOUT_S = 12  # run.gloo_timeout_s of the fault run
+RECLAIM_S, RECLAIM_MARGIN_S = (
+    7,
+    2,
+)  # the scenario's spot notice: the node goes 7 s later, Ray Train's attempt ends 2 s before
 
 
 # ----------------------------------------------------------------------------- fakes (no Ray, no DeepSpeed)
@@ -374,12 +378,12 @@ def _pid_alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("spot_scenario", "elastic_scenario")  # the cluster scenarios run beside this one
+@pytest.mark.usefixtures("elastic_scenario")  # the cluster scenario runs beside this one
 def test_kill_and_hang_recover_and_resume_exactly(straight, tmp_path, shared_cache, record_property):
     """Points 1, 3 and 7: a worker killed, later a worker hung; the run finishes with the straight run's losses."""
     from raytrain_cpu.main import run
 
-    # Two faults, and one restart more: the cluster scenarios beside it share the 2 cores, and once
+    # Two faults, and one restart more: the cluster scenario beside it shares the 2 cores, and once
     # a worker starved at start-up past its health check (gloo_timeout_s), spending a restart.
     cfg = load_config(
         None,
@@ -586,13 +590,17 @@ def test_export_on_finish(straight):
     assert AutoTokenizer.from_pretrained(export["export_dir"]).eos_token_id is not None
 
 
-# ----------------------------------------------------------------------------- node loss and spot notice
+# ----------------------------------------------------------------------------- spot notice, node loss, elastic training
 
 
-def _scenario(name: str, root: Path, cache: str) -> Iterator[Callable[[], dict]]:
-    """A fixture's body: scenario `name` ("spot" or "elastic") in a subprocess with its own Ray
-    Cluster; yields a function that waits for its result, and stops the process at teardown."""
-    args = {"scenario": name, "storage": str(root), "cache": cache}
+@pytest.fixture(scope="module")
+def elastic_scenario(straight, tmp_path_factory, shared_cache):
+    """The scenario (`_elastic_scenario`) in a subprocess with its own 3-node Ray Cluster, started
+    once the straight run has made the data cache; yields a function that waits for its result.
+    test_kill_and_hang_recover_and_resume_exactly starts it, so the two run side by side: each
+    spends most of its time waiting on restarts, health checks and timeouts."""
+    root = tmp_path_factory.mktemp("elastic")
+    args = {"storage": str(root), "cache": shared_cache}
     with open(root / "stdout.txt", "w") as out, open(root / "stderr.txt", "w") as err:
         proc = subprocess.Popen([sys.executable, __file__, json.dumps(args)], stdout=out, stderr=err, cwd=root)
 
@@ -608,37 +616,49 @@ def _scenario(name: str, root: Path, cache: str) -> Iterator[Callable[[], dict]]
         proc.wait()
 
 
-@pytest.fixture(scope="module")
-def spot_scenario(straight, tmp_path_factory, shared_cache):
-    """The node-loss scenario (`_spot_scenario`) in a subprocess with its own 3-node Ray Cluster,
-    started once the straight run has made the data cache; yields a function that waits for its
-    result. test_kill_and_hang_recover_and_resume_exactly starts it and the elastic scenario, so the
-    three run side by side: each spends most of its time waiting on restarts, health checks and
-    timeouts (the first two: 178 s one after the other on this 2-core host, 135 s side by side; all
-    three: 236 s for the whole file)."""
-    yield from _scenario("spot", tmp_path_factory.mktemp("spot"), shared_cache)
-
-
 @pytest.mark.slow
-def test_node_loss_after_spot_notice(spot_scenario, straight):
-    """Points 1 and 8 on a 3-node Ray Cluster (one machine): the node running both workers gets a spot
-    notice (a Ray drain with a deadline), the workers checkpoint at once, the node goes; Ray Train
-    restarts the workers on the node left and they resume from the notice's checkpoint."""
-    result = spot_scenario()
-    shown = {k: v for k, v in result.items() if k != "losses"}
-    print(f"\n[spot] {shown}")
-    notice = result["notice_checkpoint"]
+def test_elastic_run_shrinks_on_node_loss_and_grows_back(elastic_scenario, straight, record_property):
+    """Points 1, 8 and 9 on a 3-node Ray Cluster (one machine), with scaling.min_workers=1 and
+    num_workers=2, one worker a node. One node gets a spot notice, through raytrain_cpu.spot
+    watching a stand-in for EC2's metadata service: it drains the node in Ray, the workers
+    checkpoint at once, and at the drain's deadline Ray Train goes on with 1 worker (accumulating
+    twice) on the node left, from the notice's checkpoint, converted for it by rank 0; the node
+    goes. A node joins: the worker checkpoints at once and the run grows back to 2 from that
+    checkpoint. With run.max_failures=0: neither the reclaim nor the growth counts as a failure.
+    The global batch, the data order and the LR schedule carry on, so the losses follow the
+    straight run's."""
+    result = elastic_scenario()
+    print(f"\n[elastic] { ({k: v for k, v in result.items() if k != 'losses'}) }")
+    notice, drained = result["notice_checkpoint"], result["drained_node"]
     assert notice["reason"] == "preemption" and notice["step"] % CKPT_EVERY != 0  # taken for the notice
-    # Resumed from the notice's checkpoint, or a periodic one Ray registered before the node went.
-    assert result["summary"]["resumed_from_step"] == result["latest_at_restart"] >= notice["step"]
-    assert result["summary"]["steps"] == STEPS
-    assert result["drained_node"] not in result["restarted_on"]
+    assert result["watcher"]["rc"] == 0 and f"drained Ray node {drained} for preemption" in result["watcher"]["said"]
+    assert drained not in result["shrunk_on"]
+    changes = result["worker_changes"]  # (first step, workers) of each stretch, in metrics.jsonl
+    assert [w for _, w in changes] == [2, 1, 2], changes
+    shrunk_at, grown_at = changes[1][0] - 1, changes[2][0] - 1  # the checkpoints each resumed from
+    # Resumed from the notice's checkpoint, or a periodic one Ray registered before the deadline.
+    assert shrunk_at == notice["step"] or (shrunk_at > notice["step"] and shrunk_at % CKPT_EVERY == 0)
+    # The 1 worker checkpointed when the node joined; Ray grew the run from that checkpoint, or
+    # from a periodic one made while it caught up.
+    growth = [int(s) for s, (reason, world) in result["saved"].items() if reason == "growth" and world == 1]
+    assert any(shrunk_at < s <= grown_at for s in growth), result["saved"]
+    assert grown_at in growth or grown_at % CKPT_EVERY == 0
+    assert result["universal"] == sorted({ck.checkpoint_dir_name(shrunk_at), ck.checkpoint_dir_name(grown_at)})
+    assert result["summary"]["steps"] == STEPS and result["summary"]["world_size"] == 2
+    assert result["summary"]["resumed_from_step"] == grown_at
     losses = {int(k): v for k, v in result["losses"].items()}
-    assert all(losses[s] == straight["losses"][s] for s in losses)
+    gaps = [abs(losses[s] - straight["losses"][s]) for s in range(1, STEPS + 1)]
+    record_property("elastic_vs_straight_max_abs_loss_gap", max(gaps))
+    print(f"[elastic] max |elastic - 2 workers| loss over {STEPS} bf16 steps: {max(gaps):.2e}")
+    assert max(gaps[:shrunk_at]) == 0.0 and max(gaps) <= BF16_LOSS_TOL
+    assert (
+        result["report"]
+        == f"2 (to step {shrunk_at}) → 1 (steps {shrunk_at + 1}–{grown_at}) → 2 (from step {grown_at + 1})"
+    )
 
 
 def _scenario_cluster():
-    """A Ray Cluster on this machine for a scenario, with its head and nodes told to notice a lost
+    """A Ray Cluster on this machine for the scenario, with its head and nodes told to notice a lost
     node within ~5 s (Ray's GCS pings each node every 3 s and gives up after 5 misses of up to 10 s
     each: ~20 s here, every second of it a stall of the run waiting to restart), and the workers'
     process groups torn down after 5 s as in the suite's own Ray (conftest.py)."""
@@ -654,131 +674,16 @@ def _scenario_cluster():
     return Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
 
 
-def _spot_scenario(args: dict) -> dict:
-    """Runs in a subprocess: its own Ray Cluster of a head and two worker nodes."""
-    import ray
-    from ray._raylet import GcsClient
-    from ray.core.generated import autoscaler_pb2
-
-    from raytrain_cpu.main import run
-
-    # Cluster() records its address in /tmp/ray/ray_current_cluster, where any later bare ray.init()
-    # on this machine would find it (and fail once it is gone): this test connects explicitly instead.
-    ray._private.utils.write_ray_address = lambda *args, **kwargs: None
-    t0 = time.time()
-    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "0.5"  # Ray polls drains every 5 s by default
-    cluster = _scenario_cluster()
-    nodes = {}
-    for _ in range(2):  # each can host both workers
-        node = cluster.add_node(num_cpus=2, resources={"trainer": 2})
-        nodes[node.node_id] = node
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING")
-    t_up = time.time()
-    cfg = load_config(
-        None,
-        straight_overrides(
-            "spot",
-            Path(args["storage"]),
-            args["cache"],
-            "scaling.num_workers=2",
-            "scaling.cpus_per_worker=0.5",
-            "scaling.threads_per_worker=1",
-            "scaling.resources_per_worker={trainer: 1}",
-            "run.max_failures=1",
-        ),
-    )
-    run_dir = cfg.run.run_dir
-    with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(run, cfg)
-        t_first = _wait_for_step(run_dir, 1, future)["time"]
-        _wait_for_step(run_dir, CKPT_EVERY + 2, future)
-        group = _alive_workers()
-        hosts = {w["Address"]["NodeID"] for w in group}
-        assert len(hosts) == 1, f"expected both workers packed on one node, got {hosts}"
-        drained = hosts.pop()
-        # What a cloud's spot notice becomes (see the README): a drain carrying the reclaim deadline.
-        deadline_ms = int(time.time() * 1000) + 120_000
-        accepted, why = GcsClient(address=cluster.address).drain_node(
-            drained,
-            autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-            "spot notice (test)",
-            deadline_ms,
-        )
-        assert accepted, why
-        t_drain, notice = time.time(), None
-        while notice is None and not future.done() and time.time() - t_drain < 120:
-            for m in run_dir.glob("checkpoint_*/manifest.json"):
-                manifest = json.loads(m.read_text())
-                notice = manifest if manifest.get("reason") == "preemption" else notice
-            time.sleep(0.05)
-        notice_s = time.time() - t_drain
-        registered = _wait_for_registered(run_dir, notice["step"], future) if notice else None
-        cluster.remove_node(nodes[drained], allow_graceful=False)  # the instance is reclaimed
-        t_gone = time.time()
-        t_new, group = _wait_for_new_group({w["Pid"] for w in group}, future)
-        # Read again: the workers train on until the node goes, and a periodic checkpoint may have
-        # been registered in between (the restart rightly resumes from that one).
-        registered = _wait_for_registered(run_dir, registered or 0, future)
-        restarted_on = {w["Address"]["NodeID"] for w in group}
-        first = _wait_for_step(run_dir, 0, future, after=t_new)
-        summary = future.result(timeout=400)
-    t_done = time.time()
-    return {
-        "notice_checkpoint": {k: notice[k] for k in ("step", "reason")} if notice else None,
-        "latest_at_restart": registered,
-        "drain_to_checkpoint_s": round(notice_s, 1),
-        "node_loss_to_next_step_s": round(first["time"] - t_gone, 1),
-        "timeline_s": {
-            k: round(v - t0, 1)
-            for k, v in [("cluster up", t_up), ("first step", t_first), ("drain", t_drain), ("node gone", t_gone)]
-            + [("next step", first["time"]), ("done", t_done)]
-        },
-        "drained_node": drained,
-        "restarted_on": sorted(restarted_on),
-        "summary": {k: summary[k] for k in ("steps", "resumed_from_step")},
-        "losses": run_losses(run_dir),
-    }
-
-
-# ----------------------------------------------------------------------------- elastic training
-
-
-@pytest.fixture(scope="module")
-def elastic_scenario(straight, tmp_path_factory, shared_cache):
-    """The elastic scenario (`_elastic_scenario`) in a subprocess with its own Ray Cluster."""
-    yield from _scenario("elastic", tmp_path_factory.mktemp("elastic"), shared_cache)
-
-
-@pytest.mark.slow
-def test_elastic_run_shrinks_on_node_loss_and_grows_back(elastic_scenario, straight, record_property):
-    """Point 9 on a 3-node Ray Cluster (one machine), with scaling.min_workers=1 and num_workers=2,
-    one worker a node: a node goes, the run goes on with 1 worker (accumulating twice) from the
-    latest checkpoint, converted for it by rank 0; a node joins, the worker checkpoints at once
-    and the run grows back to 2 from that checkpoint. The global batch, the data order and the
-    LR schedule carry on, so the losses follow the straight run's."""
-    result = elastic_scenario()
-    print(f"\n[elastic] { ({k: v for k, v in result.items() if k != 'losses'}) }")
-    changes = result["worker_changes"]  # (first step, workers) of each stretch, in metrics.jsonl
-    assert [w for _, w in changes] == [2, 1, 2], changes
-    shrunk_at, grown_at = changes[1][0] - 1, changes[2][0] - 1  # the checkpoints each resumed from
-    # The 1 worker checkpointed when the node joined; Ray grew the run from that checkpoint, or
-    # from a periodic one made while it caught up.
-    growth = [int(s) for s, (reason, world) in result["saved"].items() if reason == "growth" and world == 1]
-    assert shrunk_at % CKPT_EVERY == 0 and any(shrunk_at < s <= grown_at for s in growth), result["saved"]
-    assert grown_at in growth or grown_at % CKPT_EVERY == 0
-    assert result["universal"] == sorted({ck.checkpoint_dir_name(shrunk_at), ck.checkpoint_dir_name(grown_at)})
-    assert result["summary"]["steps"] == STEPS and result["summary"]["world_size"] == 2
-    assert result["summary"]["resumed_from_step"] == grown_at
-    losses = {int(k): v for k, v in result["losses"].items()}
-    gaps = [abs(losses[s] - straight["losses"][s]) for s in range(1, STEPS + 1)]
-    record_property("elastic_vs_straight_max_abs_loss_gap", max(gaps))
-    print(f"[elastic] max |elastic - 2 workers| loss over {STEPS} bf16 steps: {max(gaps):.2e}")
-    assert max(gaps[:shrunk_at]) == 0.0 and max(gaps) <= BF16_LOSS_TOL
-    assert (
-        result["report"]
-        == f"2 (to step {shrunk_at}) → 1 (steps {shrunk_at + 1}–{grown_at}) → 2 (from step {grown_at + 1})"
-    )
+def _notice_checkpoint(run_dir: Path, future, timeout: float = 120) -> dict | None:
+    """The manifest of the checkpoint the workers took for a spot notice, once there is one."""
+    deadline = time.time() + timeout
+    while not future.done() and time.time() < deadline:
+        for m in run_dir.glob("checkpoint_*/manifest.json"):
+            manifest = json.loads(m.read_text())
+            if manifest.get("reason") == "preemption":
+                return manifest
+        time.sleep(0.05)
+    return None
 
 
 def _slow_steps() -> None:
@@ -807,7 +712,7 @@ def _wait_for_resize_check(stderr: Path, future, timeout: float = 60) -> None:
 
 def _elastic_scenario(args: dict) -> dict:
     """Runs in a subprocess: an elastic run (1 to 2 workers, one a node) on its own Ray Cluster
-    loses a node after its first checkpoint and gets one back after the next."""
+    gets a spot notice for a node after its first checkpoint, loses that node, and gets one back."""
     import ray
     from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import _AutoscalingCoordinatorActor
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -815,7 +720,9 @@ def _elastic_scenario(args: dict) -> dict:
     from raytrain_cpu.main import run
     from raytrain_cpu.report import key_figures, load_run
 
-    ray._private.utils.write_ray_address = lambda *args, **kwargs: None  # as in _spot_scenario
+    # Cluster() records its address in /tmp/ray/ray_current_cluster, where any later bare ray.init()
+    # on this machine would find it (and fail once it is gone): this test connects explicitly instead.
+    ray._private.utils.write_ray_address = lambda *args, **kwargs: None
     t0 = time.time()
     # Ray Train's elastic policy counts nodes through Ray Data's AutoscalingCoordinator, whose view
     # of the cluster is refreshed every 20 s: until then it still offers a lost node, and the
@@ -824,6 +731,7 @@ def _elastic_scenario(args: dict) -> dict:
     # the restart that follows the node loss still sees it once, so the wait is cut to 6 s: it is
     # for the workers' placement group only, which is ready within a second wherever there is room.
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "6"
+    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "0.5"  # Ray polls drains every 5 s by default
 
     class QuickCoordinator(_AutoscalingCoordinatorActor):
         TICK_INTERVAL_S = 1
@@ -831,6 +739,15 @@ def _elastic_scenario(args: dict) -> dict:
     cluster = _scenario_cluster()
     nodes = [cluster.add_node(num_cpus=1, resources={"trainer": 1}) for _ in range(2)]
     cluster.wait_for_nodes()
+    # nodes[1] is a spot instance: the watcher the cluster config starts beside its raylet reads
+    # EC2's metadata service, here a stand-in that posts the notice when the test says.
+    imds, storage = FakeIMDS(), Path(args["storage"])
+    with open(storage / "spot_watch.txt", "w") as log:
+        watcher = subprocess.Popen(
+            [sys.executable, "-m", "raytrain_cpu.spot", f"--address={cluster.address}", f"--node-id={nodes[1].node_id}",
+             f"--imds={imds.url}", "--poll-s=0.2", f"--margin-s={RECLAIM_MARGIN_S}", f"--lock={storage / 'spot.lock'}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     ray.init(address=cluster.address, logging_level="WARNING", runtime_env={"worker_process_setup_hook": _slow_steps})
     # Made before Ray Train makes Ray's own, and as Ray makes it (on the head, which stays).
     ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(QuickCoordinator).options(
@@ -844,7 +761,7 @@ def _elastic_scenario(args: dict) -> dict:
         None,
         straight_overrides(
             "elastic",
-            Path(args["storage"]),
+            storage,
             args["cache"],
             "scaling.num_workers=2",
             "scaling.min_workers=1",
@@ -852,7 +769,7 @@ def _elastic_scenario(args: dict) -> dict:
             "scaling.cpus_per_worker=0.5",
             "scaling.threads_per_worker=1",
             "scaling.resources_per_worker={trainer: 1}",
-            "run.max_failures=1",
+            "run.max_failures=0",  # the spot reclaim and the growth must spend none
             "run.num_to_keep=8",  # every checkpoint stays, to count the conversions at the end
         ),
     )
@@ -860,12 +777,19 @@ def _elastic_scenario(args: dict) -> dict:
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(run, cfg)
         _wait_for_registered(run_dir, CKPT_EVERY, future)
-        t_lost = time.time()
-        cluster.remove_node(nodes[1], allow_graceful=False)  # a spot node reclaimed without notice
-        one = _wait_for_step(run_dir, 0, future, after=t_lost, workers=1)
+        _wait_for_step(run_dir, CKPT_EVERY + 2, future)
+        t_notice = time.time()
+        imds.notice("terminate", at=t_notice + RECLAIM_S)
+        notice = _notice_checkpoint(run_dir, future)
+        notice_s = time.time() - t_notice
+        # At the drain's deadline (the notice's time less the margin) Ray Train ends the attempt
+        # and goes on with the node left; then the instance goes.
+        one = _wait_for_step(run_dir, 0, future, after=t_notice, workers=1)
+        shrunk_on = sorted({w["Address"]["NodeID"] for w in _alive_workers()})
+        cluster.remove_node(nodes[1], allow_graceful=False)
         # Ray Train looks for room every scaling.resize_check_s: the node joins just after it has
         # looked, so the workers see the node first and checkpoint before Ray grows the run.
-        _wait_for_resize_check(Path(args["storage"]) / "stderr.txt", future)
+        _wait_for_resize_check(storage / "stderr.txt", future)
         t_joined = time.time()
         cluster.add_node(num_cpus=1, resources={"trainer": 1})
         two = _wait_for_step(run_dir, 0, future, after=t_joined, workers=2)
@@ -875,8 +799,13 @@ def _elastic_scenario(args: dict) -> dict:
         if not changes or row["workers"] != changes[-1][1] or row["step"] <= changes[-1][0]:
             changes.append((row["step"], row["workers"]))
     return {
+        "notice_checkpoint": {k: notice[k] for k in ("step", "reason")} if notice else None,
+        "notice_to_checkpoint_s": round(notice_s, 1),
+        "notice_to_next_step_s": round(one["time"] - t_notice, 1),
+        "watcher": {"rc": watcher.wait(timeout=30), "said": (storage / "spot_watch.txt").read_text()},
+        "drained_node": nodes[1].node_id,
+        "shrunk_on": shrunk_on,
         "worker_changes": changes,
-        "node_loss_to_next_step_s": round(one["time"] - t_lost, 1),
         "node_join_to_next_step_s": round(two["time"] - t_joined, 1),
         "wall_s": round(time.time() - t0, 1),
         "universal": sorted(p.parent.name for p in run_dir.glob(f"checkpoint_*/{ck.UNIVERSAL}")),
@@ -891,5 +820,4 @@ def _elastic_scenario(args: dict) -> dict:
 
 
 if __name__ == "__main__":
-    scenario = json.loads(sys.argv[1])
-    print(json.dumps({"spot": _spot_scenario, "elastic": _elastic_scenario}[scenario["scenario"]](scenario)))
+    print(json.dumps(_elastic_scenario(json.loads(sys.argv[1]))))
