@@ -26,6 +26,7 @@ cluster scenario's entry point too (`python tests/test_fault_tolerance.py '<json
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -323,12 +324,20 @@ def _alive_workers() -> list[dict]:
 def _wait_for_step(
     run_dir: Path, step: int, future, after: float = 0.0, timeout: float = 300, workers: int | None = None
 ) -> dict:
-    """The first metrics row at or past `step` written after time `after` (by `workers` workers)."""
+    """The first metrics row at or past `step` written after time `after` (by `workers` workers).
+    metrics.jsonl only grows: each look (every 20 ms) parses just the lines added since the last."""
+    path, read = Path(run_dir) / "metrics.jsonl", 0
     deadline = time.time() + timeout
     while time.time() < deadline:
-        for row in train_rows(run_dir):
-            if row["step"] >= step and row["time"] > after and row["workers"] == (workers or row["workers"]):
-                return row
+        with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+            f.seek(read)
+            added = f.read()
+            added = added[: added.rfind(b"\n") + 1]  # whole lines only: the last may be mid-write
+            read += len(added)
+            for row in map(json.loads, filter(bytes.strip, added.splitlines())):
+                late = "loss" in row and row["step"] >= step and row["time"] > after
+                if late and row["workers"] == (workers or row["workers"]):
+                    return row
         if future.done():
             future.result()  # raises the run's error
             raise AssertionError(f"the run finished before reaching step {step}")
