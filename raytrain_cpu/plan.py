@@ -904,19 +904,18 @@ def plan(
     attention_probs: str = "auto",
     kept_pages: bool = True,
     free_memory_growth_mib: int = FREE_MEMORY_GROWTH_MIB,
-    reference_forward: bool = False,
     dpo_reference: str = "",
 ) -> dict[str, Any]:
     """The whole estimate as a JSON-able dict (what `--json` prints).
 
     `lora_rank` > 0 plans LoRA fine-tuning: a frozen, partitioned base and trainable adapters
-    on `lora_targets` (`lora_dropout` > 0 keeps more activations). `reference_forward` plans DPO
-    (data.format=preference): one more forward a micro batch, the reference's, under no_grad
-    (its activations are not kept, so the peak is the training's), which gathers the model once
-    more; without LoRA the reference is a frozen copy of the starting model, whose weights are
-    held beside the trained ones. `dpo_reference` names how a DPO run keeps its reference, for
-    the table ("each-step", "precomputed" or "none" for SimPO; "" when not DPO): only "each-step"
-    changes the figures, which `reference_forward` carries.
+    on `lora_targets` (`lora_dropout` > 0 keeps more activations). `dpo_reference` says how a
+    DPO run (data.format=preference) keeps its reference: "each-step" plans one more forward a
+    micro batch, the reference's, under no_grad (its activations are not kept, so the peak is
+    the training's), which gathers the model once more; without LoRA that reference is a frozen
+    copy of the starting model, whose weights are held beside the trained ones. "precomputed"
+    (train.dpo_precompute_reference) and "none" (SimPO) plan as SFT, and the table says which;
+    "" is a run without DPO.
 
     `instance` (e.g. 'c7i.48xlarge') checks the fit on that node and times the communication
     at its network rate; without it, the recommended node is used. Every fit leaves
@@ -937,6 +936,9 @@ def plan(
         raise ValueError(f"free_memory_growth_mib must be >= 0, got {free_memory_growth_mib}")
     if not 0.0 <= lora_dropout < 1.0:
         raise ValueError(f"lora_dropout must be in [0, 1), got {lora_dropout}")
+    if dpo_reference not in DPO_REFERENCES:
+        raise ValueError(f"dpo_reference must be one of {DPO_REFERENCES}, got {dpo_reference!r}")
+    reference_forward = dpo_reference == "each-step"
     lora_targets = tuple(lora_targets)
     trainable = shape.lora_params(lora_rank, lora_targets) if lora_rank else shape.num_params
 
@@ -1046,7 +1048,6 @@ def inputs_from_config(cfg: Any, model: str = "", world_size: int = 0) -> dict[s
         shape = ModelShape(**{**asdict(shape), "tie_word_embeddings": t.tie_word_embeddings})
     else:
         shape = resolve_shape(model or m.name_or_path)
-    dpo_reference = _dpo_reference(cfg)
     return dict(
         model_shape=shape,
         # 0 = auto: 2 on one machine
@@ -1076,8 +1077,7 @@ def inputs_from_config(cfg: Any, model: str = "", world_size: int = 0) -> dict[s
         free_memory_growth_mib=cfg.scaling.free_memory_growth_mib,
         # SimPO (train.dpo_loss=simpo) compares no reference, and a precomputed one runs no forward:
         # neither plans the forward nor a copy.
-        reference_forward=dpo_reference == "each-step",
-        dpo_reference=dpo_reference,
+        dpo_reference=_dpo_reference(cfg),
     )
 
 
@@ -1097,6 +1097,7 @@ DPO_WITHOUT_FORWARD = {
     "every block the run trains and evaluates on), no reference forward or copy beside training",
     "none": "; SimPO: no reference model",
 }
+DPO_REFERENCES = ("", "each-step", *DPO_WITHOUT_FORWARD)  # plan()'s dpo_reference
 
 
 def _count(n: float) -> str:
@@ -1304,7 +1305,6 @@ def main(argv: list[str] | None = None) -> int:
         kept_pages=True,
         free_memory_growth_mib=FREE_MEMORY_GROWTH_MIB,
         max_live_parameters=DS_MAX_LIVE_PARAMETERS,
-        reference_forward=False,
         dpo_reference="",
     )
     try:
@@ -1330,7 +1330,6 @@ def main(argv: list[str] | None = None) -> int:
             kept_pages=args.kept_pages,
             free_memory_growth_mib=args.free_memory_growth_mib,
             max_live_parameters=int(args.max_live_parameters) if args.max_live_parameters else None,
-            reference_forward=args.dpo == "each-step" if args.dpo else None,
             dpo_reference=args.dpo,
         )
         inputs |= {k: v for k, v in flags.items() if v is not None}

@@ -253,7 +253,7 @@ def test_simpo_compares_per_token_likelihoods_with_no_reference():
     value, batch_sums = dpo.micro_batch_loss(model, dpo.reference_free, inputs, True, beta=2.0, loss="simpo", gamma=0.5)
     assert math.isfinite(value.item()) and batch_sums[1] == 3
     c = load_config(None, ["data.format=preference", "train.dpo_loss=simpo", "train.dpo_beta=2.0"])
-    assert plan.inputs_from_config(c)["reference_forward"] is False  # no reference forward, no copy
+    assert plan.inputs_from_config(c)["dpo_reference"] == "none"  # no reference forward, no copy
     with pytest.raises(ConfigError, match=r"train.simpo_gamma"):
         load_config(None, ["train.simpo_gamma=-1"])
 

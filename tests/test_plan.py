@@ -323,10 +323,10 @@ def test_dpo_plans_a_reference_forward():
     from raytrain_cpu.config import load_config
 
     config = ROOT / "configs/llama3-8b-dpo-c7i.yaml"
-    assert not plan.inputs_from_run_config(str(config))["reference_forward"]
+    assert plan.inputs_from_run_config(str(config))["dpo_reference"] == "precomputed"
     dpo = plan.inputs_from_config(load_config(config, ["train.dpo_precompute_reference=false"]))
-    assert dpo["reference_forward"] and dpo["lora_rank"] == 16
-    with_ref, without = plan.plan(**dpo), plan.plan(**(dpo | {"reference_forward": False}))
+    assert dpo["dpo_reference"] == "each-step" and dpo["lora_rank"] == 16
+    with_ref, without = plan.plan(**dpo), plan.plan(**(dpo | {"dpo_reference": ""}))
     assert with_ref["memory_gib"] == without["memory_gib"]
     extra = (with_ref["comm_gib_per_step"] - without["comm_gib_per_step"]) * plan.GIB
     # one more all-gather of the bf16 base (2 bytes a parameter; a ring over 2 ranks moves half)
@@ -361,7 +361,7 @@ def test_the_plan_says_how_a_dpo_run_keeps_its_reference(capsys):
     simpo = plan.inputs_from_config(
         load_config(config, ["train.dpo_loss=simpo", "train.dpo_precompute_reference=false"])
     )
-    assert simpo["dpo_reference"] == "none" and not simpo["reference_forward"]
+    assert simpo["dpo_reference"] == "none"
     assert "; SimPO: no reference model" in plan.format_table(plan.plan(**simpo))
     assert plan.inputs_from_config(load_config(None, []))["dpo_reference"] == ""
 
@@ -370,15 +370,15 @@ def test_full_dpo_plans_a_frozen_copy_of_the_starting_model():
     """Without LoRA, DPO's reference is a frozen copy of the starting model: its weights, held as
     the trained ones are (partitioned at ZeRO-3, whole at ZeRO-1/2), from the load on."""
     kw = dict(model_shape="meta-llama/Meta-Llama-3-8B", world_size=4, seq_len=1024, activation_checkpointing=True)
-    full, plain = plan.plan(**kw, reference_forward=True), plan.plan(**kw)
+    full, plain = plan.plan(**kw, dpo_reference="each-step"), plan.plan(**kw)
     ref = full["components_gib"]["reference"]
     assert ref == full["components_gib"]["weights"] and plain["components_gib"]["reference"] == 0
     for stage in ("after_load", "after_master", "after_optimizer"):
         assert full["memory_gib"][stage] - plain["memory_gib"][stage] == pytest.approx(ref)
     assert full["memory_gib"]["peak"] - plain["memory_gib"]["peak"] >= ref
-    zero1 = plan.plan(**kw, reference_forward=True, zero_stage=1)
+    zero1 = plan.plan(**kw, dpo_reference="each-step", zero_stage=1)
     assert zero1["components_gib"]["reference"] * plan.GIB == 2 * plan.resolve_shape(kw["model_shape"]).num_params
-    lora = plan.plan(**kw, reference_forward=True, lora_rank=16)  # the base with the adapters off: no copy
+    lora = plan.plan(**kw, dpo_reference="each-step", lora_rank=16)  # the base with the adapters off: no copy
     assert lora["components_gib"]["reference"] == 0
     assert "a frozen copy of the starting model" in plan.format_table(full)
 
