@@ -36,7 +36,7 @@ def child(way: str, model_dir: str) -> None:
 
     from raytrain_cpu.config import load_config
     from raytrain_cpu.model import load_sharded
-    from raytrain_cpu.train import _param_groups, deepspeed_config, free_port, init_deepspeed_comm, init_local_group
+    from raytrain_cpu.train import _param_groups, deepspeed_config, free_port, init_deepspeed, init_local_group
 
     torch.set_num_threads(1)
     init_local_group(0, 1, free_port())
@@ -45,7 +45,7 @@ def child(way: str, model_dir: str) -> None:
     t0 = time.perf_counter()
     if way == "muon":
         import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
-    init_deepspeed_comm()
+    init_deepspeed()
     import deepspeed
 
     model, hf_ds_config = load_sharded(model_dir, ds_config, torch.bfloat16)

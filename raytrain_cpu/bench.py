@@ -1199,10 +1199,10 @@ def _load_worker(rank: int, world: int, port: int, model_dir: str, dtype_name: s
 
         from raytrain_cpu.config import load_config
         from raytrain_cpu.model import load_sharded
-        from raytrain_cpu.train import deepspeed_config, init_deepspeed_comm, init_local_group
+        from raytrain_cpu.train import deepspeed_config, init_deepspeed, init_local_group
 
         init_local_group(rank, world, port)
-        init_deepspeed_comm()
+        init_deepspeed()
         ds_config = deepspeed_config(
             load_config(None, ["model.dtype=" + ("bf16" if dtype == torch.bfloat16 else "fp32")]), world
         )

@@ -110,9 +110,10 @@ def deepspeed_config(cfg: Config, world_size: int, universal: bool = False) -> d
     return conf
 
 
-def init_deepspeed_comm(shm: bool = False, timeout_s: float = 600, log: Callable[[str], None] = print) -> None:
-    """DeepSpeed's communication on the process group already set up (Ray Train's gloo group in
-    the workers): DeepSpeed must reuse it, never call a second init_process_group.
+def init_deepspeed(shm: bool = False, timeout_s: float = 600, log: Callable[[str], None] = print) -> None:
+    """DeepSpeed set up for an engine: its communication on the process group already set up (Ray
+    Train's gloo group in the workers), which DeepSpeed must reuse, never calling a second
+    init_process_group; and kept from importing its Muon optimizer (keep_muon_unimported).
 
     DeepSpeed's own shared-memory all-reduce serves inference only, and would JIT-compile C++
     in every process at start-up (~30 s of CPU on 2 cores). `shm` routes the training
@@ -700,7 +701,7 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
     from raytrain_cpu.model import load_sharded
 
     cfg, model_dir = w.cfg, w.loop_config["model_dir"]
-    init_deepspeed_comm(cfg.deepspeed.shm_collectives, cfg.run.gloo_timeout_s, w.log)
+    init_deepspeed(cfg.deepspeed.shm_collectives, cfg.run.gloo_timeout_s, w.log)
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     t0 = time.perf_counter()
     w.log(f"[load] loading {model_dir} into ZeRO-{cfg.deepspeed.zero_stage} shards on {w.world} ranks")

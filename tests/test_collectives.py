@@ -18,12 +18,12 @@ def _collectives_rank(rank: int, port: int, root: str) -> None:
     import torch.distributed as dist
 
     from raytrain_cpu import collectives
-    from raytrain_cpu.train import init_deepspeed_comm, init_local_group
+    from raytrain_cpu.train import init_deepspeed, init_local_group
 
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     init_local_group(rank, 2, port)
-    init_deepspeed_comm()
+    init_deepspeed()
     backend = ds_dist.comm.cdb
     gloo = {n: getattr(backend, n) for n in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")}
     # 1 MiB slots: the larger tensors below go through in several chunks.

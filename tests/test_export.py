@@ -43,9 +43,9 @@ def _train_and_save(rank: int, root: str, port: int) -> None:
     from raytrain_cpu.export import probe_logits
     from raytrain_cpu.model import load_sharded
     from raytrain_cpu.tokenizer import resolve_tokenizer_path
-    from raytrain_cpu.train import _param_groups, deepspeed_config, init_deepspeed_comm
+    from raytrain_cpu.train import _param_groups, deepspeed_config, init_deepspeed
 
-    init_deepspeed_comm()
+    init_deepspeed()
     cfg = load_config(None, CONFIG)
     ds_config = deepspeed_config(cfg, WORLD)
     model_dir = str(Path(root) / "base_model")

@@ -215,12 +215,12 @@ RANK_SCRIPT = textwrap.dedent(
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
     from raytrain_cpu.config import GuardConfig
     from raytrain_cpu.guards import StabilityGuard
-    from raytrain_cpu.train import init_deepspeed_comm, init_local_group
+    from raytrain_cpu.train import init_deepspeed, init_local_group
 
     rank, world = int(sys.argv[2]), 2
     torch.set_num_threads(1)
     init_local_group(rank, world, int(sys.argv[3]))
-    init_deepspeed_comm()
+    init_deepspeed()
 
     def all_reduce_sum(values):
         t = torch.tensor(values, dtype=torch.float64)

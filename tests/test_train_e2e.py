@@ -354,10 +354,10 @@ def _check_sharded_load(loop_config: dict) -> None:
 
     from raytrain_cpu.config import Config
     from raytrain_cpu.model import load_sharded
-    from raytrain_cpu.train import deepspeed_config, init_deepspeed_comm
+    from raytrain_cpu.train import deepspeed_config, init_deepspeed
 
     world = ray.train.get_context().get_world_size()
-    init_deepspeed_comm()
+    init_deepspeed()
     cfg = Config.from_dict(loop_config["config"])
     model, hf_ds = load_sharded(loop_config["model_dir"], deepspeed_config(cfg, world), torch.bfloat16)
     params = dict(model.named_parameters())
