@@ -366,8 +366,10 @@ class FakeIMDS:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def notice(self, action: str, at: float) -> None:
+    def notice(self, action: str, at: float) -> int:
+        """Posts a notice that EC2 will `action` the instance at `at`; the time it says (whole seconds)."""
         self.action = {"action": action, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))}
+        return int(at)
 
     def expire_token(self) -> None:
         self.token += "'"

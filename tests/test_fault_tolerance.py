@@ -788,14 +788,16 @@ def _elastic_scenario(args: dict) -> dict:
         _wait_for_registered(run_dir, CKPT_EVERY, future)
         _wait_for_step(run_dir, CKPT_EVERY + 2, future)
         t_notice = time.time()
-        imds.notice("terminate", at=t_notice + RECLAIM_S)
+        t_reclaim = imds.notice("terminate", at=t_notice + RECLAIM_S)
         notice = _notice_checkpoint(run_dir, future)
         notice_s = time.time() - t_notice
-        # At the drain's deadline (the notice's time less the margin) Ray Train ends the attempt
-        # and goes on with the node left; then the instance goes.
+        # At the drain's deadline (the notice's time less the margin) Ray Train ends the attempt;
+        # at the notice's time EC2 takes the instance. Until then the drained node still looks
+        # free to Ray Train's elastic policy, which waits for it (as on AWS, for the margin).
+        time.sleep(max(0.0, t_reclaim - time.time()))
+        cluster.remove_node(nodes[1], allow_graceful=False)
         one = _wait_for_step(run_dir, 0, future, after=t_notice, workers=1)
         shrunk_on = sorted({w["Address"]["NodeID"] for w in _alive_workers()})
-        cluster.remove_node(nodes[1], allow_graceful=False)
         # Ray Train looks for room every scaling.resize_check_s: the node joins just after it has
         # looked, so the workers see the node first and checkpoint before Ray grows the run.
         _wait_for_resize_check(storage / "stderr.txt", future)
