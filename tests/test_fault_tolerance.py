@@ -639,6 +639,7 @@ def test_elastic_run_shrinks_on_node_loss_and_grows_back(elastic_scenario, strai
     result = elastic_scenario()
     print(f"\n[elastic] { ({k: v for k, v in result.items() if k != 'losses'}) }")
     notice, drained = result["notice_checkpoint"], result["drained_node"]
+    assert notice, f"no checkpoint for the notice: {result['saved']}"
     assert notice["reason"] == "preemption" and notice["step"] % CKPT_EVERY != 0  # taken for the notice
     assert result["watcher"]["rc"] == 0 and f"drained Ray node {drained} for preemption" in result["watcher"]["said"]
     assert drained not in result["shrunk_on"]
