@@ -147,7 +147,15 @@ def watch(imds: str, address: str, node_id: str | None, poll_s: float, margin_s:
         if notice is not None:
             break
         time.sleep(poll_s)
-    drained, deadline_ms = drain(address, node_id, notice, margin_s)
+    while True:
+        try:
+            drained, deadline_ms = drain(address, node_id, notice, margin_s)
+            break
+        except Exception as e:  # Ray restarting, its GCS busy: the notice stands until its time
+            if time.time() >= notice.time:
+                raise SpotError(f"could not drain the node before the reclaim: {e}") from e
+            say(f"draining the node failed ({e}); trying again")
+            time.sleep(poll_s)
     say(
         f"spot notice: {notice.action} at {_iso(notice.time)}; drained Ray node {drained} for preemption, "
         f"deadline {_iso(deadline_ms / 1000)}: the workers checkpoint now and restart elsewhere then"

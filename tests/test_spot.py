@@ -41,13 +41,21 @@ def test_the_deadline_leaves_the_margin_and_is_never_past():
 
 def test_the_watch_renews_its_token_and_stops_at_the_notice(imds, monkeypatch, capsys):
     drained = []
-    monkeypatch.setattr(spot, "drain", lambda *args: drained.append(args) or ("n1", 1_799_999_985_000))
+
+    def drain(*args):  # the first try finds Ray restarting
+        drained.append(args)
+        if len(drained) == 1:
+            raise ConnectionError("GCS unavailable")
+        return "n1", 1_799_999_985_000
+
+    monkeypatch.setattr(spot, "drain", drain)
     threading.Timer(0.3, imds.expire_token).start()
     threading.Timer(0.6, imds.notice, ("terminate", 1_800_000_000)).start()
     notice = spot.watch(imds.url, "127.0.0.1:6379", None, poll_s=0.05, margin_s=15)
     assert notice == spot.Notice("terminate", 1_800_000_000.0)
-    assert drained == [("127.0.0.1:6379", None, notice, 15)]
+    assert drained == [("127.0.0.1:6379", None, notice, 15)] * 2
     out = capsys.readouterr().out
+    assert "draining the node failed (GCS unavailable); trying again" in out
     assert "spot notice: terminate at 2027-01-15T08:00:00Z; drained Ray node n1 for preemption" in out
     assert "deadline 2027-01-15T07:59:45Z" in out
 
@@ -97,3 +105,13 @@ def test_what_the_workers_say_of_a_notice():
         "restarts the workers without them, from this checkpoint (not counted in run.max_failures)"
     )
     assert "go with no deadline;" in spot_notice_line(["cf1fee43d76f928a"], 0, now=0.0)
+
+
+def test_a_drain_that_keeps_failing_gives_up_at_the_reclaim(imds, monkeypatch):
+    def drain(*args):
+        raise ConnectionError("GCS unavailable")
+
+    monkeypatch.setattr(spot, "drain", drain)
+    imds.notice("terminate", at=time.time() + 0.5)
+    with pytest.raises(spot.SpotError, match=r"could not drain the node before the reclaim: GCS unavailable"):
+        spot.watch(imds.url, "127.0.0.1:6379", None, poll_s=0.05, margin_s=15)
