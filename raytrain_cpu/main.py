@@ -760,18 +760,24 @@ def restart_notice(max_failures: int, start_checkpoint: str | None) -> Any:
 
     class RestartNotice(ray.train.UserCallback):
         def __init__(self) -> None:
-            self.checkpoint, self.failures = start_checkpoint, 0
+            self.checkpoint, self.failures, self.preempted = start_checkpoint, 0, set()
 
         def after_report(self, run_context, metrics, checkpoint) -> None:
             if checkpoint is not None:
                 self.checkpoint = Path(checkpoint.path).name
 
         def after_exception(self, run_context, worker_exceptions) -> None:
+            # Ray Train calls this on every poll that finds errors. A worker lost with a preempted
+            # node is found again on each poll until the node's drain runs out (then Ray restarts,
+            # not counting it) or another error ends the attempt (then it counts, said below).
             reason, preempted = failure_reason(worker_exceptions)
+            if preempted and reason in self.preempted:  # the same loss, found again
+                return
             start = self.checkpoint or "step 0"
             self.failures += not preempted
             if preempted:
-                then = f"restarting from {start} (a preempted node: not counted in run.max_failures)"
+                self.preempted.add(reason)
+                then = f"restarting from {start} once the node's drain ends (a preempted node: not counted in run.max_failures)"
             elif max_failures == -1 or self.failures <= max_failures:
                 of = "" if max_failures == -1 else f" of {max_failures + 1}"
                 then = f"restarting from {start} (attempt {self.failures + 1}{of})"

@@ -153,6 +153,26 @@ def test_failure_reason_names_the_worker_that_died():
     assert failure_reason({2: data}) == ("rank 2: DataError: bad row 7", False)
 
 
+def test_a_worker_lost_with_a_preempted_node_is_told_once(capsys):
+    """Ray Train reports the errors on each poll: a preempted node's lost worker again on every one
+    until the drain runs out. One line for it; a later error that ends the attempt counts."""
+    from ray.exceptions import RayActorError
+
+    from raytrain_cpu.main import restart_notice
+
+    said = "The actor died unexpectedly before finishing this task.\n\tpid: 25142\n\tip: 10.0.0.5"
+    notice = restart_notice(1, "checkpoint_000016")
+    for _ in range(3):
+        notice.after_exception(None, {1: RayActorError("a1", said, False, True)})
+    notice.after_exception(None, {1: RayActorError("a1", said, False, False)})  # Ray's view changed
+    lost = "worker group failed (rank 1, pid 25142 on node 10.0.0.5: RayActorError: The actor died unexpectedly"
+    assert capsys.readouterr().out.splitlines() == [
+        f"[raytrain] {lost} before finishing this task.); restarting from checkpoint_000016 once the node's drain "
+        "ends (a preempted node: not counted in run.max_failures)",
+        f"[raytrain] {lost} before finishing this task.); restarting from checkpoint_000016 (attempt 2 of 2)",
+    ]
+
+
 # ----------------------------------------------------------------------------- slow: the real thing
 
 
