@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--lock", default=LOCK, help=f"one watcher per lock file (default {LOCK})")
     args = ap.parse_args(argv)
+    if args.poll_s <= 0 or args.margin_s < 0:
+        ap.error("--poll-s must be > 0 and --margin-s >= 0 (a deadline after the reclaim counts it as a failure)")
     with open(args.lock, "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -69,6 +69,12 @@ def test_off_ec2_it_says_so_and_exits_2(tmp_path, capsys):
     assert f"error: no instance metadata service at {closed}" in err and "runs on an EC2 instance" in err
 
 
+def test_a_margin_past_the_reclaim_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        spot.main(["--margin-s=-5"])
+    assert e.value.code == 2 and "--margin-s >= 0" in capsys.readouterr().err
+
+
 def test_one_watcher_a_machine(imds, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(spot, "drain", lambda *args: ("n1", 0))  # no Ray here to drain
     lock = tmp_path / "lock"
