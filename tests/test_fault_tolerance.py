@@ -46,10 +46,9 @@ from raytrain_cpu import checkpoint as ck
 from raytrain_cpu.config import ConfigError, load_config
 
 HANG_TIMEOUT_S = 12  # run.gloo_timeout_s of the fault run
-RECLAIM_S, RECLAIM_MARGIN_S = (
-    7,
-    2,
-)  # the scenario's spot notice: the node goes 7 s later, Ray Train's attempt ends 2 s before
+# The elastic scenario's spot notice: the node goes RECLAIM_S after it, and the watcher ends Ray
+# Train's attempt RECLAIM_MARGIN_S before that, leaving the workers 8 s to checkpoint (~1 s here).
+RECLAIM_S, RECLAIM_MARGIN_S = 10, 2
 
 
 # ----------------------------------------------------------------------------- fakes (no Ray, no DeepSpeed)
