@@ -294,6 +294,15 @@ CLI_OVERRIDES = [
 ]
 
 
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when the process that started it dies, however it dies
+    (a test's teardown stops it otherwise)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def child_env() -> dict[str, str]:
     """This environment without a Ray address or console knobs: a child process starts its own Ray."""
     drop = ("RAY_ADDRESS", "RAY_DEDUP_LOGS_ALLOW_REGEX", "RAY_DEDUP_LOGS_SKIP_REGEX", "RAY_DISABLE_WORKER_LOG_PREFIX")

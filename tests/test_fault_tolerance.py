@@ -40,15 +40,26 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import BF16_LOSS_TOL, CKPT_EVERY, STEPS, FakeIMDS, run_losses, straight_overrides, train_rows
+from conftest import (
+    BF16_LOSS_TOL,
+    CKPT_EVERY,
+    STEPS,
+    FakeIMDS,
+    die_with_parent,
+    run_losses,
+    straight_overrides,
+    train_rows,
+)
 
 from raytrain_cpu import checkpoint as ck
 from raytrain_cpu.config import ConfigError, load_config
 
 HANG_TIMEOUT_S = 12  # run.gloo_timeout_s of the fault run
-# The elastic scenario's spot notice: the node goes RECLAIM_S after it, and the watcher ends Ray
-# Train's attempt RECLAIM_MARGIN_S before that, leaving the workers 8 s to checkpoint (~1 s here).
-RECLAIM_S, RECLAIM_MARGIN_S = 10, 2
+# The elastic scenario's spot notice: the node goes RECLAIM_S after it (whole seconds: 6-7 s), and
+# the watcher ends Ray Train's attempt RECLAIM_MARGIN_S before that. The workers take ~1 s to
+# checkpoint for the notice; at 10 s they reached the next periodic checkpoint first (idle host),
+# and the run resumed from that one instead.
+RECLAIM_S, RECLAIM_MARGIN_S = 7, 2
 
 
 # ----------------------------------------------------------------------------- fakes (no Ray, no DeepSpeed)
@@ -755,7 +766,7 @@ def _elastic_scenario(args: dict) -> dict:
         watcher = subprocess.Popen(
             [sys.executable, "-m", "raytrain_cpu.spot", f"--address={cluster.address}", f"--node-id={nodes[1].node_id}",
              f"--imds={imds.url}", "--poll-s=0.2", f"--margin-s={RECLAIM_MARGIN_S}", f"--lock={storage / 'spot.lock'}"],
-            stdout=log, stderr=subprocess.STDOUT,
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,  # gone with the scenario
         )  # fmt: skip
     ray.init(address=cluster.address, logging_level="WARNING", runtime_env={"worker_process_setup_hook": _slow_steps})
     # Made before Ray Train makes Ray's own, and as Ray makes it (on the head, which stays).

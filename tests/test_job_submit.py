@@ -13,7 +13,6 @@ cluster neither clashes with nor joins other Rays on the machine and never write
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import secrets
@@ -31,7 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 import ray.util
-from conftest import fast_overrides
+from conftest import die_with_parent, fast_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -65,12 +64,6 @@ def _node_ports() -> list[str]:
         "--object-store-memory=268435456",
         "--disable-usage-stats",
     ]
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: a `ray start --block` gets SIGTERM when pytest dies, so a killed test run
-    leaves no cluster behind (the fixture's teardown stops it otherwise)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _until(ready, procs: list[subprocess.Popen], timeout: float = 180) -> bool:
@@ -163,7 +156,7 @@ def cluster():
             + ["--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--ray-client-server-port={client}"]
             + ["--num-cpus=0", *_node_ports()],
             env=env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,  # a killed test run leaves no cluster behind
             stdout=outs[-1],
             stderr=subprocess.STDOUT,
         )
@@ -206,7 +199,7 @@ def _start_trainer_node(root: Path, gcs_address: str, env: dict, outs: list, tri
             [BIN / "ray", "start", "--block", f"--address={gcs_address}", f"--temp-dir={temp}"]
             + ["--num-cpus=2", '--resources={"trainer": 2}', *_node_ports()],
             env=env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,  # a killed test run leaves no cluster behind
             stdout=outs[-1],
             stderr=subprocess.STDOUT,
         )
