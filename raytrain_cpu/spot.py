@@ -38,6 +38,7 @@ from typing import Any
 IMDS = "http://169.254.169.254"  # the instance metadata service, from inside the instance only
 TOKEN_TTL_S = 21600  # IMDSv2 session tokens last up to 6 hours
 LOCK = "/tmp/raytrain-spot-watch.lock"
+EC2_TIME = "%Y-%m-%dT%H:%M:%SZ"  # how IMDS writes a notice's time (UTC), and how the watcher says times
 
 
 class SpotError(Exception):
@@ -88,7 +89,7 @@ def instance_action(imds: str, token: str, timeout_s: float = 2.0) -> Notice | N
         if e.code == 401:
             raise PermissionError("IMDS token expired") from e
         raise
-    when = datetime.strptime(body["time"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    when = datetime.strptime(body["time"], EC2_TIME).replace(tzinfo=UTC)
     return Notice(body["action"], when.timestamp())
 
 
@@ -168,7 +169,7 @@ def say(message: str) -> None:
 
 
 def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.fromtimestamp(t, UTC).strftime(EC2_TIME)
 
 
 def main(argv: list[str] | None = None) -> int:

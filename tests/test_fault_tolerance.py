@@ -698,8 +698,8 @@ def _notice_checkpoint(run_dir: Path, future, timeout: float = 120) -> dict | No
     """The manifest of the checkpoint the workers took for a spot notice, once there is one."""
     deadline = time.time() + timeout
     while not future.done() and time.time() < deadline:
-        for m in run_dir.glob("checkpoint_*/manifest.json"):
-            manifest = json.loads(m.read_text())
+        for ckpt in run_dir.glob(f"checkpoint_*/{ck.MANIFEST}"):
+            manifest = ck.read_manifest(ckpt.parent)  # whole: a checkpoint appears by a rename
             if manifest.get("reason") == "preemption":
                 return manifest
         time.sleep(0.05)
@@ -832,8 +832,8 @@ def _elastic_scenario(args: dict) -> dict:
         "wall_s": round(time.time() - t0, 1),
         "universal": sorted(p.parent.name for p in run_dir.glob(f"checkpoint_*/{ck.UNIVERSAL}")),
         "saved": {  # step: (why, by how many workers)
-            int(m.parent.name.split("_")[1]): [json.loads(m.read_text())[k] for k in ("reason", "world_size")]
-            for m in run_dir.glob("checkpoint_*/manifest.json")
+            int(m.parent.name.split("_")[1]): [ck.read_manifest(m.parent)[k] for k in ("reason", "world_size")]
+            for m in run_dir.glob(f"checkpoint_*/{ck.MANIFEST}")
         },
         "summary": {k: summary[k] for k in ("steps", "resumed_from_step", "world_size")},
         "report": key_figures(load_run(run_dir))["workers"],
