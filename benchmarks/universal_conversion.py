@@ -8,7 +8,7 @@ converts fresh copies of its checkpoint both ways, alternating, `--reps` times e
 process imports torch and DeepSpeed, which costs seconds whatever the checkpoint's size: the
 tests' tiny model shows that cost alone, `--shape 88m` (universal_resume.py's model) next to a
 conversion with real work in it. Writes the median seconds of each way and their ratio to
-benchmarks/results/<machine>/universal_conversion[-88m].{json,md}.
+benchmarks/results/<machine>/universal_conversion[-88m].{json,md} (raytrain_cpu.bench.write_results).
 
     python benchmarks/universal_conversion.py               # about 1 minute on 2 cores
     python benchmarks/universal_conversion.py --shape 88m   # about 6 minutes
@@ -17,7 +17,6 @@ benchmarks/results/<machine>/universal_conversion[-88m].{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import subprocess
@@ -30,7 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from raytrain_cpu import checkpoint as ck  # noqa: E402
+from raytrain_cpu.bench import write_results  # noqa: E402
 from raytrain_cpu.cpu import cpu_features  # noqa: E402
+from raytrain_cpu.metrics import markdown_table  # noqa: E402
 
 SHAPES = {
     "tiny": {},  # the default tiny model (model.tiny), as the tests train it
@@ -82,30 +83,28 @@ def main() -> None:
             shutil.rmtree(ckpt)
     shards_mib = sum(f.stat().st_size for f in (trained / ck.DS_TAG).rglob("*") if f.is_file()) / 2**20
     shutil.rmtree(root)
-    features = cpu_features()
     median = {name: statistics.median(s) for name, s in seconds.items()}
     ratio = median["one child (to_universal)"] / median["two children (before)"]
-    result = {
-        "machine": features.model_name,
-        "isa": features.best_isa,
-        "shape": args.shape,
-        "shards_mib": round(shards_mib, 1),
-        "seconds": {name: [round(x, 2) for x in s] for name, s in seconds.items()},
-        "median_s": {name: round(m, 2) for name, m in median.items()},
-        "one_over_two": round(ratio, 3),
-    }
-    rows = ["| conversion | median s | each run (s) |", "|---|---|---|"]
-    rows += [f"| {name} | {median[name]:.2f} | {', '.join(f'{x:.2f}' for x in s)} |" for name, s in seconds.items()]
-    table = "\n".join(rows) + f"\n\n{shards_mib:,.1f} MiB of ZeRO shards (2 workers); one child / two: {ratio:.2f}x\n"
-    print(table)
+    table = [
+        {"conversion": name, "median s": median[name], "each run (s)": ", ".join(f"{x:.2f}" for x in s)}
+        for name, s in seconds.items()
+    ]
+    note = f"{shards_mib:,.1f} MiB of ZeRO shards (2 workers); one child / two: {ratio:.2f}x"
+    print(markdown_table(table) + "\n\n" + note)
     if not args.no_write:
-        folder = REPO / "benchmarks" / "results" / features.slug
-        folder.mkdir(parents=True, exist_ok=True)
-        name = "universal_conversion" + ("" if args.shape == "tiny" else f"-{args.shape}")
-        (folder / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-        header = f"# Universal conversion: one child process or two ({features.model_name}, {features.best_isa})\n\n"
-        command = f"python benchmarks/universal_conversion.py --shape {args.shape} --reps {args.reps}"
-        (folder / f"{name}.md").write_text(f"{header}`{command}`\n\n{table}")
+        features = cpu_features()
+        result = {
+            "command": f"python benchmarks/universal_conversion.py --shape {args.shape} --reps {args.reps}",
+            "machine": f"{features.model_name} ({features.best_isa})",
+            "shape": args.shape,
+            "shards_mib": round(shards_mib, 1),
+            "seconds": {name: [round(x, 2) for x in s] for name, s in seconds.items()},
+            "median_s": {name: round(m, 2) for name, m in median.items()},
+            "one_over_two": round(ratio, 3),
+            "tables": {"Universal conversion of a 2-worker checkpoint: one child process or two": table},
+            "notes": [note],
+        }
+        print(write_results("universal_conversion" + ("" if args.shape == "tiny" else f"-{args.shape}"), result, None))
 
 
 if __name__ == "__main__":

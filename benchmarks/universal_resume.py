@@ -7,15 +7,14 @@ twice, converts one copy's checkpoint with `checkpoint.to_universal` and the oth
 DeepSpeed's `ds_to_universal` alone, then resumes each for one step on 1 worker (twice the
 accumulation, the same global batch) through the real entry point. Writes the conversion time,
 the sizes on disk, the resumed rank's peak RSS and the loss of each to
-benchmarks/results/<machine>/universal_resume.{json,md}.
+benchmarks/results/<machine>/universal_resume.{json,md} (raytrain_cpu.bench.write_results).
 
-    python benchmarks/universal_resume.py          # about 11 minutes on 2 cores
+    python benchmarks/universal_resume.py          # about 20 minutes on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -27,8 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from raytrain_cpu import checkpoint as ck  # noqa: E402
+from raytrain_cpu.bench import write_results  # noqa: E402
 from raytrain_cpu.cpu import cpu_features  # noqa: E402
-from raytrain_cpu.metrics import read_metrics  # noqa: E402
+from raytrain_cpu.metrics import markdown_table, read_metrics  # noqa: E402
 
 SHAPE = {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 12, "intermediate_size": 2048}
 
@@ -78,20 +78,22 @@ def main() -> None:
             **resume_on_one_worker(storage),
         }
     shutil.rmtree(root)
-    features = cpu_features()
-    result = {"machine": features.model_name, "isa": features.best_isa, "shape": SHAPE, "variants": out}
-    rows = ["| | raytrain (slimmed) | DeepSpeed as it comes |", "|---|---|---|"]
-    for key in out["raytrain"]:
-        rows.append(f"| {key} | {out['raytrain'][key]:.4g} | {out['deepspeed'][key]:.4g} |")
+    columns = {"raytrain": "raytrain (slimmed)", "deepspeed": "DeepSpeed as it comes"}
+    table = [{"": key, **{columns[v]: out[v][key] for v in columns}} for key in out["raytrain"]]
     ratio = out["raytrain"]["peak_rss_gib"] / out["deepspeed"]["peak_rss_gib"]
-    table = "\n".join(rows) + f"\n\nPeak RSS of the resumed rank, slimmed / as it comes: {ratio:.2f}\n"
-    print(table)
+    note = f"Peak RSS of the resumed rank, slimmed / as it comes: {ratio:.2f}"
+    print(markdown_table(table) + "\n\n" + note)
     if not args.no_write:
-        folder = REPO / "benchmarks" / "results" / features.slug
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "universal_resume.json").write_text(json.dumps(result, indent=2) + "\n")
-        header = f"# Resume 2 workers -> 1: universal conversion ({features.model_name}, {features.best_isa})\n\n"
-        (folder / "universal_resume.md").write_text(header + "`python benchmarks/universal_resume.py`\n\n" + table)
+        features = cpu_features()
+        result = {
+            "command": "python benchmarks/universal_resume.py",
+            "machine": f"{features.model_name} ({features.best_isa})",
+            "shape": SHAPE,
+            "variants": out,
+            "tables": {"Resume 2 workers -> 1: the universal conversion, slimmed or as DeepSpeed leaves it": table},
+            "notes": [note],
+        }
+        print(write_results("universal_resume", result, None))
 
 
 if __name__ == "__main__":
