@@ -11,7 +11,7 @@ conversion with real work in it. Writes the median seconds of each way and their
 benchmarks/results/<machine>/universal_conversion[-88m].{json,md} (raytrain_cpu.bench.write_results).
 
     python benchmarks/universal_conversion.py               # about 1 minute on 2 cores
-    python benchmarks/universal_conversion.py --shape 88m   # about 6 minutes
+    python benchmarks/universal_conversion.py --shape 88m   # about 2 minutes
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ SHAPES = {
 def train(storage: Path, shape: dict[str, int]) -> Path:
     """A 2-step, 2-worker run; its checkpoint."""
     args = [f"model.tiny.{k}={v}" for k, v in shape.items()]
-    args += ["train.micro_batch_size=1", "train.warmup_steps=1", "train.eval_every=0", "train.max_steps=2"]
+    args += ["train.micro_batch_size=1", "train.warmup_steps=1", "train.max_steps=2"]
+    args += ["train.eval_every=0", "train.eval_batches=1"]  # the end's evaluation: one batch, not the split
     args += ["scaling.num_workers=2", "run.name=bench", f"run.storage_path={storage}"]
     args += [f"data.cache_dir={storage.parent / 'cache'}"]
     subprocess.run([sys.executable, "-m", "raytrain_cpu.main", *args], cwd=REPO, check=True, capture_output=True)
