@@ -93,10 +93,9 @@ def main() -> None:
     note = f"{shards_mib:,.1f} MiB of ZeRO shards (2 workers); one child / two: {ratio:.2f}x"
     print(markdown_table(table) + "\n\n" + note)
     if not args.no_write:
-        features = cpu_features()
         result = {
             "command": f"python benchmarks/universal_conversion.py --shape {args.shape} --reps {args.reps}",
-            "machine": f"{features.model_name} ({features.best_isa})",
+            "machine": cpu_features().describe(),
             "shape": args.shape,
             "shards_mib": round(shards_mib, 1),
             "seconds": {name: [round(x, 2) for x in s] for name, s in seconds.items()},

@@ -87,10 +87,9 @@ def main() -> None:
     note = f"Peak RSS of the resumed rank, slimmed / as it comes: {ratio:.2f}"
     print(markdown_table(table) + "\n\n" + note)
     if not args.no_write:
-        features = cpu_features()
         result = {
             "command": "python benchmarks/universal_resume.py",
-            "machine": f"{features.model_name} ({features.best_isa})",
+            "machine": cpu_features().describe(),
             "shape": SHAPE,
             "variants": out,
             "tables": {"Resume 2 workers -> 1: the universal conversion, slimmed or as DeepSpeed leaves it": table},
