@@ -377,7 +377,9 @@ class FakeIMDS:
 
     def notice(self, action: str, at: float) -> int:
         """Posts a notice that EC2 will `action` the instance at `at`; the time it says (whole seconds)."""
-        self.action = {"action": action, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))}
+        from raytrain_cpu.spot import EC2_TIME
+
+        self.action = {"action": action, "time": time.strftime(EC2_TIME, time.gmtime(at))}
         return int(at)
 
     def expire_token(self) -> None:

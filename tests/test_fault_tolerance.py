@@ -696,10 +696,11 @@ def _scenario_cluster():
 
 def _notice_checkpoint(run_dir: Path, future, timeout: float = 120) -> dict | None:
     """The manifest of the checkpoint the workers took for a spot notice, once there is one."""
-    deadline = time.time() + timeout
+    deadline, seen = time.time() + timeout, set()
     while not future.done() and time.time() < deadline:
-        for ckpt in run_dir.glob(f"checkpoint_*/{ck.MANIFEST}"):
-            manifest = ck.read_manifest(ckpt.parent)  # whole: a checkpoint appears by a rename
+        for ckpt in {p.parent for p in run_dir.glob(f"checkpoint_*/{ck.MANIFEST}")} - seen:
+            seen.add(ckpt)
+            manifest = ck.read_manifest(ckpt)  # whole, and final: a checkpoint appears by a rename
             if manifest.get("reason") == "preemption":
                 return manifest
         time.sleep(0.05)
@@ -832,8 +833,8 @@ def _elastic_scenario(args: dict) -> dict:
         "wall_s": round(time.time() - t0, 1),
         "universal": sorted(p.parent.name for p in run_dir.glob(f"checkpoint_*/{ck.UNIVERSAL}")),
         "saved": {  # step: (why, by how many workers)
-            int(m.parent.name.split("_")[1]): [ck.read_manifest(m.parent)[k] for k in ("reason", "world_size")]
-            for m in run_dir.glob(f"checkpoint_*/{ck.MANIFEST}")
+            m["step"]: [m["reason"], m["world_size"]]
+            for m in (ck.read_manifest(p.parent) for p in run_dir.glob(f"checkpoint_*/{ck.MANIFEST}"))
         },
         "summary": {k: summary[k] for k in ("steps", "resumed_from_step", "world_size")},
         "report": key_figures(load_run(run_dir))["workers"],
