@@ -236,14 +236,38 @@ def data_suffixes(kind: str) -> tuple[str, ...]:
     return plain if kind == "parquet" else plain + tuple(s + z for s in plain for z in COMPRESSED)
 
 
-def source_of(path: str) -> str | None:
-    """The data.source a path names by its files' suffixes: a file or a glob by its own, a local
-    directory by those of the files it holds (the first thousand); None unless exactly one kind."""
+def source_kinds(path: str) -> tuple[set[str], list[str]]:
+    """The data.source kinds a path's file names say, and the names: a file, a glob or a URL by
+    its own, a local directory by the first thousand files it holds."""
     p = Path(path).expanduser()
     local_dir = not is_url(path) and not is_glob(path) and p.is_dir()
-    names = [f.name for f in itertools.islice(p.rglob("*"), 1000)] if local_dir else [path]
-    kinds = {kind for kind in DATA_SUFFIXES for name in names if name.endswith(data_suffixes(kind))}
+    files = (f.name for f in p.rglob("*") if f.is_file()) if local_dir else iter([path])
+    names = list(itertools.islice(files, 1000))
+    return {kind for kind in DATA_SUFFIXES for name in names if name.endswith(data_suffixes(kind))}, names
+
+
+def source_of(path: str) -> str | None:
+    """The data.source a path names by its files' suffixes; None unless exactly one kind."""
+    kinds, _ = source_kinds(path)
     return kinds.pop() if len(kinds) == 1 else None
+
+
+def unknown_source(path: str) -> str:
+    """Why data.source=auto cannot tell what `path` holds, and what to do: an error's text."""
+    kinds, names = source_kinds(path)
+    if not names:
+        return f"data.path: {path!r} is an empty directory; point it at your text, jsonl or parquet files."
+    suffixes = ", ".join(s for kind in DATA_SUFFIXES for s in DATA_SUFFIXES[kind])
+    known = f"{suffixes} (or those with {', '.join(COMPRESSED)} added)"
+    if kinds:  # more than one
+        found = f"it holds {' and '.join(sorted(kinds))} files"
+        fix = "set data.source to the kind to read, or give each kind its own data.mix entry"
+    elif names == [path]:  # one file, a glob or a URL: read as whatever data.source names
+        found, fix = f"its name ends in none of {known}", "set data.source=text, jsonl or parquet"
+    else:  # a directory: its files are read by their suffixes
+        found = f"none of its files' names ends in {known}"
+        fix = "a directory's files are read by their suffixes: rename them (notes.md -> notes.txt)"
+    return f"data.source: cannot tell from data.path={path!r} what it holds: {found}; {fix}."
 
 
 # What a data.mix entry may set. Where its text is (SOURCE_KEYS) is its own: data.source, path
@@ -445,12 +469,8 @@ class DataConfig:
                 "data.path",
                 f"{self.path!r} does not exist. Point it at a text, jsonl or parquet file, a directory or a glob.",
             )
-            _require(
-                self.source is not None,
-                "data.source",
-                f"cannot tell from data.path={self.path!r} whether it holds text, jsonl or parquet files; "
-                "set data.source=text, jsonl or parquet.",
-            )
+            if self.source is None:
+                raise ConfigError(unknown_source(self.path))
         # Paths a source would not read are refused, not silently ignored.
         reads = {"bundled": "the bundled text and its validation split", "hub": "data.hub_id's splits"}
         for key, value in (("data.path", self.path), ("data.eval_path", self.eval_path)):

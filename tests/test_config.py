@@ -389,9 +389,21 @@ def test_data_source_follows_data_path(tmp_path):
         load_config(None, [f"data.path={tmp_path / 't.txt'}", "data.source=hub"])
     with pytest.raises(ConfigError, match="^data.path: '/no/such/corpus' does not exist"):
         load_config(None, ["data.path=/no/such/corpus"])
+    # What auto cannot tell is named, with its fix: two kinds, no known suffix (a file, a
+    # directory's files: read by suffix), nothing at all.
     (tmp_path / "d" / "b.txt").write_text("x")
-    with pytest.raises(ConfigError, match="^data.source: cannot tell .* set data.source=text, jsonl or parquet"):
-        load_config(None, [f"data.path={tmp_path / 'd'}"])
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.md").write_text("x")
+    (tmp_path / "empty").mkdir()
+    cases = {
+        "d": "^data.source: cannot tell .* it holds jsonl and text files; set data.source to the kind to read",
+        "notes/a.md": r"^data.source: cannot tell .*: its name ends in none of .txt, .* set data.source=text, jsonl",
+        "notes": r"^data.source: .*: none of its files' names ends in .txt, .*: rename them \(notes.md -> notes.txt",
+        "empty": "^data.path: '.*/empty' is an empty directory; point it at",
+    }
+    for path, message in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [f"data.path={tmp_path / path}"])
 
 
 def test_attention_span_auto_keeps_chat_examples_apart_and_text_packed(tmp_path):
