@@ -107,10 +107,9 @@ def main() -> None:
     )
     print(markdown_table(table) + "\n\n" + note)
     if not args.no_write:
-        features = cpu_features()  # reads /proc/cpuinfo and the topology files: once
         result = {
             "command": f"python benchmarks/engine_setup.py --reps {args.reps}",
-            "machine": f"{features.model_name} ({features.best_isa})",
+            "machine": cpu_features().describe(),  # the cores too: a timing figure depends on them
             "runs": {name: [{k: round(v, 3) for k, v in r.items()} for r in rs] for name, rs in runs.items()},
             "stand_in_over_before": ratios,
             "tables": {"A worker's engine set-up: the Muon stand-in against DeepSpeed's Muon import": table},

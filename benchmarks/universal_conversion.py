@@ -82,7 +82,7 @@ def main() -> None:
             seconds[name].append(time.perf_counter() - t0)
             assert ck.universal_ready(ckpt)
             shutil.rmtree(ckpt)
-    shards_mib = sum(f.stat().st_size for f in (trained / ck.DS_TAG).rglob("*") if f.is_file()) / 2**20
+    shards_mib = ck.shard_bytes(ck.read_manifest(trained)) / 2**20
     shutil.rmtree(root)
     median = {name: statistics.median(s) for name, s in seconds.items()}
     ratio = median["one child (to_universal)"] / median["two children (before)"]

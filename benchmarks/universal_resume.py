@@ -44,6 +44,7 @@ def main_cli(storage: Path, *extra: str) -> None:
 
 
 def du(path: Path) -> int:
+    """The universal directory's size (a checkpoint's manifest lists only what the run wrote)."""
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
@@ -75,7 +76,7 @@ def main() -> None:
         common = ckpt / ck.UNIVERSAL / "zero" / "optimizer_state.pt"
         out[variant] = {
             "convert_s": time.perf_counter() - t0,
-            "shards_mib": du(ckpt / ck.DS_TAG) / 2**20,
+            "shards_mib": ck.shard_bytes(ck.read_manifest(ckpt)) / 2**20,
             "universal_mib": du(ckpt / ck.UNIVERSAL) / 2**20,
             "common_state_mib": common.stat().st_size / 2**20,
             **resume_on_one_worker(storage),

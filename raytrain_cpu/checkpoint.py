@@ -274,7 +274,7 @@ def to_universal(ckpt_dir: str | Path) -> str:
         return f"{out} (made before)"
     manifest = verify_checkpoint(ckpt_dir, hash_ranks=True)  # no rank of the new layout hashes the old shards
     shutil.rmtree(partial, ignore_errors=True)
-    need = sum(meta["size"] for rel, meta in manifest["files"].items() if rel.startswith(f"{DS_TAG}/"))
+    need = shard_bytes(manifest)
     free = shutil.disk_usage(ckpt_dir).free
     if free < need * 2.2:  # DeepSpeed's fragments and the merged files, before it drops the fragments
         raise CheckpointError(
@@ -630,6 +630,11 @@ def _siblings(ckpt_dir: Path) -> str:
     run_dir = ckpt_dir.parent
     found = sorted(p.name for p in run_dir.glob("checkpoint_*") if (p / MANIFEST).is_file())
     return f"; {run_dir} holds {', '.join(found)}" if found else ""
+
+
+def shard_bytes(manifest: dict[str, Any]) -> int:
+    """The size of a checkpoint's DeepSpeed shards (every rank's files under ds/), from its manifest."""
+    return sum(meta["size"] for rel, meta in manifest["files"].items() if rel.startswith(f"{DS_TAG}/"))
 
 
 def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
