@@ -720,22 +720,25 @@ class _BlockWriter:
             self.blocks.extend(flat[: n * self.seq_len].reshape(n, self.seq_len))
             rest = flat[n * self.seq_len :]
             self.buf, self.pending = [rest], len(rest)
-            if len(self.blocks) >= BLOCKS_PER_FILE:
-                self._flush()
+            # Whole files only: one long document's blocks may cross a file's end (they once
+            # went all into that file, up to 9,795 rows).
+            while len(self.blocks) >= BLOCKS_PER_FILE:
+                self._flush(BLOCKS_PER_FILE)
 
-    def _flush(self) -> None:
+    def _flush(self, n: int | None = None) -> None:
+        """Writes the first `n` blocks held (all by default) as the next part file."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         if not self.blocks:
             return
-        arr = np.stack(self.blocks)
+        arr = np.stack(self.blocks[:n])
         ids = pa.FixedSizeListArray.from_arrays(pa.array(arr.reshape(-1)), self.seq_len)
         block_id = pa.array(np.arange(self.n_blocks, self.n_blocks + len(arr), dtype=np.int64))
         pq.write_table(pa.table({"block_id": block_id, "input_ids": ids}), self.out / f"part-{self.files:05d}.parquet")
         self.n_blocks += len(arr)
         self.files += 1
-        self.blocks = []
+        self.blocks = self.blocks[len(arr) :]
 
     def close(self) -> int:
         """Writes the last full blocks; returns the tokens of the final partial block (dropped)."""
@@ -1214,6 +1217,18 @@ def global_order(n_blocks: int, seed: int, epoch: int, window: int) -> np.ndarra
 
 
 @functools.lru_cache(maxsize=16)
+def _split_files(split_dir: str) -> tuple[tuple[str, ...], np.ndarray]:
+    """A cache split's part files in order, and the block id each starts at (one more: the
+    total), from the files' own row counts. Caches written before 2026-11-30 hold more than
+    BLOCKS_PER_FILE rows in some files; counted so, they read right too."""
+    import pyarrow.parquet as pq
+
+    files = sorted(Path(split_dir).glob("part-*.parquet"), key=lambda f: int(f.stem.removeprefix("part-")))
+    rows = [pq.ParquetFile(f).metadata.num_rows for f in files]
+    return tuple(map(str, files)), np.concatenate(([0], np.cumsum(rows, dtype=np.int64)))
+
+
+@functools.lru_cache(maxsize=16)
 def _cache_file(path: str, column: str = "input_ids") -> np.ndarray:
     import pyarrow.parquet as pq
 
@@ -1315,18 +1330,21 @@ class StreamPlan:
 def read_blocks(
     split_dir: str, block_ids: np.ndarray, has_labels: bool, documents_eos: int | None = None
 ) -> dict[str, np.ndarray]:
-    """Rows `block_ids` of a cache split (BLOCKS_PER_FILE to a parquet file), stacked per column:
+    """Rows `block_ids` of a cache split (its parquet files in block order), stacked per column:
     input_ids, labels where the cache has them (chat/instruction) and, given `documents_eos`,
     position_ids: the cache's own where it has labels (examples' bounds), else counted from the
     EOS that ends each text document (document_positions)."""
     columns = ("input_ids", "labels") if has_labels else ("input_ids",)
     if has_labels and documents_eos is not None:
         columns += ("position_ids",)
+    files, starts = _split_files(split_dir)
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if len(ids) and not 0 <= ids.min() <= ids.max() < starts[-1]:
+        raise IndexError(f"block ids {ids.min()}..{ids.max()} outside the {starts[-1]} blocks of {split_dir}")
     rows: dict[str, list[np.ndarray]] = {c: [] for c in columns}
-    for b in block_ids:
-        f, r = divmod(int(b), BLOCKS_PER_FILE)
+    for b, f in zip(ids, np.searchsorted(starts, ids, side="right") - 1, strict=True):
         for c in columns:
-            rows[c].append(_cache_file(f"{split_dir}/part-{f:05d}.parquet", c)[r])
+            rows[c].append(_cache_file(files[f], c)[b - starts[f]])
     out = {c: np.stack(v) for c, v in rows.items()}
     if documents_eos is not None and not has_labels:
         out["position_ids"] = document_positions(out["input_ids"], documents_eos)

@@ -711,6 +711,11 @@ def _pass_stderr(read: int, out: Any) -> None:
     out.flush()
 
 
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours a task's name in its errors
+EXCEPTION_LINE = re.compile(r"^(?:\w+\.)*[A-Z]\w*(?:Error|Exception)(?::|$)")  # "IndexError: index 7 is ..."
+MODULE_PREFIX = re.compile(r"^(?:\w+\.)+(?=\w+:)")  # "ray.exceptions." of "ray.exceptions.RayError: ..."
+
+
 def failure_reason(errors: dict[int, BaseException]) -> tuple[str, bool]:
     """("rank 1 on node 10.0.0.5: ActorDiedError: ...", preempted) for one failed attempt.
 
@@ -728,15 +733,19 @@ def failure_reason(errors: dict[int, BaseException]) -> tuple[str, bool]:
 
     rank = min(errors, key=likely_first)
     e = cause(errors[rank])
-    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()] or [""]
+    lines = [x.strip() for x in ANSI_ESCAPE.sub("", str(e)).strip().splitlines() if x.strip()] or [""]
     exit_detail = re.search(r"Worker exit type: (\w+) Worker exit detail: (.+?\.)(?:\s|$)", " ".join(lines))
     if exit_detail:  # a dead worker: Ray's account of how its process ended
         message = f"{type(e).__name__}: {exit_detail.group(2)} ({exit_detail.group(1)})"
     elif lines[0].startswith("Traceback"):  # an exception in the training loop: its last line
-        message = re.sub(r"^(?:\w+\.)+(?=\w+:)", "", lines[-1])
+        message = MODULE_PREFIX.sub("", lines[-1])
+    elif lines[0].startswith("ray::") and (raised := next(filter(EXCEPTION_LINE.match, lines[1:]), None)):
+        # A Ray task's error (a Ray Data read of the workers' blocks) names the task, then the
+        # exception that caused it, before the one Ray raised from it: that first is the cause.
+        message = f"{MODULE_PREFIX.sub('', raised)} (in {lines[0].split('(')[0]})"
     else:
         message = f"{type(e).__name__}: {lines[0]}"
-    node = re.search(r"(?:\bip: |node_ip=')([\w.:-]+)", str(errors[rank]))
+    node = re.search(r"(?:\bip: |\bip=|node_ip=')([\w.:-]+)", str(errors[rank]))
     pid = re.search(r"\bpid(?:: |=)(\d+)", str(errors[rank]))
     where = f"rank {rank}" + (f", pid {pid.group(1)}" if pid else "") + (f" on node {node.group(1)}" if node else "")
     others = sorted(set(errors) - {rank})
@@ -1319,17 +1328,21 @@ def sigterm_kept() -> Iterator[None]:
             signal.signal(signal.SIGTERM, before)
 
 
-def where_it_resumes(cfg: Config) -> str:
-    """What a stopped run left and how to go on: the checkpoints Ray Train recorded stay."""
+def where_it_resumes(cfg: Config, failed: bool = False) -> str:
+    """What a stopped run left and how to go on: the checkpoints Ray Train recorded stay. A
+    failed run fails again unless its cause was passing (a lost node), so that comes first."""
     from raytrain_cpu.checkpoint import CheckpointError, latest_reported
 
     try:
         latest = latest_reported(cfg.run.run_dir)
     except CheckpointError as e:
         return f"{e}."
+    again = (
+        "Once the cause is fixed (or if it was passing), the same command" if failed else "Run the same command again"
+    )
     if latest:
-        return f"its latest checkpoint is {latest}. Run the same command again to resume from it."
-    return "it had saved no checkpoint yet. Run the same command again to start it."
+        return f"its latest checkpoint is {latest}. {again} to resume from it."
+    return f"it had saved no checkpoint yet. {again} to start it."
 
 
 def print_interrupted(cfg: Config) -> None:
@@ -1351,7 +1364,7 @@ def print_failed(cfg: Config, error: Exception) -> None:
     else:  # the controller's own error
         reason = next((line for line in str(error).splitlines()[1:] if line.strip()), str(error)).strip()
     print(
-        f"\nerror: run {cfg.run.name!r} failed ({reason}); {where_it_resumes(cfg)} Ray's logs (named at the top, "
+        f"\nerror: run {cfg.run.name!r} failed ({reason}); {where_it_resumes(cfg, failed=True)} Ray's logs (named at the top, "
         "on each node) hold every rank's traceback; run.verbose=true prints them here too.",
         file=sys.stderr,
         flush=True,

@@ -116,7 +116,7 @@ def test_stderr_filter_drops_ray_core_lines_only():
 
 def test_failure_reason_names_the_worker_that_died():
     """With Ray's own error types: the dead worker first, then a hung one, then the others."""
-    from ray.exceptions import RayActorError
+    from ray.exceptions import RayActorError, RayTaskError
     from ray.train.v2._internal.exceptions import (
         UserExceptionWithTraceback,
         WorkerHealthCheckFailedError,
@@ -151,6 +151,21 @@ def test_failure_reason_names_the_worker_that_died():
     reason, _ = failure_reason({0: peer, 3: hung})
     assert reason.startswith("rank 3, pid 31 on node 10.0.0.7: WorkerHealthCheckTimeoutError: A worker health check")
     assert failure_reason({2: data}) == ("rank 2: DataError: bad row 7", False)
+    # A Ray Data task's error in the workers' data reads: the cause, not the task's coloured name.
+    task = RayTaskError(
+        "MapBatches(StreamPlan.fetch)",
+        'Traceback (most recent call last):\n  File "data.py", line 1329, in read_blocks\n    rows[c].append(x[r])\n'
+        "IndexError: index 7919 is out of bounds for axis 0 with size 5501\n",
+        IndexError("index 7919 is out of bounds for axis 0 with size 5501"),
+        proctitle="ray::MapBatches(StreamPlan.fetch)",
+        pid=7566,
+        ip="192.0.2.2",
+    ).as_instanceof_cause()
+    assert failure_reason({1: task}) == (
+        "rank 1, pid 7566 on node 192.0.2.2: IndexError: index 7919 is out of bounds for axis 0 with size 5501 "
+        "(in ray::MapBatches)",
+        False,
+    )
 
 
 def test_a_worker_lost_with_a_preempted_node_is_told_once(capsys):

@@ -110,6 +110,38 @@ def test_packing_has_no_padding_and_keeps_every_token(tmp_path):
     assert table.column("block_id").to_pylist() == list(range(len(blocks)))
 
 
+def test_cache_files_are_whole_and_blocks_are_read_by_each_files_own_rows(tmp_path, monkeypatch):
+    """A document whose blocks cross a file's end goes on in the next file: each part file but the
+    last holds BLOCKS_PER_FILE rows. The writer once put all of a document's blocks into the file
+    it filled (up to 9,795 rows), and readers counting BLOCKS_PER_FILE a file read the wrong rows,
+    then past the last file's end. Blocks are found by each file's own row count, so a cache
+    written that way reads right too."""
+    import pyarrow.parquet as pq
+
+    from raytrain_cpu import data
+
+    monkeypatch.setattr(data, "BLOCKS_PER_FILE", 8)
+    seq, start = 4, 0
+    writer = _BlockWriter(tmp_path / "new", seq)
+    for n in (5, 7, 13):  # blocks a document: the second crosses block 8, the third 16 and 24
+        writer.add(np.repeat(np.arange(start, start + n, dtype=np.int32), seq))  # block i holds i
+        start += n
+    writer.close()
+    files = sorted((tmp_path / "new").glob("part-*.parquet"))
+    assert [pq.ParquetFile(f).metadata.num_rows for f in files] == [8, 8, 8, 1]
+
+    old = _BlockWriter(tmp_path / "old", seq)  # the old layout: files of 5, 12 and 8 rows
+    old.blocks = [np.full(seq, i, dtype=np.int32) for i in range(25)]
+    for n in (5, 12, None):
+        old._flush(n)
+    for split in ("new", "old"):
+        ids = np.array([24, 0, 4, 5, 7, 8, 16, 17, 23, 9])
+        got = data.read_blocks(str(tmp_path / split), ids, has_labels=False)["input_ids"]
+        np.testing.assert_array_equal(got, np.repeat(ids[:, None], seq, axis=1), err_msg=split)
+        with pytest.raises(IndexError, match="outside the 25 blocks"):
+            data.read_blocks(str(tmp_path / split), np.array([25]), has_labels=False)
+
+
 def test_labels_shift_across_packed_block():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
