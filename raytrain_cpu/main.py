@@ -1395,7 +1395,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=20 scaling.num_workers=1"
     )
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)  # overrides on both sides of --config
 
 
 def main(argv: list[str] | None = None) -> int:

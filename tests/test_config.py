@@ -284,6 +284,14 @@ def test_a_mixture_resolves_each_source_and_shares_the_rest(tmp_path, monkeypatc
     ]
 
 
+def test_overrides_may_stand_on_both_sides_of_config():
+    """`main run.storage_path=... --config c.yaml run.name=x` once failed: "unrecognized arguments"."""
+    from raytrain_cpu.main import parse_args
+
+    args = parse_args(["run.storage_path=/s", "--config", "configs/local.yaml", "run.name=x"])
+    assert args.config == "configs/local.yaml" and args.overrides == ["run.storage_path=/s", "run.name=x"]
+
+
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="--config.*does not exist"):
         load_config("/no/such.yaml")
