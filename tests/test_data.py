@@ -142,6 +142,21 @@ def test_cache_files_are_whole_and_blocks_are_read_by_each_files_own_rows(tmp_pa
             data.read_blocks(str(tmp_path / split), np.array([25]), has_labels=False)
 
 
+def test_decoded_columns_are_kept_by_bytes_and_the_least_recent_go(tmp_path):
+    """A window's columns stay decoded while they fit the budget (three columns of 8 files once
+    did not, at 16 entries); past it the least recently read go first."""
+    from raytrain_cpu import data
+
+    c, d, e = (f"{_cache_of(tmp_path / name, 30, 0)}/part-00000.parquet" for name in "cde")  # 480 bytes each
+    decoded = data._DecodedColumns(budget=1000)
+    first = decoded(c, "input_ids")
+    assert first.nbytes == 30 * 4 * 4 and decoded(c, "input_ids") is first  # kept, not read again
+    decoded(d, "input_ids")  # 960 held
+    decoded(c, "input_ids")  # read again: now the most recent
+    decoded(e, "input_ids")  # 1,440: the least recent (d) goes
+    assert [path for path, _ in decoded.columns] == [c, e] and decoded.held == 960
+
+
 def test_labels_shift_across_packed_block():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
