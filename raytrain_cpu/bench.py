@@ -43,6 +43,7 @@ import math
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -271,6 +272,13 @@ class Runner:
             "metrics.tensorboard=false",
         ]
 
+    def check_overrides(self) -> None:
+        """The user's key=value overrides over the bench's own, as every run reads them: a
+        misspelt key stops here with config's message instead of after the first suite's work."""
+        from raytrain_cpu.config import load_config
+
+        load_config(None, [*self.base(), *self.extra, "run.name=bench-check"])
+
     def run(self, name: str, overrides: list[str]) -> dict[str, Any]:
         from raytrain_cpu.config import load_config
         from raytrain_cpu.main import run
@@ -462,6 +470,44 @@ def suite_placement(r: Runner, args) -> dict[str, Any]:
     return {"runs": rows, "tables": {"placement": _compare(rows, "raytrain default")}}
 
 
+# The options suite's runs by name: each switch against the defaults (see suite_options).
+OPTIONS_VARIANTS: dict[str, list[str]] = {
+    "defaults": [],
+    "model.dtype=bf16": ["model.dtype=bf16"],
+    "model.dtype=fp32": ["model.dtype=fp32"],
+    "activation_checkpointing": ["model.activation_checkpointing=true"],
+    "params persistent": ["deepspeed.param_persistence_threshold=100000000"],
+    "per-module gathers": ["deepspeed.gather_whole_layers=false"],  # the default until 2026-11-27
+    "gloo collectives": ["deepspeed.shm_collectives=false"],
+    "fresh fp32 gradients": ["deepspeed.reuse_fp32_grad_buffer=false"],
+    "fresh reduce buffers": ["deepspeed.reuse_reduce_buffer=false"],
+    "sdpa attention": ["model.attention=sdpa"],
+    "causal-blocks attention": ["model.attention=causal_blocks"],
+    "recomputed attention probs": ["model.attention_probs=recompute"],
+    "unfused loss": ["model.fused_loss=false"],
+    "unfused norm": ["model.fused_norm=false"],
+    "unfused rotary": ["model.fused_rotary=false"],
+    "fused MLP": ["model.fused_mlp=true"],
+    "micro batch 4": ["train.micro_batch_size=4"],  # the 50m bench's until 2026-11-27
+    "compile": ["model.compile=true"],
+    "compile + sdpa attention": ["model.compile=true", "model.attention=sdpa"],
+    "compile (whole model)": ["model.compile=true", "model.compile_scope=model"],
+    # Skipping a step on the gradient norm reads ZeRO-3's partitions: below 3 the guard logs.
+    "ZeRO-2": ["deepspeed.zero_stage=2", "guards.action=log"],
+    "ZeRO-1": ["deepspeed.zero_stage=1", "guards.action=log"],
+    "ZeRO-2 + compile": ["deepspeed.zero_stage=2", "guards.action=log", "model.compile=true"],
+    "AdamW per-tensor": ["train.fused_adamw=false"],
+    "glibc 32 MiB mmap threshold": ["scaling.allocator=system"],  # the workers' glibc default
+    "glibc dynamic mmap threshold": ["scaling.allocator=system", "scaling.glibc_mmap_threshold=0"],
+    "jemalloc": ["scaling.allocator=jemalloc"],  # against a base run with scaling.allocator=system
+    "jemalloc 30 s decay": [f"scaling.jemalloc_conf={JEMALLOC_DECAY_30S}"],  # the default until 2026-11-27
+    # cpu.JEMALLOC_CONF before 2026-11-28: a kept extent serves requests of at least 1/64 its size only
+    "jemalloc default extent fit": [f"scaling.jemalloc_conf={cpu.JEMALLOC_DEFAULT_FIT}"],
+    "jemalloc 30 s decay without oversize arena": [f"scaling.jemalloc_conf={JEMALLOC_DECAY_30S},oversize_threshold:0"],
+    "glibc fixed mmap threshold": ["scaling.allocator=system", f"scaling.glibc_mmap_threshold={1 << 20}"],
+}
+
+
 def suite_options(r: Runner, args) -> dict[str, Any]:
     """Each switch against the defaults, interleaved: bf16 forced, activation checkpointing,
     per-module ZeRO-3 gathers in place of whole layers, gloo in place of the shared-memory
@@ -475,68 +521,34 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
     per-tensor AdamW loop in place of the fused kernel, and glibc malloc with the workers' fixed
     mmap threshold and with its own dynamic one (against jemalloc or tcmalloc where the defaults
     find them installed)."""
-    variants = {
-        "defaults": [],
-        "model.dtype=bf16": ["model.dtype=bf16"],
-        "model.dtype=fp32": ["model.dtype=fp32"],
-        "activation_checkpointing": ["model.activation_checkpointing=true"],
-        "params persistent": ["deepspeed.param_persistence_threshold=100000000"],
-        "per-module gathers": ["deepspeed.gather_whole_layers=false"],  # the default until 2026-11-27
-        "gloo collectives": ["deepspeed.shm_collectives=false"],
-        "fresh fp32 gradients": ["deepspeed.reuse_fp32_grad_buffer=false"],
-        "fresh reduce buffers": ["deepspeed.reuse_reduce_buffer=false"],
-        "sdpa attention": ["model.attention=sdpa"],
-        "causal-blocks attention": ["model.attention=causal_blocks"],
-        "recomputed attention probs": ["model.attention_probs=recompute"],
-        "unfused loss": ["model.fused_loss=false"],
-        "unfused norm": ["model.fused_norm=false"],
-        "unfused rotary": ["model.fused_rotary=false"],
-        "fused MLP": ["model.fused_mlp=true"],
-        "micro batch 4": ["train.micro_batch_size=4"],  # the 50m bench's until 2026-11-27
-        "compile": ["model.compile=true"],
-        "compile + sdpa attention": ["model.compile=true", "model.attention=sdpa"],
-        "compile (whole model)": ["model.compile=true", "model.compile_scope=model"],
-        # Skipping a step on the gradient norm reads ZeRO-3's partitions: below 3 the guard logs.
-        "ZeRO-2": ["deepspeed.zero_stage=2", "guards.action=log"],
-        "ZeRO-1": ["deepspeed.zero_stage=1", "guards.action=log"],
-        "ZeRO-2 + compile": ["deepspeed.zero_stage=2", "guards.action=log", "model.compile=true"],
-        "AdamW per-tensor": ["train.fused_adamw=false"],
-        "glibc 32 MiB mmap threshold": ["scaling.allocator=system"],  # the workers' glibc default
-        "glibc dynamic mmap threshold": ["scaling.allocator=system", "scaling.glibc_mmap_threshold=0"],
-        "jemalloc": ["scaling.allocator=jemalloc"],  # against a base run with scaling.allocator=system
-        "jemalloc 30 s decay": [f"scaling.jemalloc_conf={JEMALLOC_DECAY_30S}"],  # the default until 2026-11-27
-        # cpu.JEMALLOC_CONF before 2026-11-28: a kept extent serves requests of at least 1/64 its size only
-        "jemalloc default extent fit": [f"scaling.jemalloc_conf={cpu.JEMALLOC_DEFAULT_FIT}"],
-        "jemalloc 30 s decay without oversize arena": [
-            f"scaling.jemalloc_conf={JEMALLOC_DECAY_30S},oversize_threshold:0"
-        ],
-        "glibc fixed mmap threshold": ["scaling.allocator=system", f"scaling.glibc_mmap_threshold={1 << 20}"],
-    }
-    only = set(args.variants.split(",")) if args.variants else None
+    only = chosen_variants(args)
     rows = []
     for rep in range(args.repeats):
-        for name, ov in in_rep_order(variants.items(), rep):
+        for name, ov in in_rep_order(OPTIONS_VARIANTS.items(), rep):
             if only and name not in only and name != "defaults":
                 continue
             rows.append(r.run(f"opt-{len(rows)}", ov) | {"variant": name, "rep": rep})
     return {"runs": rows, "tables": {"options": _compare(rows, "defaults")}}
 
 
+LORA = ["lora.rank=16", "lora.alpha=32"]
+# The lora suite's runs by name (see suite_lora).
+LORA_VARIANTS: dict[str, list[str]] = {
+    "full fine-tuning": [],
+    "LoRA r=16": LORA,
+    "LoRA r=16 + per-module gathers": [*LORA, "deepspeed.gather_whole_layers=false"],
+    "LoRA r=16 + compile": [*LORA, "model.compile=true"],
+}
+
+
 def suite_lora(r: Runner, args) -> dict[str, Any]:
     """LoRA (rank 16 on every projection) against full fine-tuning, interleaved, same data and
     steps; and LoRA's own levers against plain LoRA (whole-layer gathers, the default): per-module
     gathers, per-layer compile."""
-    lora = ["lora.rank=16", "lora.alpha=32"]
-    variants = {
-        "full fine-tuning": [],
-        "LoRA r=16": lora,
-        "LoRA r=16 + per-module gathers": [*lora, "deepspeed.gather_whole_layers=false"],
-        "LoRA r=16 + compile": [*lora, "model.compile=true"],
-    }
-    only = set(args.variants.split(",")) if args.variants else None
+    only = chosen_variants(args)
     rows = []
     for rep in range(args.repeats):
-        for name, ov in in_rep_order(variants.items(), rep):
+        for name, ov in in_rep_order(LORA_VARIANTS.items(), rep):
             if only and name not in only | {"full fine-tuning", "LoRA r=16"}:  # the two baselines always run
                 continue
             row = r.run(f"lora-{len(rows)}", ov) | {"variant": name, "rep": rep}
@@ -557,29 +569,34 @@ def suite_lora(r: Runner, args) -> dict[str, Any]:
     return {"runs": rows, "tables": tables}
 
 
-def suite_dpo(r: Runner, args) -> dict[str, Any]:
-    """DPO against SFT on the chosen answers of the same bundled pairs, the same block shape,
-    interleaved; full fine-tuning (DPO's reference: a frozen copy of the starting model) and
-    LoRA r=16 (the base with the adapters off); each also with the reference precomputed
-    (train.dpo_precompute_reference: its pass's seconds beside the tokens/s, which leave it out)."""
+def dpo_variants() -> dict[str, list[str]]:
+    """The dpo suite's runs by name: SFT on the chosen answers, DPO, DPO with its reference
+    precomputed and SimPO, full fine-tuning and LoRA r=16, all on the bundled pairs."""
     from raytrain_cpu.tokenizer import BUNDLED_SFT
 
     pairs = [f"data.path={BUNDLED_SFT / 'preference_train.jsonl'}", "data.source=jsonl"]
     sft = [*pairs, "data.format=instruction", "data.response_column=chosen"]
     dpo = [*pairs, "data.format=preference"]
-    lora = ["lora.rank=16", "lora.alpha=32"]
     simpo = [*dpo, "train.dpo_loss=simpo", "train.dpo_beta=2.0"]
     precomputed = [*dpo, "train.dpo_precompute_reference=true"]
-    variants = {
+    return {
         "SFT": sft,
         "DPO": dpo,
         "DPO precomputed": precomputed,
         "SimPO": simpo,
-        "SFT LoRA r=16": [*sft, *lora],
-        "DPO LoRA r=16": [*dpo, *lora],
-        "DPO LoRA r=16 precomputed": [*precomputed, *lora],
+        "SFT LoRA r=16": [*sft, *LORA],
+        "DPO LoRA r=16": [*dpo, *LORA],
+        "DPO LoRA r=16 precomputed": [*precomputed, *LORA],
     }
-    only = set(args.variants.split(",")) if args.variants else set(variants)
+
+
+def suite_dpo(r: Runner, args) -> dict[str, Any]:
+    """DPO against SFT on the chosen answers of the same bundled pairs, the same block shape,
+    interleaved; full fine-tuning (DPO's reference: a frozen copy of the starting model) and
+    LoRA r=16 (the base with the adapters off); each also with the reference precomputed
+    (train.dpo_precompute_reference: its pass's seconds beside the tokens/s, which leave it out)."""
+    variants = dpo_variants()
+    only = chosen_variants(args) or set(variants)
     rows = []
     for rep in range(args.repeats):
         for name, ov in in_rep_order([(k, v) for k, v in variants.items() if k in only], rep):
@@ -947,7 +964,7 @@ def suite_reference(r: Runner, args) -> dict[str, Any]:
     batch = tokens_per_step // r.spec["seq_len"]
     cores = z["workers"] * z["threads"]
     precisions = REFERENCE_PRECISIONS if z["dtype"] == "bf16" else ("autocast",)  # fp32 has one recipe
-    only = set(args.variants.split(",")) if args.variants else set()
+    only = chosen_variants(args)
     named = only & set(precisions)  # --variants may name recipes; 'compile' alone keeps them all
     eager = [p for p in precisions if not named or p in named]
 
@@ -1042,14 +1059,26 @@ def _reference_report(zero3: list[dict], refs: list[dict], tokens: str, cores: i
 # ----------------------------------------------------------------------------- one kernel, variant against variant
 
 
+def _count(text: str) -> int:
+    """argparse type of the kernel benches' counts: 0 repeats or steps would time nothing and
+    still write a result file."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def kernel_bench_parser(doc: str, shapes: list[str], steps: int, repeats: int) -> argparse.ArgumentParser:
     """The command line of the one-kernel benchmarks (benchmarks/loss_head.py, benchmarks/norm.py)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(shapes), help=f"comma-separated: {', '.join(shapes)}")
-    ap.add_argument("--tokens", type=int, default=2048, help="tokens per step (micro batch x seq)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads: one worker's share")
-    ap.add_argument("--steps", type=int, default=steps, help="timed steps per run, after a warm-up")
-    ap.add_argument("--repeats", type=int, default=repeats, help="interleaved runs of each variant")
+    ap.add_argument("--tokens", type=_count, default=2048, help="tokens per step (micro batch x seq)")
+    ap.add_argument("--threads", type=_count, default=1, help="torch threads: one worker's share")
+    ap.add_argument("--steps", type=_count, default=steps, help="timed steps per run, after a warm-up")
+    ap.add_argument("--repeats", type=_count, default=repeats, help="interleaved runs of each variant")
     ap.add_argument("--json", default=None, help="where to write the results (default: the machine's folder)")
     return ap
 
@@ -1321,6 +1350,88 @@ def _portable_args(argv: list[str] | None, json_path: str | None) -> list[str]:
     return ["<json>" if a == json_path else a for a in (argv if argv is not None else sys.argv[1:])]
 
 
+def chosen_variants(args: argparse.Namespace) -> set[str]:
+    """--variants as a set of names ("a, b" and "a,b" alike); empty when none were given."""
+    return {name.strip() for name in args.variants.split(",") if name.strip()}
+
+
+def variant_names(suite: str) -> list[str]:
+    """The names --variants may give for `suite` (none: the suite takes no --variants)."""
+    if suite == "options":
+        return list(OPTIONS_VARIANTS)
+    if suite == "lora":
+        return list(LORA_VARIANTS)
+    if suite == "dpo":
+        return list(dpo_variants())
+    if suite == "reference":
+        return [*REFERENCE_PRECISIONS, "compile"]
+    return []
+
+
+NO_TRAINING_RUNS = {"gemm", "load"}  # the suites that take no key=value overrides
+
+
+def result_stem(suite: str, size: str) -> str:
+    """A smoke run at another size must not overwrite the committed 50m results."""
+    return suite if size == "50m" else f"{suite}-{size}"
+
+
+def result_path(suite: str, args: argparse.Namespace, feats: cpu.CpuFeatures) -> Path:
+    """Where `suite`'s results go: --json, or this machine's folder of benchmarks/results."""
+    return Path(args.json) if args.json else RESULTS / feats.slug / f"{result_stem(suite, args.size)}.json"
+
+
+def _unwritable(folder: Path) -> str:
+    """Why no file can be written in `folder` (made if missing); '' if one can. The nearest
+    existing folder takes a probe file: os.access says yes to root on a read-only file system,
+    and /proc refuses new files whatever its mode bits say."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is a file"
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return ""
+    except OSError as e:
+        return f"cannot create files in {folder} ({e.strerror})"
+
+
+def check_args(args: argparse.Namespace, suites: list[str], runner: Runner, feats: cpu.CpuFeatures) -> None:
+    """Every argument, before anything runs: a bad one would otherwise surface after minutes of
+    runs (an override at the first training run, --json once all of them are done, its results
+    lost) or not at all (0 repeats, a misspelt variant)."""
+    for flag, value in (("--workers", args.workers), ("--repeats", args.repeats)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.json and len(suites) > 1:
+        raise ValueError(
+            "--json names one suite's result file; 'all' writes each suite's into benchmarks/results/<machine>/: "
+            "run the suites one at a time, or drop --json"
+        )
+    _check_variants(chosen_variants(args), args.suite, suites)
+    if args.overrides and set(suites) <= NO_TRAINING_RUNS:
+        raise ValueError(
+            f"{' '.join(args.overrides)}: key=value overrides apply to training runs, and {args.suite} runs none"
+        )
+    runner.check_overrides()
+    for name in suites:
+        path = result_path(name, args, feats)
+        if why := "it is a directory" if path.is_dir() else _unwritable(path.parent):
+            raise ValueError(f"{'--json' if args.json else 'results'} {path}: {why}; give --json a writable path")
+    if why := _unwritable(runner.workdir):
+        raise ValueError(f"--workdir {runner.workdir}: {why}; give a writable directory")
+
+
+def _check_variants(chosen: set[str], suite: str, suites: list[str]) -> None:
+    """Each name --variants gives must be one of the suites' own: a misspelt one ran nothing."""
+    known = list(dict.fromkeys(name for s in suites for name in variant_names(s)))
+    if chosen and not known:
+        raise ValueError(f"--variants: {suite} has no variants to pick from (options, lora, dpo and reference have)")
+    if unknown := sorted(chosen - set(known)):
+        names = ", ".join(repr(n) for n in unknown)
+        raise ValueError(f"--variants: unknown {names}; {suite} knows {', '.join(known)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m raytrain_cpu.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("suite", choices=[*SUITES, "all"])
@@ -1339,13 +1450,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="result file (default benchmarks/results/<machine>/<suite>.json)")
     ap.add_argument("overrides", nargs="*", help="extra key=value config overrides for every training run")
     args = ap.parse_intermixed_args(argv)  # overrides may follow the options
+    runner = Runner(args.size, Path(args.workdir), args.overrides)
+    feats = cpu.cpu_features()
+    suites = list(SUITES) if args.suite == "all" else [args.suite]
+    try:
+        check_args(args, suites, runner, feats)
+    except ValueError as e:  # config.ConfigError too
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # Ray starts its workers at nice 15; on a shared machine that hands their cores to any other
     # process, and would skew comparisons with plain processes (the seed recipe's torchrun).
     os.environ.setdefault("RAY_worker_niceness", "0")
-    runner = Runner(args.size, Path(args.workdir), args.overrides)
-    feats = cpu.cpu_features()
-    suites = list(SUITES) if args.suite == "all" else [args.suite]
     for name in suites:
         t0 = time.perf_counter()
         result = SUITES[name](runner, args)
@@ -1359,9 +1475,7 @@ def main(argv: list[str] | None = None) -> int:
             "bench_wall_s": time.perf_counter() - t0,
             "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
-        # A smoke run at another size must not overwrite the committed 50m results.
-        stem = name if args.size == "50m" else f"{name}-{args.size}"
-        path = write_results(stem, result, args.json if len(suites) == 1 else None, runner.workdir)
+        path = write_results(result_stem(name, args.size), result, str(result_path(name, args, feats)), runner.workdir)
         print(f"[bench] {name} -> {path} and {path.with_suffix('.md')}", flush=True)
         print(path.with_suffix(".md").read_text(), flush=True)
     return 0

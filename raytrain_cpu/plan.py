@@ -202,11 +202,27 @@ def resolve_shape(model: str) -> ModelShape:
     if p.is_dir():
         p = p / "config.json"
     if p.is_file():
-        return shape_from_hf_config(json.loads(p.read_text()), name=model)
+        return _shape_from_file(p, model)
+    if _looks_like_a_path(model):
+        where = f"{p.parent} has no config.json" if p.parent.is_dir() else f"{p} does not exist"
+        raise ValueError(f"model {model!r}: {where}; give a Hugging Face config.json (or its directory)")
     raise ValueError(
         f"unknown model {model!r}: give a local config.json (or a directory with one), or one of "
         f"{', '.join(s.name for s in KNOWN_SHAPES.values())}."
     )
+
+
+def _looks_like_a_path(model: str) -> bool:
+    """A file name rather than a hub id ('org/name' is both, and stays 'unknown model')."""
+    return model.startswith(("/", ".", "~")) or model.endswith(".json")
+
+
+def _shape_from_file(path: Path, model: str) -> ModelShape:
+    try:
+        return shape_from_hf_config(json.loads(path.read_text()), name=model)
+    except (ValueError, KeyError, TypeError) as e:  # not JSON, or not a decoder's config
+        what = f"no {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"{path} is not a Llama-style Hugging Face config.json ({what})") from None
 
 
 # ----------------------------------------------------------------------------- calibrated constants
@@ -928,8 +944,17 @@ def plan(
         raise ValueError(f"offload must be none, cpu or nvme, got {offload!r}")
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype must be bf16 or fp32, got {dtype!r}")
-    if min(world_size, micro_batch, seq_len, grad_accum_steps, ranks_per_node) < 1:
-        raise ValueError("world_size, micro_batch, seq_len, grad_accum_steps and ranks_per_node must be >= 1")
+    counts = dict(
+        world_size=world_size,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        grad_accum_steps=grad_accum_steps,
+        ranks_per_node=ranks_per_node,
+        max_live_parameters=max_live_parameters,
+    )
+    for name, value in counts.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     if lora_rank < 0:
         raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
     if free_memory_growth_mib < 0:
@@ -1281,6 +1306,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Flags that count something (args attribute: the flag as the user typed it).
+COUNT_FLAGS = {
+    "world_size": "--world-size (-w)",
+    "micro_batch": "--micro-batch (-b)",
+    "seq_len": "--seq-len (-s)",
+    "grad_accum": "--grad-accum",
+    "ranks_per_node": "--ranks-per-node",
+    "max_live_parameters": "--max-live-parameters",
+}
+LORA_ONLY_FLAGS = {"lora_targets": "--lora-targets", "lora_dropout": "--lora-dropout"}
+
+
+def check_flags(args: argparse.Namespace, inputs: dict[str, Any]) -> None:
+    """Every flag's range, and the flags that mean nothing without another, in one place, each
+    error naming the flag and its value (plan() checks its own arguments by their names);
+    `inputs` is the plan's inputs with --config's merged in, which may supply the LoRA rank."""
+    for dest, flag in COUNT_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value:g}")
+    if args.lora_rank is not None and args.lora_rank < 0:
+        raise ValueError(f"--lora-rank must be >= 0 (0 plans full fine-tuning), got {args.lora_rank}")
+    if args.lora_dropout is not None and not 0.0 <= args.lora_dropout < 1.0:
+        raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    if args.free_memory_growth_mib is not None and args.free_memory_growth_mib < 0:
+        raise ValueError(f"--free-memory-growth-mib must be >= 0, got {args.free_memory_growth_mib}")
+    for dest, flag in LORA_ONLY_FLAGS.items():
+        if getattr(args, dest) is not None and not inputs["lora_rank"]:
+            raise ValueError(
+                f"{flag} sets LoRA's adapters and this plan has none (no --lora-rank): give --lora-rank "
+                "(e.g. 16) too, or a --config with a lora: section"
+            )
+    if args.max_live_parameters is not None and inputs["zero_stage"] != 3:
+        raise ValueError(
+            f"--max-live-parameters is ZeRO-3's (deepspeed.max_live_parameters) and this plan is "
+            f"ZeRO-{inputs['zero_stage']}: drop it, or plan ZeRO-3 (-z 3)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     inputs: dict[str, Any] = dict(
@@ -1329,10 +1393,11 @@ def main(argv: list[str] | None = None) -> int:
             attention_probs=args.attention_probs,
             kept_pages=args.kept_pages,
             free_memory_growth_mib=args.free_memory_growth_mib,
-            max_live_parameters=int(args.max_live_parameters) if args.max_live_parameters else None,
+            max_live_parameters=None if args.max_live_parameters is None else int(args.max_live_parameters),
             dpo_reference=args.dpo,
         )
         inputs |= {k: v for k, v in flags.items() if v is not None}
+        check_flags(args, inputs)
         if args.model:
             inputs["model_shape"] = resolve_shape(args.model)
         if inputs["model_shape"] is None:

@@ -14,7 +14,9 @@ Writes into the run directory (or --out):
 Everything comes from metrics.jsonl (read with `metrics.read_metrics`, so a resumed run shows
 the history that was kept, not the steps a failed attempt repeated); summary.json and
 config.yaml add context when they exist. A run still in progress has no summary.json yet: the
-report says so and shows what has been logged so far.
+report says so and shows what has been logged so far. A metrics.jsonl with no readable row yet
+(empty, or not JSON lines) is an error, exit code 2, that writes nothing: an earlier report.md
+stays as it was.
 """
 
 from __future__ import annotations
@@ -95,6 +97,10 @@ class Run:
         return f"in progress or interrupted (no summary.json for this step yet{ago})"
 
 
+class ReportError(ValueError):
+    """A run directory or --out the report cannot use; its message names the file and the fix."""
+
+
 def load_run(run_dir: str | Path) -> Run:
     """Reads metrics.jsonl (required), config.yaml and summary.json (optional)."""
     run_dir = Path(run_dir).expanduser().absolute()
@@ -103,15 +109,34 @@ def load_run(run_dir: str | Path) -> Run:
             f"{run_dir} has no {METRICS_FILE}; give a run directory such as runs/tiny-local "
             "(<run.storage_path>/<run.name>) of a run that has logged at least one step."
         )
-    config = summary = None
-    if (run_dir / "config.yaml").is_file():
-        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config = _read_config(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else None
+    summary = None
     if (run_dir / "summary.json").is_file():
         try:
             summary = json.loads((run_dir / "summary.json").read_text())
         except ValueError:
             summary = None  # being written right now
     return Run(run_dir, read_metrics(run_dir / METRICS_FILE), config, summary)
+
+
+def _read_config(path: Path) -> dict[str, Any] | None:
+    """The run's config.yaml, which names the run and its length; a file that is not a YAML
+    mapping would otherwise surface as a parser's traceback or an AttributeError in a plot."""
+    try:
+        config = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ReportError(
+            f"{path} is not valid YAML{where} ({getattr(e, 'problem', None) or 'parse error'}): "
+            "fix it, or move it aside to report the run without its config"
+        ) from None
+    if config is not None and not isinstance(config, dict):
+        raise ReportError(
+            f"{path} holds a {type(config).__name__}, not a mapping of sections (run:, train:, ...): "
+            "fix it, or move it aside to report the run without its config"
+        )
+    return config
 
 
 # ----------------------------------------------------------------------------- plots
@@ -404,8 +429,8 @@ def render_markdown(run: Run, images: list[str]) -> str:
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
     """Writes the PNGs and report.md; returns {file name: path}."""
     run = load_run(run_dir)
-    out = Path(out_dir) if out_dir else run.run_dir
-    out.mkdir(parents=True, exist_ok=True)
+    _require_rows(run)
+    out = _output_dir(out_dir) if out_dir else run.run_dir
     written: dict[str, Path] = {}
     plots = PLOTS | (PREFERENCE_PLOTS if run.preference else {})
     for name, plot in plots.items():
@@ -415,6 +440,25 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
     (out / "report.md").write_text(render_markdown(run, list(plots)))
     written["report.md"] = out / "report.md"
     return written
+
+
+def _require_rows(run: Run) -> None:
+    """An empty or unreadable metrics.jsonl would give a report of nothing ("steps 0") in place
+    of an earlier, good report.md: stop before anything is written instead."""
+    if not run.metrics.train and not run.metrics.eval:
+        raise ReportError(
+            f"{run.run_dir / METRICS_FILE} holds no readable train or eval rows (empty, or no line is a "
+            "JSON object with an integer 'step'); nothing was written: report the run once it has logged a step"
+        )
+
+
+def _output_dir(out_dir: str | Path) -> Path:
+    """--out: a directory, made if missing."""
+    out = Path(out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"--out {out} is a file: give a directory (made if missing), or drop --out")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -427,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         written = write_report(args.run_dir, args.out)
-    except FileNotFoundError as e:
+    except (ReportError, OSError) as e:  # OSError: --out or the run directory not writable, and the like
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"[report] {written['report.md']} and {len(written) - 1} plots in {written['report.md'].parent}")

@@ -204,3 +204,81 @@ def test_device_goals_table_reads_each_suites_result(tmp_path):
     assert figures["reference"] == pytest.approx(0.848, abs=1e-3) and figures["seed"] == pytest.approx(1.29, abs=0.01)
     assert figures["scaling"] is None and "| scaling | 2-worker scaling efficiency | failed" in table
     assert not any(r["met"] for r in rows) and "Not an AMX host" not in table
+
+
+# ----------------------------------------------------------------------------- the command line, checked up front
+
+
+@pytest.fixture
+def no_suites_run(monkeypatch):
+    """bench.main with every suite replaced by a recorder: what the checks let through runs nothing."""
+    ran: list[str] = []
+
+    def recorder(name: str):
+        def suite(runner, args) -> dict:
+            ran.append(name)
+            return {"tables": {}}
+
+        return suite
+
+    monkeypatch.setattr(bench, "SUITES", {name: recorder(name) for name in bench.SUITES})
+    return ran
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["options", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+        (["options", "--repeats", "-3"], "--repeats must be >= 1, got -3"),
+        (["gemm", "--workers", "0"], "--workers must be >= 1, got 0"),
+        (["gemm", "--workers", "-1"], "--workers must be >= 1, got -1"),
+        (["options", "--variants", "compile,complie"], "--variants: unknown 'complie'; options knows defaults, "),
+        (["dpo", "--variants", "SFT, DPOO"], "--variants: unknown 'DPOO'; dpo knows SFT, DPO, DPO precomputed,"),
+        (["gemm", "--variants", "compile"], "--variants: gemm has no variants to pick from"),
+        (["train", "train.max_stepz=3"], "train.max_stepz: unknown key in train; did you mean train.max_steps?"),
+        (["gemm", "train.max_steps=3"], "train.max_steps=3: key=value overrides apply to training runs, and gemm"),
+        (["all", "--json", "{tmp}/all.json"], "--json names one suite's result file; 'all' writes each suite's"),
+        (["train", "--json", "/proc/x/a.json"], "--json /proc/x/a.json: cannot create files in /proc"),
+        (["train", "--json", "{tmp}"], "--json {tmp}: it is a directory; give --json a writable path"),
+        (["train", "--json", "{tmp}/afile/a.json"], "--json {tmp}/afile/a.json: {tmp}/afile is a file"),
+        (["train", "--workdir", "{tmp}/afile/wd"], "--workdir {tmp}/afile/wd: {tmp}/afile is a file"),
+    ],
+)
+def test_bad_arguments_stop_before_anything_runs(tmp_path, capsys, no_suites_run, argv, message):
+    (tmp_path / "afile").write_text("")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if "--json" not in argv:
+        argv += ["--json", str(tmp_path / "out.json")]  # never the committed results
+    assert bench.main(["--size", "tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: " + message.replace("{tmp}", str(tmp_path))) and err.count("\n") == 1, err
+    assert no_suites_run == [] and not (tmp_path / "out.json").exists()
+
+
+def test_good_arguments_reach_the_suite_and_its_result_file(tmp_path, capsys, no_suites_run):
+    """Names may come with spaces after the commas; the file is --json's, titled by suite and size."""
+    out = tmp_path / "new" / "x.json"
+    argv = ["options", "--size", "tiny", "--variants", "compile, ZeRO-2", "--workdir", str(tmp_path / "wd")]
+    assert bench.main([*argv, "--json", str(out), "train.lr=0.001"]) == 0
+    assert no_suites_run == ["options"]
+    assert out.with_suffix(".md").read_text().startswith("# raytrain_cpu bench: options-tiny\n")
+    args = type("Args", (), {"variants": "compile, ZeRO-2"})()
+    assert bench.chosen_variants(args) == {"compile", "ZeRO-2"}
+
+
+def test_variant_names_are_the_suites_own():
+    assert bench.variant_names("options")[0] == "defaults" and "micro batch 4" in bench.variant_names("options")
+    assert bench.variant_names("lora") == list(bench.LORA_VARIANTS)
+    assert bench.variant_names("dpo") == list(bench.dpo_variants())
+    assert bench.variant_names("reference") == ["autocast", "bf16_master", "compile"]
+    assert bench.variant_names("gemm") == []
+
+
+@pytest.mark.parametrize("flag", ["--repeats", "--steps", "--threads", "--tokens"])
+def test_kernel_benches_reject_counts_below_one(capsys, flag):
+    ap = bench.kernel_bench_parser("doc", ["s"], steps=3, repeats=2)
+    assert ap.parse_args([flag, "4"]).__dict__[flag[2:]] == 4
+    for bad in ("0", "-3", "x"):
+        with pytest.raises(SystemExit) as e:
+            ap.parse_args([flag, bad])
+        assert e.value.code == 2 and f"argument {flag}: must be" in capsys.readouterr().err

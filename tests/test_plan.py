@@ -438,6 +438,10 @@ def test_bad_inputs_are_rejected():
     for kwargs in ({"zero_stage": 4}, {"offload": "gpu"}, {"dtype": "fp16"}, {"micro_batch": 0}):
         with pytest.raises(ValueError):
             plan.plan("tiny", 2, **kwargs)
+    with pytest.raises(ValueError, match=r"^grad_accum_steps must be >= 1, got 0$"):  # plan() names its argument
+        plan.plan("tiny", 2, grad_accum_steps=0)
+    with pytest.raises(ValueError, match=r"^max_live_parameters must be >= 1, got -1$"):
+        plan.plan("tiny", 2, max_live_parameters=-1)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -473,6 +477,63 @@ def test_cli_errors_and_help(capsys):
     assert plan.main([]) == 2
     result = subprocess.run([sys.executable, "-m", "raytrain_cpu.plan", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "--world-size" in result.stdout and "--json" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-w", "0"], "--world-size (-w) must be >= 1, got 0"),
+        (["-b", "0"], "--micro-batch (-b) must be >= 1, got 0"),
+        (["-s", "-5"], "--seq-len (-s) must be >= 1, got -5"),
+        (["--grad-accum", "0"], "--grad-accum must be >= 1, got 0"),
+        (["--ranks-per-node", "0"], "--ranks-per-node must be >= 1, got 0"),
+        (["--max-live-parameters", "-1"], "--max-live-parameters must be >= 1, got -1"),
+        (["--max-live-parameters", "0"], "--max-live-parameters must be >= 1, got 0"),
+        (["--lora-rank", "-1"], "--lora-rank must be >= 0 (0 plans full fine-tuning), got -1"),
+        (["--lora-rank", "8", "--lora-dropout", "1.5"], "--lora-dropout must be in [0, 1), got 1.5"),
+        (["--free-memory-growth-mib", "-3"], "--free-memory-growth-mib must be >= 0, got -3"),
+        (
+            ["--lora-targets", "foo_proj"],
+            "--lora-targets sets LoRA's adapters and this plan has none (no --lora-rank): give --lora-rank "
+            "(e.g. 16) too, or a --config with a lora: section",
+        ),
+        (["--lora-dropout", "0.1"], "--lora-dropout sets LoRA's adapters and this plan has none (no --lora-rank)"),
+        (
+            ["-z", "2", "--max-live-parameters", "1e8"],
+            "--max-live-parameters is ZeRO-3's (deepspeed.max_live_parameters) and this plan is ZeRO-2: drop it, "
+            "or plan ZeRO-3 (-z 3)",
+        ),
+    ],
+)
+def test_cli_names_the_flag_and_value_at_fault(capsys, argv, message):
+    assert plan.main(["--model", "tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_cli_lora_flags_take_the_rank_of_a_run_config(capsys):
+    """--lora-targets needs a LoRA rank, which a run config's lora: section gives as well as --lora-rank."""
+    config = str(ROOT / "configs/llama3-8b-lora-c7i.yaml")
+    assert plan.main(["--config", config, "--lora-targets", "q_proj,v_proj", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"]["lora_targets"] == ["q_proj", "v_proj"]
+    assert plan.main(["--config", config, "--lora-rank", "0", "--lora-targets", "q_proj"]) == 2
+    assert "--lora-targets sets LoRA's adapters" in capsys.readouterr().err
+
+
+def test_cli_says_a_model_file_is_missing_or_not_a_config(tmp_path, capsys):
+    assert plan.main(["--model", "/nonexistent/config.json"]) == 2
+    assert capsys.readouterr().err == (
+        "error: model '/nonexistent/config.json': /nonexistent/config.json does not exist; "
+        "give a Hugging Face config.json (or its directory)\n"
+    )
+    assert plan.main(["--model", str(tmp_path)]) == 2
+    assert f"{tmp_path} has no config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{not json")
+    assert plan.main(["--model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'config.json'} is not a Llama-style")
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10}))
+    assert plan.main(["--model", str(tmp_path / "config.json")]) == 2
+    assert "config.json (no 'num_attention_heads')" in capsys.readouterr().err
 
 
 def test_deepspeed_settings_match_the_training_loop():

@@ -238,6 +238,57 @@ def test_report_cli_explains_a_wrong_directory(tmp_path):
     assert result.returncode == 2 and "metrics.jsonl" in result.stderr
 
 
+def _hand_made_run(run_dir: Path, config: str = "run:\n  name: r\ntrain:\n  max_steps: 6\n") -> Path:
+    """A run directory written by hand: two train rows, a config and an earlier report.md."""
+    run_dir.mkdir()
+    rows = [{"step": 2, "loss": 5.0, "tokens_seen": 512}, {"step": 4, "loss": 4.0, "tokens_seen": 1024}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "config.yaml").write_text(config)
+    (run_dir / "report.md").write_text("an earlier, good report\n")
+    return run_dir
+
+
+def test_report_cli_refuses_a_file_as_out(tmp_path, capsys):
+    from raytrain_cpu.report import main
+
+    run_dir = _hand_made_run(tmp_path / "rrep")
+    (tmp_path / "afile.txt").write_text("")
+    assert main([str(run_dir), "--out", str(tmp_path / "afile.txt")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err == f"error: --out {tmp_path / 'afile.txt'} is a file: give a directory (made if missing), or drop --out\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [("run: [a\n  b: :\n", "is not valid YAML at line 2, column 4"), ("- a\n", "holds a list, not a mapping")],
+)
+def test_report_cli_names_a_config_yaml_it_cannot_read(tmp_path, capsys, text, why):
+    from raytrain_cpu.report import main
+
+    run_dir = _hand_made_run(tmp_path / "rrep", config=text)
+    assert main([str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run_dir / 'config.yaml'} {why}") and err.count("\n") == 1
+    assert "move it aside" in err
+
+
+@pytest.mark.parametrize("text", ["", "garbage\n", '[1, 2]\n{"loss": 3.0}\n'])
+def test_report_cli_of_no_readable_rows_keeps_the_earlier_report(tmp_path, capsys, text):
+    """An empty or unreadable metrics.jsonl is an error, and the report written before stays."""
+    from raytrain_cpu.report import main
+
+    run_dir = _hand_made_run(tmp_path / "rrep")
+    (run_dir / "metrics.jsonl").write_text(text)
+    assert main([str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run_dir / 'metrics.jsonl'} holds no readable train or eval rows")
+    assert "nothing was written" in err and err.count("\n") == 1
+    assert (run_dir / "report.md").read_text() == "an earlier, good report\n"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "metrics.jsonl", "report.md"]
+
+
 # ----------------------------------------------------------------------------- metrics helpers
 
 
