@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.checkpoint import BEST_HELP, MANIFEST, CheckpointError, best_of, checkpoint_of, read_manifest
+from raytrain_cpu.checkpoint import BEST_HELP, MANIFEST, CheckpointError, best_of, read_manifest
 from raytrain_cpu.config import Config, ConfigError, _set_dotted, parse_override
 
 MICRO_BATCH = 8  # blocks a forward: the loss sums do not depend on it
@@ -84,19 +85,39 @@ def evaluation_config(path: Path, model_dir: Path, overrides: list[str], info: d
     }
     for key, value in given.items():
         _set_dotted(raw, key, value)
-    if "data.eval_path" in given and "data.path" not in given:
+    if _eval_path_alone(given):
         # "Evaluate on this file": only it is read (prepare_evaluation packs it alone), but the
         # config wants training text of the same kind: the file stands in for it.
         raw["data"].update(source="auto", path=given["data.eval_path"], mix=[])
     return Config.from_dict(raw)
 
 
-def prepared_sources(cfg: Config, log) -> tuple[list[tuple[str, Path, dict]], int | None]:
-    """Each source's packed cache (data.mixture_sources), prepared on a local Ray when missing,
-    and the EOS id that bounds documents under data.attention_span=document (else None)."""
-    from raytrain_cpu.data import check_sources, documents_eos, mixture_sources, prepare_evaluation, read_meta
+def _eval_path_alone(given: dict[str, Any]) -> bool:
+    """data.eval_path given without data.path: that file alone is evaluated, standing in for the
+    training text too (evaluation_config)."""
+    return "data.eval_path" in given and "data.path" not in given
 
-    check_sources(cfg.data)
+
+def check_data(cfg: Config, overrides: list[str]) -> None:
+    """Lists the evaluation data's files (a missing path, a hub dataset's file list) before any
+    export work. Where data.eval_path stands in for data.path, an error about data.path is about
+    the data.eval_path the user set, and says so."""
+    from raytrain_cpu.data import DataError, check_sources
+
+    try:
+        check_sources(cfg.data)
+    except (ConfigError, DataError) as e:
+        if not _eval_path_alone(dict(parse_override(item) for item in overrides)):
+            raise
+        raise type(e)(re.sub(r"\bdata\.path\b", "data.eval_path", str(e))) from None
+
+
+def prepared_sources(cfg: Config, log) -> tuple[list[tuple[str, Path, dict]], int | None]:
+    """Each source's packed cache (data.mixture_sources; check_data has listed their files),
+    prepared on a local Ray when missing, and the EOS id that bounds documents under
+    data.attention_span=document (else None)."""
+    from raytrain_cpu.data import documents_eos, mixture_sources, prepare_evaluation, read_meta
+
     cache = prepare_evaluation(cfg, log=log)
     return mixture_sources(cache, read_meta(cache)), documents_eos(cfg)
 
@@ -200,14 +221,14 @@ def evaluate_model(
 
     import torch
 
-    from raytrain_cpu.export import _torch_dtype, load_exported
+    from raytrain_cpu.export import _torch_dtype, load_exported, model_or_checkpoint
     from raytrain_cpu.generate import _export_dir
     from raytrain_cpu.train import eval_metrics, eval_sums, pair_eval_metrics, pair_eval_sums
 
-    path = best_of(path) if best else checkpoint_of(path)
+    path = best_of(path) if best else model_or_checkpoint(path)
     info = _run_info(path)
-    # Bad settings fail before the export (minutes for a large model).
-    evaluation_config(path, path, list(overrides), info)
+    # Bad settings and missing data fail before the export (minutes for a large model).
+    check_data(evaluation_config(path, path, list(overrides), info), list(overrides))
     check_reference(reference)
     with ExitStack() as stack:
         # A LoRA checkpoint as its adapter on the base: it computes as training did, and DPO's

@@ -19,6 +19,7 @@ import contextlib
 import json
 import shutil
 import sys
+import tempfile
 import time
 import uuid
 import weakref
@@ -35,6 +36,7 @@ from raytrain_cpu.checkpoint import (
     best_of,
     checkpoint_of,
     out_of_space,
+    read_manifest,
     verify_checkpoint,
 )
 from raytrain_cpu.hub import is_hub_id
@@ -56,7 +58,30 @@ def _consolidated(ckpt_dir: Path):
     """{name: lazy tensor} of the whole model's fp32 master weights (tied names share one object)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=DS_TAG, lazy_mode=True)
+    try:
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=DS_TAG, lazy_mode=True)
+    except Exception:
+        damaged = _unreadable_shard(ckpt_dir)
+        if damaged is None:  # every file reads: not a damaged file, so not ours to rename
+            raise
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} is damaged: {damaged} can't be read by torch.load; check every file's sha256 "
+            f"with `python -m raytrain_cpu.export {ckpt_dir} OUT_DIR --checksums`, or use an earlier checkpoint"
+        ) from None
+
+
+def _unreadable_shard(ckpt_dir: Path) -> str | None:
+    """The first of the checkpoint's DeepSpeed files torch.load can't open (relative to it), else
+    None. A file damaged in place keeps its size, which is all the manifest check reads by
+    default, and torch's own error names no file (or names it inside an unrelated hint)."""
+    import torch
+
+    for f in sorted((ckpt_dir / DS_TAG).glob("*.pt")):
+        try:  # memory-mapped, as DeepSpeed reads the optimizer shards: opens the file, reads no tensor
+            torch.load(f, map_location="cpu", mmap=True, weights_only=False)
+        except Exception:
+            return str(f.relative_to(ckpt_dir))
+    return None
 
 
 def _write_safetensors(tensors, out: Path, dtype, max_shard_bytes: int, base_name: str = "model") -> dict[str, Any]:
@@ -151,6 +176,7 @@ def _run_sources(ckpt_dir: Path, manifest: dict[str, Any], model_dir: str | None
     def missing(path: str) -> bool:  # local paths are recorded absolute; a hub id is never missing here
         return path.startswith("/") and not Path(path).exists()
 
+    _check_given(model_dir, tokenizer)
     recorded = manifest["model_dir"]
     if model_dir is None:
         model_dir = recorded
@@ -184,6 +210,23 @@ def _run_sources(ckpt_dir: Path, manifest: dict[str, Any], model_dir: str | None
     return model_dir, tokenizer
 
 
+def _check_given(model_dir: str | None, tokenizer: str | None) -> None:
+    """--model-dir and --tokenizer name a local directory or a hub id (is_hub_id: how the rest of
+    raytrain reads a name): anything else would reach the hub as a malformed repo id."""
+    if model_dir is not None and not is_hub_id(model_dir) and not Path(model_dir, "config.json").is_file():
+        what = "has no config.json" if Path(model_dir).is_dir() else "does not exist"
+        raise CheckpointError(
+            f"--model-dir: {model_dir!r} {what}; give a copy of the model directory the run trained (its "
+            "config.json is read) or its hub id, e.g. meta-llama/Meta-Llama-3-8B"
+        )
+    if tokenizer is not None and not is_hub_id(tokenizer) and not Path(tokenizer).is_dir():
+        what = "is a file" if Path(tokenizer).exists() else "does not exist"
+        raise CheckpointError(
+            f"--tokenizer: {tokenizer!r} {what}; give a directory holding the run's tokenizer (a model directory "
+            "will do) or its hub id"
+        )
+
+
 def export_checkpoint(
     ckpt_dir: str | Path,
     out_dir: str | Path,
@@ -207,15 +250,20 @@ def export_checkpoint(
     also as an ordinary model with the adapters folded in, in `out_dir/merged`.
     """
     ckpt_dir, out_dir = checkpoint_of(ckpt_dir), Path(out_dir)
-    manifest = verify_checkpoint(ckpt_dir, hash_ranks=checksums)
+    # Every cheap check first: the file check below reads the whole checkpoint with `checksums`.
+    manifest = read_manifest(ckpt_dir)
     dtype = manifest.get("dtype", "fp32") if dtype == "auto" else dtype
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: got {dtype!r}; choose auto, bf16 or fp32.")
-    _check_out_dir(ckpt_dir, out_dir, overwrite)
-    model_dir, tokenizer = _run_sources(ckpt_dir, manifest, model_dir, tokenizer)
+    sources = _run_sources(ckpt_dir, manifest, model_dir, tokenizer)
+    _check_out_dir(ckpt_dir, out_dir, overwrite, _kept_dirs(ckpt_dir, manifest, sources))
+    _check_writable(out_dir)
+    verify_checkpoint(ckpt_dir, hash_ranks=checksums)
+    model_dir, tokenizer = sources
 
     t0 = time.perf_counter()
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+    target = out_dir.resolve()  # "out/.." or "x/." have no name of their own to put the staging one beside
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:
         torch_dtype = _torch_dtype(dtype)
@@ -225,9 +273,9 @@ def export_checkpoint(
         else:
             written = _write_safetensors(state.items(), tmp, torch_dtype, max_shard_bytes)
             _write_config_and_tokenizer(tmp, model_dir, tokenizer, torch_dtype, manifest)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
     except Exception as e:  # OSError, or safetensors' own error around one
         if not out_of_space(e):
             raise
@@ -247,15 +295,24 @@ def export_checkpoint(
     }
 
 
-def _check_out_dir(ckpt_dir: Path, out_dir: Path, overwrite: bool) -> None:
-    """Refuses an out_dir whose replacement would lose training state, --overwrite or not: the
-    export replaces out_dir whole, so out_dir must not be, hold or lie in a checkpoint or run."""
+def _check_out_dir(ckpt_dir: Path, out_dir: Path, overwrite: bool, kept: dict[Path, tuple[str, str]]) -> None:
+    """Refuses an out_dir whose replacement would lose what a run needs, --overwrite or not: the
+    export replaces out_dir whole, so out_dir must not be, hold or lie in a checkpoint, a run or
+    one of the `kept` directories (_kept_dirs), nor be or hold the current directory."""
     ckpt, out = ckpt_dir.resolve(), out_dir.resolve()
-    if out == ckpt or out in ckpt.parents or ckpt in out.parents:
-        where = "is" if out == ckpt else "is inside" if ckpt in out.parents else "holds"
+    if where := _relation(out, ckpt):
         raise FileExistsError(
             f"{out_dir} {where} the checkpoint {ckpt_dir}; choose an out_dir outside it (e.g. {ckpt.parent / 'export'})."
         )
+    for path, (what, needed_by) in kept.items():
+        if where := _relation(out, path):
+            raise FileExistsError(
+                f"{out_dir} {where} {what} {path}, which {needed_by}; the export replaces out_dir whole, so "
+                f"choose an out_dir outside it (e.g. {ckpt.parent / 'export'})."
+            )
+    _check_not_cwd(out_dir, out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out_dir} is a file; the export is a directory: choose another out_dir.")
     if not out.is_dir() or not any(out.iterdir()):
         return
     if not overwrite:
@@ -268,6 +325,63 @@ def _check_out_dir(ckpt_dir: Path, out_dir: Path, overwrite: bool) -> None:
             f"{out_dir} holds raytrain checkpoints ({held.parent}); --overwrite never replaces them: "
             "choose another directory."
         )
+
+
+def _check_not_cwd(out_dir: Path, out: Path) -> None:
+    """out_dir (resolved: `out`) must not be or hold the current directory: "." would be emptied."""
+    try:
+        cwd = Path.cwd().resolve()
+    except FileNotFoundError:  # a process whose cwd was deleted: nothing there to lose
+        return
+    if (where := _relation(out, cwd)) and where != "is inside":
+        raise FileExistsError(
+            f"{out_dir} {where} the current directory {cwd}, which the export would replace whole; choose a new "
+            "directory for it (e.g. ./export)."
+        )
+
+
+def _relation(out: Path, path: Path) -> str:
+    """How resolved `out` stands to resolved `path`: 'is', 'holds', 'is inside' or '' (apart)."""
+    if out == path:
+        return "is"
+    if out in path.parents:
+        return "holds"
+    return "is inside" if path in out.parents else ""
+
+
+def _kept_dirs(ckpt_dir: Path, manifest: dict[str, Any], sources: tuple[str, str]) -> dict[Path, tuple[str, str]]:
+    """{resolved local directory: (what it is, what reads it)} for the model and tokenizer the run
+    started from (its manifest's, and the base model beside its checkpoints that a copied run
+    falls back to) and those this export reads (`sources`, _run_sources'); hub ids are none."""
+    model_users = "a resume, DPO's reference and a LoRA adapter's base read"
+    named = [
+        (manifest.get("model_dir"), "the model the run started from", model_users),
+        (ckpt_dir.parent / "base_model", "the run's base model", model_users),
+        (manifest.get("tokenizer"), "the run's tokenizer", "a resume and every export of the run read"),
+        (sources[0], "the model this export reads its config from", "this export reads"),
+        (sources[1], "the tokenizer this export copies", "this export reads"),
+    ]
+    kept: dict[Path, tuple[str, str]] = {}
+    for path, what, needed_by in named:
+        if path and Path(path).is_dir():
+            kept.setdefault(Path(path).resolve(), (what, needed_by))
+    return kept
+
+
+def _check_writable(out_dir: Path) -> None:
+    """out_dir's staging directory can be made beside it, checked before any work: tries a
+    directory in the nearest existing one above out_dir and removes it again."""
+    above = out_dir.resolve().parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise FileExistsError(f"{out_dir}: {above} is a file, so nothing can go under it; choose another out_dir.")
+    try:
+        Path(tempfile.mkdtemp(prefix=".raytrain-export-probe-", dir=above)).rmdir()
+    except OSError as e:
+        raise CheckpointError(
+            f"{out_dir}: can't write in {above} ({e.strerror}); choose an out_dir in a writable place."
+        ) from None
 
 
 def _write_lora(state, out: Path, dtype, manifest, model_dir: str, tokenizer: str, merge: bool, max_shard_bytes: int):
@@ -303,6 +417,32 @@ def _write_lora(state, out: Path, dtype, manifest, model_dir: str, tokenizer: st
 
 def is_adapter_dir(path: str | Path) -> bool:
     return all((Path(path) / f).is_file() for f in ADAPTER_FILES)
+
+
+def model_or_checkpoint(path: str | Path) -> Path:
+    """`path` as generate and evaluate read it: a checkpoint (a run directory: its latest), an
+    export or a Hugging Face model directory. Anything else is a CheckpointError saying which of
+    those it is not and what to pass, before a tokenizer's loader guesses at it."""
+    p = checkpoint_of(path)
+    if (p / MANIFEST).is_file() or (p / "config.json").is_file() or is_adapter_dir(p):
+        return p
+    if (p / DS_TAG).is_dir() or not p.is_dir():  # a checkpoint without its manifest, or a reported one gone
+        read_manifest(p)  # raises, saying so (export's own check)
+    runs = sorted({m.parts[-3] for m in p.glob(f"*/checkpoint_*/{MANIFEST}")})
+    if runs:
+        raise CheckpointError(
+            f"{path} is a storage path of runs ({', '.join(runs)}), not one model: pass a run directory "
+            f"(e.g. {p / runs[0]}) or one of its checkpoints"
+        )
+    held = sorted(m.parent.name for m in p.glob(f"checkpoint_*/{MANIFEST}"))
+    if held:
+        raise CheckpointError(
+            f"{path} holds checkpoints but no {SNAPSHOT} to say which is its latest: pass one, e.g. {p / held[-1]}"
+        )
+    raise CheckpointError(
+        f"{path} is not a model directory (no config.json), a checkpoint (no {MANIFEST}) or a run directory (no "
+        "checkpoints): pass one of those, e.g. runs/<name> or an export"
+    )
 
 
 def load_exported(path: str | Path, dtype=None):
@@ -438,6 +578,11 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.merge and "adapter" not in info:
+        print(
+            f"note: --merge ignored: {info['checkpoint']} is not a LoRA run, so the export is already the whole model",
+            file=sys.stderr,
+        )
     print(json.dumps(info, indent=2))
     return 0
 

@@ -13,22 +13,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.checkpoint import BEST_HELP, MANIFEST, CheckpointError, best_of, checkpoint_of
+from raytrain_cpu.checkpoint import BEST_HELP, MANIFEST, CheckpointError, best_of
 
 
 def _export_dir(path: Path, stack: ExitStack, merge: bool = True) -> Path:
     """An export directory for `path`: itself, or a temporary export of a checkpoint (a run
     directory's latest); a LoRA checkpoint's merged model, or with merge=False its adapter."""
-    path = checkpoint_of(path)
+    from raytrain_cpu.export import MERGED, export_checkpoint, model_or_checkpoint
+
+    path = model_or_checkpoint(path)
     if not (path / MANIFEST).is_file():
         return path
-    from raytrain_cpu.export import MERGED, export_checkpoint
 
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="raytrain-generate-"))) / "export"
     info = export_checkpoint(path, tmp, merge=merge)
@@ -72,6 +74,8 @@ def generate(
 
     from raytrain_cpu.export import load_exported
 
+    if prompt == "":  # no token to continue from: the model's forward fails on an empty batch
+        raise ValueError("--prompt is empty; give the text to complete (for chat and instruction runs: the message)")
     with ExitStack() as stack:
         export_dir = _export_dir(Path(path), stack)
         tokenizer = AutoTokenizer.from_pretrained(str(export_dir))
@@ -113,14 +117,17 @@ def _check_fits(config: dict[str, Any], prompt_len: int, max_new_tokens: int) ->
 def _read_messages(path: str) -> list[dict]:
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"--chat: {path!r} does not exist; give a JSON file with a list of {{role, content}}")
+        what = "is a directory" if p.is_dir() else "does not exist"
+        raise ValueError(f"--chat: {path!r} {what}; give a JSON file with a list of {{role, content}}")
     try:
         obj = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"--chat: {path} is not JSON ({e.msg})") from None
     messages = obj.get("messages") if isinstance(obj, dict) else obj
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages)
     ):
         raise ValueError(f"--chat: {path} must hold a list of {{role, content}} objects (or {{messages: [...]}})")
     return messages
@@ -142,8 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     args = ap.parse_args(argv)
-    if args.max_new_tokens < 1 or args.temperature < 0:
-        print("error: --max-new-tokens must be >= 1 and --temperature >= 0", file=sys.stderr)
+    if args.max_new_tokens < 1:
+        print(f"error: --max-new-tokens must be >= 1; got {args.max_new_tokens}", file=sys.stderr)
+        return 2
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):  # nan passes any comparison's "not <"
+        print(
+            f"error: --temperature must be a finite number >= 0 (0 = greedy); got {args.temperature}", file=sys.stderr
+        )
         return 2
     if not Path(args.model).is_dir():
         print(f"error: {args.model!r} is not a directory; give a checkpoint or an export directory", file=sys.stderr)

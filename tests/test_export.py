@@ -251,3 +251,256 @@ def test_writer_skips_ties_not_reused_ids(tmp_path, monkeypatch):
     assert written["tensors"] == 5
     assert sorted(state) == ["embed_tokens.weight"] + [f"layers.{i}.weight" for i in range(4)]
     assert all(state[f"layers.{i}.weight"].eq(i).all() for i in range(4))
+
+
+# ----------------------------------------------------------------------------- refusals (user testing)
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under `root` with its bytes (None: a directory): what a refusal must leave as it was."""
+    return {str(p): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def _one_error(capsys) -> str:
+    """The command's stderr, checked to be one `error: ...` line, without its prefix."""
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err.removeprefix("error: ").rstrip("\n")
+
+
+@pytest.fixture
+def no_export_work(monkeypatch):
+    """Fails the test if the export gets as far as reading the shards: its checks must come first."""
+    from raytrain_cpu import export
+
+    def reached(ckpt_dir):
+        raise AssertionError(f"the export started on {ckpt_dir} before refusing")
+
+    monkeypatch.setattr(export, "_consolidated", reached)
+
+
+def _run_with_own_model(zero3, tmp_path: Path) -> Path:
+    """A copy of the checkpoint in runs/a, its base model beside it, and a manifest naming a model
+    and a tokenizer of its own under tmp_path (as a run that started from a local model records them)."""
+    from raytrain_cpu.tokenizer import BUNDLED_TOKENIZER
+
+    ckpt = tmp_path / "runs" / "a" / zero3["checkpoint"].name
+    shutil.copytree(zero3["checkpoint"], ckpt)
+    base = zero3["checkpoint"].parents[1] / "base_model"
+    shutil.copytree(base, ckpt.parent / "base_model")
+    shutil.copytree(base, tmp_path / "models" / "start")
+    shutil.copytree(BUNDLED_TOKENIZER, tmp_path / "tok")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    own = {"model_dir": str(tmp_path / "models" / "start"), "tokenizer": str(tmp_path / "tok")}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest | own))
+    return ckpt
+
+
+def test_overwrite_never_replaces_the_runs_model_tokenizer_or_the_cwd(
+    zero3, tmp_path, capsys, monkeypatch, no_export_work
+):
+    """The model and tokenizer the manifest names (and a copied run's base_model beside its
+    checkpoints) are read by a resume, DPO's reference and a LoRA adapter's base: an out_dir that
+    is, holds or lies in one is refused, --overwrite or not, before any work; so is the cwd."""
+    from raytrain_cpu.export import main
+
+    ckpt = _run_with_own_model(zero3, tmp_path)
+    work = tmp_path / "work" / "here"
+    work.mkdir(parents=True)
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path / "runs")
+    before = _tree(tmp_path)
+    models = tmp_path / "models"
+    cases = {
+        "a/base_model": "is the run's base model",  # the reported data loss: export runcopy runcopy/base_model
+        str(models / "start"): "is the model the run started from",
+        str(models / "start" / "sub"): "is inside the model the run started from",
+        str(models): "holds the model the run started from",
+        str(tmp_path / "tok"): "is the run's tokenizer",
+    }
+    for flags in ([], ["--overwrite"]):
+        for out, where in cases.items():
+            assert main([str(ckpt), out, *flags]) == 2
+            err = _one_error(capsys)
+            assert err.startswith(f"{out} {where} "), err
+            assert err.endswith(f"choose an out_dir outside it (e.g. {ckpt.parent / 'export'}).")
+    assert main([str(ckpt), "a/base_model", "--overwrite"]) == 2
+    assert _one_error(capsys) == (
+        f"a/base_model is the run's base model {ckpt.parent / 'base_model'}, which a resume, DPO's reference and a "
+        f"LoRA adapter's base read; the export replaces out_dir whole, so choose an out_dir outside it "
+        f"(e.g. {ckpt.parent / 'export'})."
+    )
+    # The current directory: "." once failed on its empty name, and resolved it would be emptied.
+    monkeypatch.chdir(work)
+    for out, where in ((".", "is"), ("..", "holds")):
+        assert main([str(ckpt), out, "--overwrite"]) == 2
+        assert _one_error(capsys) == (
+            f"{out} {where} the current directory {work}, which the export would replace whole; choose a new "
+            "directory for it (e.g. ./export)."
+        )
+    assert _tree(tmp_path) == before
+
+
+def test_out_dir_model_dir_and_tokenizer_are_checked_before_the_work(zero3, tmp_path, capsys, no_export_work):
+    """A file as out_dir, a file above it, an unwritable place, a --model-dir or --tokenizer that
+    is not there: one line naming it, exit 2, before the shards are read and with nothing written."""
+    from raytrain_cpu.export import main
+
+    ckpt = str(zero3["checkpoint"])
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    (tmp_path / "empty").mkdir()
+    cases = [
+        ([str(afile)], f"{afile} is a file; the export is a directory: choose another out_dir."),
+        ([str(afile), "--overwrite"], f"{afile} is a file; the export is a directory: choose another out_dir."),
+        (
+            [str(afile / "x")],
+            f"{afile / 'x'}: {afile} is a file, so nothing can go under it; choose another out_dir.",
+        ),
+        (
+            [str(tmp_path / "out"), "--model-dir", "/nonexistent"],
+            "--model-dir: '/nonexistent' does not exist; give a copy of the model directory the run trained (its "
+            "config.json is read) or its hub id, e.g. meta-llama/Meta-Llama-3-8B",
+        ),
+        (
+            [str(tmp_path / "out"), "--model-dir", str(tmp_path / "empty")],
+            f"--model-dir: '{tmp_path / 'empty'}' has no config.json; give a copy of the model directory the run "
+            "trained (its config.json is read) or its hub id, e.g. meta-llama/Meta-Llama-3-8B",
+        ),
+        (
+            [str(tmp_path / "out"), "--tokenizer", "/nonexistent"],
+            "--tokenizer: '/nonexistent' does not exist; give a directory holding the run's tokenizer (a model "
+            "directory will do) or its hub id",
+        ),
+    ]
+    for args, message in cases:
+        assert main([ckpt, *args]) == 2
+        assert _one_error(capsys) == message
+    # /proc takes no new directory (root: ENOENT, anyone else: EACCES); the reason is the OS's.
+    assert main([ckpt, "/proc/x"]) == 2
+    err = _one_error(capsys)
+    assert err.startswith("/proc/x: can't write in /proc (") and err.endswith("choose an out_dir in a writable place.")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty"] and afile.read_text() == "keep me"
+
+
+def _damaged_copy(zero3, tmp_path: Path) -> Path:
+    """The checkpoint with a rank's optimizer shard overwritten at its start: its size, which is
+    all the manifest check reads without --checksums, stays right."""
+    ckpt = tmp_path / "damaged" / zero3["checkpoint"].name
+    shutil.copytree(zero3["checkpoint"], ckpt)
+    shard = ckpt / "ds" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray(shard.read_bytes())
+    data[:64] = bytes(64)
+    shard.write_bytes(bytes(data))
+    return ckpt
+
+
+def test_a_damaged_shard_is_named_by_export_and_evaluate(zero3, tmp_path, capsys):
+    from raytrain_cpu.evaluate import main as evaluate_main
+    from raytrain_cpu.export import main
+
+    ckpt = _damaged_copy(zero3, tmp_path)
+    message = (
+        f"checkpoint {ckpt} is damaged: ds/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt can't be read by "
+        f"torch.load; check every file's sha256 with `python -m raytrain_cpu.export {ckpt} OUT_DIR --checksums`, "
+        "or use an earlier checkpoint"
+    )
+    assert main([str(ckpt), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: {message}"  # after DeepSpeed's progress lines
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["damaged"]
+    assert evaluate_main([str(ckpt)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: {message}"
+    assert main([str(ckpt), str(tmp_path / "out"), "--checksums"]) == 2  # what the message suggests finds it
+    assert "optim_states.pt does not match its sha256" in _one_error(capsys)
+
+
+def test_merge_on_a_run_without_lora_says_it_is_ignored(zero3, tmp_path, capsys):
+    from raytrain_cpu.export import main
+
+    assert main([str(zero3["checkpoint"]), str(tmp_path / "out"), "--merge"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "--merge" in line]
+    assert notes == [
+        f"note: --merge ignored: {zero3['checkpoint']} is not a LoRA run, so the export is already the whole model"
+    ]
+    assert (tmp_path / "out" / "model.safetensors").is_file() and not (tmp_path / "out" / "merged").exists()
+
+
+def test_generate_and_evaluate_name_what_a_path_is_not(zero3, tmp_path, capsys, no_export_work):
+    """An empty directory, a storage path of runs, a directory with only a readme, a checkpoint
+    without its manifest: one line each, not a tokenizer loader's guess about sentencepiece."""
+    from raytrain_cpu.evaluate import main as evaluate_main
+    from raytrain_cpu.generate import main as generate_main
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "readme").mkdir()
+    (tmp_path / "readme" / "README.md").write_text("hi")
+    shutil.copytree(zero3["checkpoint"], tmp_path / "runs" / "base" / zero3["checkpoint"].name)
+    no_manifest = tmp_path / "nomanifest"
+    shutil.copytree(zero3["checkpoint"], no_manifest)
+    (no_manifest / "manifest.json").unlink()
+    not_a_model = (
+        "{} is not a model directory (no config.json), a checkpoint (no manifest.json) or a run directory (no "
+        "checkpoints): pass one of those, e.g. runs/<name> or an export"
+    )
+    runs = tmp_path / "runs"
+    cases = [
+        (generate_main, tmp_path / "empty", not_a_model.format(tmp_path / "empty")),
+        (evaluate_main, tmp_path / "readme", not_a_model.format(tmp_path / "readme")),
+        (
+            generate_main,
+            runs,
+            f"{runs} is a storage path of runs (base), not one model: pass a run directory (e.g. {runs / 'base'}) "
+            "or one of its checkpoints",
+        ),
+        (
+            generate_main,
+            runs / "base",
+            f"{runs / 'base'} holds checkpoints but no checkpoint_manager_snapshot.json to say which is its latest: "
+            f"pass one, e.g. {runs / 'base' / zero3['checkpoint'].name}",
+        ),
+        (  # export's own words for it
+            generate_main,
+            no_manifest,
+            f"checkpoint {no_manifest} has no manifest.json: it is incomplete or not a raytrain_cpu checkpoint",
+        ),
+    ]
+    for cli, path, message in cases:
+        args = [str(path), "--prompt", "hi"] if cli is generate_main else [str(path)]
+        assert cli(args) == 2
+        assert _one_error(capsys) == message
+
+
+def test_generate_refuses_bad_options_before_the_work(zero3, tmp_path, capsys, no_export_work):
+    from raytrain_cpu.generate import main
+
+    ckpt = str(zero3["checkpoint"])
+    cases = [
+        (["--prompt", ""], "--prompt is empty; give the text to complete (for chat and instruction runs: the message)"),
+        (
+            ["--prompt", "hi", "--temperature", "nan"],
+            "--temperature must be a finite number >= 0 (0 = greedy); got nan",
+        ),
+        (
+            ["--prompt", "hi", "--temperature", "inf"],
+            "--temperature must be a finite number >= 0 (0 = greedy); got inf",
+        ),
+        (
+            ["--chat", str(tmp_path)],
+            f"--chat: '{tmp_path}' is a directory; give a JSON file with a list of {{role, content}}",
+        ),
+    ]
+    for args, message in cases:
+        assert main([ckpt, *args]) == 2
+        assert _one_error(capsys) == message
+
+
+def test_evaluate_names_a_missing_eval_path_before_the_export(zero3, tmp_path, capsys, no_export_work):
+    """data.eval_path alone stands in for the training text too, but the error names the key the
+    user set, and comes before the checkpoint is exported."""
+    from raytrain_cpu.evaluate import main
+
+    missing = tmp_path / "nonexistent.txt"
+    assert main([str(zero3["checkpoint"]), f"data.eval_path={missing}"]) == 2
+    assert _one_error(capsys) == (
+        f"data.eval_path: '{missing}' does not exist. Point it at a text file, a directory or a glob."
+    )
