@@ -150,6 +150,11 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+def results_file(stem: str, feats: cpu.CpuFeatures | None = None) -> Path:
+    """benchmarks/results/<this machine>/<stem>.json: one folder per machine (model and best matrix ISA)."""
+    return RESULTS / (feats or cpu.cpu_features()).slug / f"{stem}.json"
+
+
 def write_results(suite: str, result: dict[str, Any], json_path: str | None, workdir: Path | None = None) -> Path:
     """<suite>.json plus <suite>.md (the tables) in this machine's folder of benchmarks/results
     (`cpu.CpuFeatures.slug`: model and best matrix ISA), or at --json.
@@ -157,7 +162,7 @@ def write_results(suite: str, result: dict[str, Any], json_path: str | None, wor
     Paths under the scratch directory are recorded as <workdir>/...: results are committed,
     and this machine's temporary paths mean nothing elsewhere.
     """
-    path = Path(json_path) if json_path else RESULTS / cpu.cpu_features().slug / f"{suite}.json"
+    path = Path(json_path) if json_path else results_file(suite)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(result, indent=2, default=str)
     if workdir is not None:
@@ -1378,7 +1383,7 @@ def result_stem(suite: str, size: str) -> str:
 
 def result_path(suite: str, args: argparse.Namespace, feats: cpu.CpuFeatures) -> Path:
     """Where `suite`'s results go: --json, or this machine's folder of benchmarks/results."""
-    return Path(args.json) if args.json else RESULTS / feats.slug / f"{result_stem(suite, args.size)}.json"
+    return Path(args.json) if args.json else results_file(result_stem(suite, args.size), feats)
 
 
 def _unwritable(folder: Path) -> str:
