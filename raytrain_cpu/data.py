@@ -1230,40 +1230,40 @@ def _split_files(split_dir: str) -> tuple[tuple[str, ...], np.ndarray]:
 
 
 class _DecodedColumns:
-    """Cache files' columns as decoded arrays, the least recently read dropped past `budget` bytes.
+    """Cache files' columns as decoded arrays, for the `files` most recently read files.
 
     A reader goes through one shuffle window (data.shuffle_window blocks: 8 or 9 files) at a
     time in random order, so it needs every file of the window decoded at once: a column each
     for text, three for chat and DPO caches, and a window for each source of a mixture. Counted
-    in entries (16), three columns of 8 files decoded a whole file for every third block read:
-    17.0 ms a block against 0.42 counted in bytes (benchmarks/decoded_columns.py)."""
+    in columns (16), three columns of 8 files decoded a whole file for every third block read:
+    18.1 ms a block against 0.43 counted in files (benchmarks/decoded_columns.py). A plan keeps
+    as many files as its windows span (`keep`), so a long run holds no more than that."""
 
-    def __init__(self, budget: int) -> None:
-        self.budget, self.held = budget, 0
-        self.columns: collections.OrderedDict[tuple[str, str], np.ndarray] = collections.OrderedDict()
+    def __init__(self, files: int) -> None:
+        self.files = files
+        self.held: collections.OrderedDict[str, dict[str, np.ndarray]] = collections.OrderedDict()
+
+    def keep(self, files: int) -> None:
+        """Holds at least `files` files from now on (a stream's windows, every source's)."""
+        self.files = max(self.files, files)
 
     def __call__(self, path: str, column: str) -> np.ndarray:
-        key = (path, column)
-        if key in self.columns:
-            self.columns.move_to_end(key)
-            return self.columns[key]
-        import pyarrow.parquet as pq
+        columns = self.held.setdefault(path, {})
+        self.held.move_to_end(path)
+        if column not in columns:
+            import pyarrow.parquet as pq
 
-        col = pq.read_table(path, columns=[column]).column(column).combine_chunks()
-        rows = self.columns[key] = col.values.to_numpy(zero_copy_only=False).reshape(len(col), -1)
-        self.held += rows.nbytes
-        while self.held > self.budget and len(self.columns) > 1:
-            self.held -= self.columns.popitem(last=False)[1].nbytes
-        return rows
+            col = pq.read_table(path, columns=[column]).column(column).combine_chunks()
+            columns[column] = col.values.to_numpy(zero_copy_only=False).reshape(len(col), -1)
+        while len(self.held) > self.files:
+            self.held.popitem(last=False)
+        return columns[column]
 
     def clear(self) -> None:
-        self.columns.clear()
-        self.held = 0
+        self.held.clear()
 
 
-# 4 GiB a reading process: a window of 3 columns at seq_len 2048 (configs/llama3-8b-dpo-c7i.yaml)
-# is 1.5 GiB, two sources' 3 GiB.
-_decoded_columns = _DecodedColumns(budget=4 * 2**30)
+_decoded_columns = _DecodedColumns(files=16)  # a stream's plan asks for its windows' (StreamPlan.fetch)
 
 
 @functools.lru_cache(maxsize=4)
@@ -1332,7 +1332,15 @@ class StreamPlan:
         m, w = self.micro, self.world_size
         return self.start + ((local // m) * w + self.rank) * m + local % m
 
+    def files_in_windows(self) -> int:
+        """Cache files a reader of this plan needs decoded at once: each source's window and the
+        file a window's edge may cut (caches written before 2026-11-30 have uneven files), or
+        every file of the source where that is fewer."""
+        per_window = -(-self.window // BLOCKS_PER_FILE) + 1
+        return sum(min(-(-n // BLOCKS_PER_FILE) + 1, per_window) for n in self.n_blocks)
+
     def fetch(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        _decoded_columns.keep(self.files_in_windows())  # in the reading process: Ray Data's task
         pos = self.positions(batch["id"].astype(np.int64))
         src, src_pos = mix_positions(pos, self.pattern)
         first_id = np.cumsum((0, *self.n_blocks))

@@ -142,19 +142,25 @@ def test_cache_files_are_whole_and_blocks_are_read_by_each_files_own_rows(tmp_pa
             data.read_blocks(str(tmp_path / split), np.array([25]), has_labels=False)
 
 
-def test_decoded_columns_are_kept_by_bytes_and_the_least_recent_go(tmp_path):
-    """A window's columns stay decoded while they fit the budget (three columns of 8 files once
-    did not, at 16 entries); past it the least recently read go first."""
+def test_decoded_columns_hold_the_windows_files_and_the_least_recent_go(tmp_path):
+    """A file's columns stay decoded while its file is among the most recently read (three
+    columns of a window's 8 files once did not fit 16 entries); a plan asks for its windows'."""
     from raytrain_cpu import data
 
-    c, d, e = (f"{_cache_of(tmp_path / name, 30, 0)}/part-00000.parquet" for name in "cde")  # 480 bytes each
-    decoded = data._DecodedColumns(budget=1000)
+    c, d, e = (f"{_cache_of(tmp_path / name, 30, 0)}/part-00000.parquet" for name in "cde")
+    decoded = data._DecodedColumns(files=2)
     first = decoded(c, "input_ids")
-    assert first.nbytes == 30 * 4 * 4 and decoded(c, "input_ids") is first  # kept, not read again
-    decoded(d, "input_ids")  # 960 held
+    assert decoded(c, "input_ids") is first  # kept, not read again
+    decoded(d, "input_ids")
     decoded(c, "input_ids")  # read again: now the most recent
-    decoded(e, "input_ids")  # 1,440: the least recent (d) goes
-    assert [path for path, _ in decoded.columns] == [c, e] and decoded.held == 960
+    decoded(e, "input_ids")  # a third file: the least recent (d) goes
+    assert list(decoded.held) == [c, e]
+    decoded.keep(1)  # never fewer than asked before
+    assert decoded.files == 2
+
+    n = data.BLOCKS_PER_FILE
+    plan = StreamPlan(("a", "b"), (10 * n, n // 2), 0, 8 * n, 8, 1, 0, 0, 64, pattern=(0, 1))
+    assert plan.files_in_windows() == (8 + 1) + (1 + 1)  # a window and the file its edge cuts; all of b
 
 
 def test_labels_shift_across_packed_block():
