@@ -402,7 +402,9 @@ class DataConfig:
     shuffle_window: int = 65536
     """Blocks shuffled together: training visits windows of this many blocks in a seeded
     random order and the blocks within each window in a seeded random order, so a reader
-    holds one window at a time (data smaller than a window get a full permutation)."""
+    holds one window at a time (data smaller than a window get a full permutation), decoded:
+    4 x seq_len bytes a block and column (text 1 column, chat and DPO 3), 256 MiB for 65,536
+    text blocks of 1,024 tokens, in each of Ray Data's reading processes."""
     prefetch_batches: int = 4
     """Batches each training worker prefetches from its Ray Data shard."""
     format: str = "text"
