@@ -388,7 +388,9 @@ class DataConfig:
     seq_len: int = 256
     """Tokens per packed training block."""
     eval_fraction: float = 0.02
-    """Share of training blocks held out for evaluation when there is no eval source."""
+    """Share of the documents held out for evaluation when there is no eval source: every
+    round(1 / eval_fraction)-th document (0.02: every 50th; 0.4 rounds to every 2nd); 0 holds
+    none out, and the run evaluates nothing."""
     cache_dir: str = ""
     """Where packed blocks are cached as parquet, keyed by source + tokenizer + seq_len;
     '' means <run.storage_path>/data_cache."""

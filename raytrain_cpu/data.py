@@ -927,6 +927,12 @@ def _kill_tokenizer_actors() -> None:
             ray.kill(obj)
 
 
+def held_out(eval_fraction: float) -> str:
+    """Which documents a source without evaluation text of its own holds out (whole documents:
+    every round(1 / data.eval_fraction)-th, so 0.4 holds out every 2nd)."""
+    return f"held out: every {round(1 / eval_fraction)}th document" if eval_fraction else "none held out"
+
+
 def _pack(
     spec: SourceSpec,
     cfg: DataConfig,
@@ -941,14 +947,16 @@ def _pack(
     import pyarrow.compute  # noqa: F401 - pa.compute
     import ray
 
+    # Packing order = file order = document order. Before the dataset is built: it keeps a copy
+    # of the context it was built with (set after, `prepare` and `evaluate` packed in whatever
+    # order the tasks finished: other blocks and another held-out split under the same key).
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
     ds = _read_documents(spec, cfg, tokenizer, actors)
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # packing order = file order = document order
     sft = spec.format != "text"
     make = (lambda d: _ExampleWriter(d, cfg.seq_len, pad_id)) if sft else (lambda d: _BlockWriter(d, cfg.seq_len))
     writer = make(out)
     eval_writer = make(holdout) if holdout else None
-    every = round(1 / cfg.eval_fraction) if holdout else 0
+    every = round(1 / cfg.eval_fraction) if holdout and cfg.eval_fraction else 0  # 0: none held out
     docs = skipped = tokens = 0
     failure = None
     with _console_errors_held() as held:
@@ -967,7 +975,7 @@ def _pack(
                     docs += 1
                     tokens += len(ids)
                     # Hold-out goes by document, so no article is split between train and eval.
-                    w = eval_writer if eval_writer is not None and docs % every == 0 else writer
+                    w = eval_writer if every and docs % every == 0 else writer
                     if splits is not None:
                         w.add_pair(ids, labels[offsets[i] : offsets[i + 1]], int(splits[i]))
                     elif sft:
@@ -1164,9 +1172,7 @@ def _prepare_source(
             "seq_len": cfg.data.seq_len,
             "tokenizer": tokenizer_path,
             "train_source": train.describe(),
-            "eval_source": evals.describe()
-            if evals
-            else f"held out: every {round(1 / cfg.data.eval_fraction)}th document",
+            "eval_source": evals.describe() if evals else held_out(cfg.data.eval_fraction),
             "padding_tokens": 0,
             "padding_frac": 0.0,
             "truncated_examples": 0,

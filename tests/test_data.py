@@ -366,6 +366,51 @@ def test_prepare_cache_keyed_reused_and_bad_sources(ray_session, tmp_path, make_
     assert failed.value is not None and _alive_tokenizer_actors(timeout=15) == []
 
 
+def test_prepare_packs_a_directorys_files_in_order_and_may_hold_nothing_out(
+    ray_session, tmp_path, make_config, monkeypatch
+):
+    """Files pack in their order, whichever tokenizing task ends first: `prepare` and `evaluate`
+    once set Ray Data's preserve_order after building the dataset, which keeps the context it
+    was built with, and packed other blocks (and held out other documents) on every build under
+    the same key. data.eval_fraction=0 holds nothing out (it divided by zero)."""
+    import ray
+
+    from raytrain_cpu import data
+    from raytrain_cpu.data import prepare, read_blocks, read_meta
+    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+
+    # As a fresh `prepare` process has it (the session's runs set it for their own reads).
+    monkeypatch.setattr(ray.data.DataContext.get_current().execution_options, "preserve_order", False)
+    ordered = []  # what each dataset to pack holds: the order here depends on the tasks' timing
+
+    def read_documents(*args, **kwargs):
+        ds = read(*args, **kwargs)
+        ordered.append(ds.context.execution_options.preserve_order)
+        return ds
+
+    read = data._read_documents
+    monkeypatch.setattr(data, "_read_documents", read_documents)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
+    (tmp_path / "corpus").mkdir()
+    for i, word in enumerate(words):  # the first file far the largest: its task ends last
+        (tmp_path / "corpus" / f"{i}.txt").write_text(f"{' '.join([word] * 300)} .\n" * (60 if i == 0 else 1))
+    cfg = make_config(
+        f"data.cache_dir={tmp_path / 'cache'}",
+        f"data.path={tmp_path / 'corpus'}",
+        "data.seq_len=16",
+        "data.eval_fraction=0",
+        "data.tokenize_actors=2",
+    )
+    cache = prepare(cfg)
+    meta = read_meta(cache)
+    assert ordered == [True] and meta["eval_blocks"] == 0 and meta["eval_source"] == "none held out"
+    tok = load_tokenizer(resolve_tokenizer_path("bundled", "tiny"))
+    word_of = {tok(f" {w}", add_special_tokens=False)["input_ids"][0]: i for i, w in enumerate(words)}
+    blocks = read_blocks(str(cache / "train"), np.arange(meta["blocks"]), False)["input_ids"]
+    order = [word_of[t] for t in blocks.reshape(-1) if t in word_of]
+    assert order == sorted(order) and set(order) == set(range(len(words)))
+
+
 def _alive_tokenizer_actors(timeout: float) -> list[int]:
     import ray._private.state as state
 
