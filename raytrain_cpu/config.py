@@ -610,10 +610,11 @@ class TrainConfig:
     """Passes over the training data, in place of train.max_steps: once the data are packed the
     run takes ceil(epochs x training blocks / global batch) steps, so every block is trained on
     at least once an epoch (the last step may take a few blocks of the next pass). A mixture
-    counts the blocks of all its sources (the console then says how often each source is read).
-    Fractions work (0.5: half the data). 0 (default): train.max_steps says how long. Set one of
-    the two: where the command line gives one and the --config file the other, the command line's
-    wins."""
+    counts the blocks of all its sources and draws them by weight: a source weighted above its
+    share of the blocks is read more than once an epoch, one below it only in part (the console
+    says how often each is read). Fractions work (0.5: half the data). 0 (default):
+    train.max_steps says how long. Set one of the two: where the command line gives one and the
+    --config file the other, the command line's wins."""
     micro_batch_size: int = 8
     """Blocks per worker per forward/backward pass."""
     grad_accum_steps: int = 1

@@ -1141,7 +1141,9 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     if latest and latest.get("data_key", meta["key"]) != meta["key"]:  # its files changed since (more text?)
         print(
             f"[raytrain] the training data changed since {Path(latest['path']).name} (packed blocks "
-            f"{latest['data_key']} then, {meta['key']} now): the run goes on at block {start:,} of the new data",
+            f"{latest['data_key']} then, {meta['key']} now): the run goes on at position {start:,} of the new "
+            "blocks' own seeded order, not the old one's, so blocks trained before may come again this epoch "
+            "and others not until the next",
             flush=True,
         )
     datasets = build_datasets(meta, sources, cfg, worlds, start)

@@ -81,8 +81,13 @@ def row_messages(row: dict[str, Any], cfg: DataConfig) -> list[dict[str, str]]:
                 f"no {cfg.messages_column!r} field (has {sorted(row)}); set data.messages_column "
                 "(ShareGPT's 'conversations' is recognised as it is)"
             )
-        if isinstance(msgs, str):
-            msgs = json.loads(msgs)
+        if isinstance(msgs, str):  # a parquet column may hold the list as JSON text
+            try:
+                msgs = json.loads(msgs)
+            except json.JSONDecodeError:
+                raise RowError(
+                    f"{cfg.messages_column!r} is a string, not a list of {{role, content}} (nor one as JSON text)"
+                ) from None
         if not isinstance(msgs, list) or not msgs:
             raise RowError(f"{cfg.messages_column!r} must be a non-empty list of {{role, content}}")
         out = []

@@ -311,6 +311,10 @@ def test_row_without_messages_or_prompt_names_file_and_row(tok, eos_id):
         tokenize_rows(tok, eos_id, [{"prompt": "q"}], fmt="instruction")
     with pytest.raises(DataError, match=r"line 1: no assistant message"):
         tokenize_rows(tok, eos_id, [{"messages": [{"role": "user", "content": "Hi"}]}])
+    # A string is not a list (it read as a JSON error about a valid line); JSON text of one is.
+    with pytest.raises(DataError, match=r"line 1: 'messages' is a string, not a list of \{role, content\}"):
+        tokenize_rows(tok, eos_id, [{"messages": "hello"}])
+    assert tokenize_rows(tok, eos_id, [{"messages": json.dumps(GOOD["messages"])}])[1] == 0
     table, skipped = tokenize_rows(tok, eos_id, [GOOD, {"text": "x"}, "[1, 2]", GOOD], bad_rows="skip")
     assert skipped == 2 and len([x for x in table.column("ids").to_pylist() if x]) == 2
     # the prompt/response columns are configurable
