@@ -43,7 +43,6 @@ import math
 import multiprocessing as mp
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -1387,18 +1386,14 @@ def result_path(suite: str, args: argparse.Namespace, feats: cpu.CpuFeatures) ->
 
 
 def _unwritable(folder: Path) -> str:
-    """Why no file can be written in `folder` (made if missing); '' if one can. The nearest
-    existing folder takes a probe file: os.access says yes to root on a read-only file system,
-    and /proc refuses new files whatever its mode bits say."""
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
+    """Why no file can be written in `folder` (made if missing); '' if one can."""
+    from raytrain_cpu.checkpoint import cannot_write, existing_folder
+
+    folder = existing_folder(folder)
     if not folder.is_dir():
         return f"{folder} is a file"
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            return ""
-    except OSError as e:
-        return f"cannot create files in {folder} ({e.strerror})"
+    why = cannot_write(folder)
+    return f"cannot create files in {folder} ({why})" if why else ""
 
 
 def check_args(args: argparse.Namespace, suites: list[str], runner: Runner, feats: cpu.CpuFeatures) -> None:

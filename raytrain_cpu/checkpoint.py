@@ -42,6 +42,7 @@ import os
 import pickle
 import random
 import shutil
+import tempfile
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -353,6 +354,24 @@ def _os_error(e: BaseException | None) -> OSError | None:
             return e
         e = e.__cause__ or e.__context__
     return None
+
+
+def existing_folder(path: Path) -> Path:
+    """`path` or the nearest folder above it that exists: where a directory to be made at `path` goes."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def cannot_write(folder: Path) -> str | None:
+    """Why no file can be made in the existing `folder` (the OS's reason), or None. A probe file,
+    removed again: os.access says yes to root on a read-only file system, and /proc refuses new
+    files whatever its mode bits say."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
 
 
 def out_of_space(e: BaseException) -> bool:

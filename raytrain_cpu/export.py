@@ -19,7 +19,6 @@ import contextlib
 import json
 import shutil
 import sys
-import tempfile
 import time
 import uuid
 import weakref
@@ -34,7 +33,9 @@ from raytrain_cpu.checkpoint import (
     SNAPSHOT,
     CheckpointError,
     best_of,
+    cannot_write,
     checkpoint_of,
+    existing_folder,
     out_of_space,
     read_manifest,
     verify_checkpoint,
@@ -369,19 +370,13 @@ def _kept_dirs(ckpt_dir: Path, manifest: dict[str, Any], sources: tuple[str, str
 
 
 def _check_writable(out_dir: Path) -> None:
-    """out_dir's staging directory can be made beside it, checked before any work: tries a
-    directory in the nearest existing one above out_dir and removes it again."""
-    above = out_dir.resolve().parent
-    while not above.exists():
-        above = above.parent
+    """out_dir's staging directory can be made beside it, checked before any work, in the
+    nearest existing folder above out_dir."""
+    above = existing_folder(out_dir.resolve().parent)
     if not above.is_dir():
         raise FileExistsError(f"{out_dir}: {above} is a file, so nothing can go under it; choose another out_dir.")
-    try:
-        Path(tempfile.mkdtemp(prefix=".raytrain-export-probe-", dir=above)).rmdir()
-    except OSError as e:
-        raise CheckpointError(
-            f"{out_dir}: can't write in {above} ({e.strerror}); choose an out_dir in a writable place."
-        ) from None
+    if why := cannot_write(above):
+        raise CheckpointError(f"{out_dir}: can't write in {above} ({why}); choose an out_dir in a writable place.")
 
 
 def _write_lora(state, out: Path, dtype, manifest, model_dir: str, tokenizer: str, merge: bool, max_shard_bytes: int):

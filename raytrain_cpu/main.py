@@ -23,7 +23,6 @@ import socket
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,9 +39,9 @@ from raytrain_cpu.metrics import CONSOLE_LINE, ray_console_handlers
 def check_storage(path: Path, key: str = "run.storage_path") -> None:
     """Fails if the directory `path` (set by config key `key`) can't be created and written;
     leaves nothing behind."""
-    probe_dir = path
-    while not probe_dir.exists():
-        probe_dir = probe_dir.parent
+    from raytrain_cpu.checkpoint import cannot_write, existing_folder
+
+    probe_dir = existing_folder(path)
     if probe_dir == Path(path.anchor) and probe_dir != path:
         # A missing top-level directory is a mount that isn't there (/fsx on a node without
         # FSx): creating it would put the run on this node's root disk, where no other node sees it.
@@ -55,15 +54,11 @@ def check_storage(path: Path, key: str = "run.storage_path") -> None:
         raise ConfigError(
             f"{key}: {probe_dir} is a file, so {path} can't be created. Choose a directory path for {key}."
         )
-    probe = probe_dir / f".raytrain_write_probe_{uuid.uuid4().hex[:8]}"
-    try:
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
+    if why := cannot_write(probe_dir):
         raise ConfigError(
-            f"{key}: cannot write under {probe_dir} ({e.strerror}). "
+            f"{key}: cannot write under {probe_dir} ({why}). "
             f"Point {key} at a writable directory (on a cluster: the shared /fsx mount)."
-        ) from None
+        )
 
 
 CHECKPOINT_BYTES_PER_PARAM = 12  # a ZeRO checkpoint: fp32 master weights and Adam's two moments
