@@ -927,10 +927,17 @@ def _kill_tokenizer_actors() -> None:
             ray.kill(obj)
 
 
+def held_out_every(eval_fraction: float) -> int:
+    """The period of the documents a source without evaluation text of its own holds out
+    (whole documents: every round(1 / data.eval_fraction)-th, so 0.4 holds out every 2nd);
+    0: none held out."""
+    return round(1 / eval_fraction) if eval_fraction else 0
+
+
 def held_out(eval_fraction: float) -> str:
-    """Which documents a source without evaluation text of its own holds out (whole documents:
-    every round(1 / data.eval_fraction)-th, so 0.4 holds out every 2nd)."""
-    return f"held out: every {round(1 / eval_fraction)}th document" if eval_fraction else "none held out"
+    """Which documents a source holds out, for the run's summary (`held_out_every`)."""
+    every = held_out_every(eval_fraction)
+    return f"held out: every {every}th document" if every else "none held out"
 
 
 def _pack(
@@ -956,7 +963,7 @@ def _pack(
     make = (lambda d: _ExampleWriter(d, cfg.seq_len, pad_id)) if sft else (lambda d: _BlockWriter(d, cfg.seq_len))
     writer = make(out)
     eval_writer = make(holdout) if holdout else None
-    every = round(1 / cfg.eval_fraction) if holdout and cfg.eval_fraction else 0  # 0: none held out
+    every = held_out_every(cfg.eval_fraction) if holdout else 0
     docs = skipped = tokens = 0
     failure = None
     with _console_errors_held() as held:
