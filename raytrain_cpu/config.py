@@ -395,8 +395,8 @@ class DataConfig:
     """Where packed blocks are cached as parquet, keyed by source + tokenizer + seq_len;
     '' means <run.storage_path>/data_cache."""
     bad_rows: str = "error"
-    """'error' stops at the first undecodable or missing text naming the file and line; 'skip'
-    drops such rows and counts them in summary.json."""
+    """'error' stops at the first undecodable or missing text (or, for chat/instruction data, a
+    blank answer) naming the file and line; 'skip' drops such rows and counts them in summary.json."""
     tokenize_batch_size: int = 512
     """Rows per Ray Data batch in tokenization."""
     tokenize_actors: int = 0

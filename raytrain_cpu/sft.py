@@ -97,13 +97,21 @@ def row_messages(row: dict[str, Any], cfg: DataConfig) -> list[dict[str, str]]:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise RowError(f"message {i} is not a {{role, content}} object with text content")
             out.append({"role": m["role"], "content": m["content"]})
-        if not any(m["role"] == "assistant" for m in out):
+        answers = [m["content"] for m in out if m["role"] == "assistant"]
+        if not answers:
             raise RowError("no assistant message: nothing to train on")
-        return out
-    prompt, response = _instruction_fields(row, cfg)
-    system = row.get(cfg.system_column) if cfg.system_column else None
-    msgs = [{"role": "system", "content": system}] if isinstance(system, str) and system else []
-    return [*msgs, {"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    else:
+        prompt, response = _instruction_fields(row, cfg)
+        system = row.get(cfg.system_column) if cfg.system_column else None
+        msgs = [{"role": "system", "content": system}] if isinstance(system, str) and system else []
+        out = [*msgs, {"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        answers = [response]
+    # An empty answer would train on the end of turn alone: the model learns to say nothing to
+    # that prompt. Almost always a broken export or the wrong column; one empty turn among
+    # others (a tool call's) still trains on the rest.
+    if not any(a.strip() for a in answers):
+        raise RowError("the assistant's answer is empty (blank text): it would train the model to answer nothing")
+    return out
 
 
 def _instruction_fields(row: dict[str, Any], cfg: DataConfig) -> tuple[str, str]:
@@ -144,6 +152,8 @@ def row_pair(row: dict[str, Any], cfg: DataConfig) -> tuple[list[dict[str, str]]
     for column, last in ((cfg.chosen_column, chosen), (cfg.rejected_column, rejected)):
         if last["role"] != "assistant":
             raise RowError(f"{column!r} must end with the assistant's answer, not a {last['role']!r} message")
+    if not chosen["content"].strip():  # it would train the model to prefer saying nothing (an empty rejected
+        raise RowError(f"the {cfg.chosen_column!r} answer is empty (blank text)")  # answer is a fair preference)
     if chosen_prompt != rejected_prompt:
         raise RowError(f"{cfg.chosen_column!r} and {cfg.rejected_column!r} differ before their answers")
     messages = chosen_prompt

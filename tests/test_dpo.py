@@ -73,11 +73,14 @@ def test_pair_rows_text_and_conversational():
             r"must end with the assistant",
         ),
         ({"prompt": "Q?", "chosen": [{"role": "assistant"}], "rejected": "N"}, r"'chosen' message 0 is not"),
+        ({"prompt": "Q?", "chosen": " ", "rejected": "N"}, r"the 'chosen' answer is empty"),
     ],
 )
 def test_bad_pair_rows_name_what_is_wrong(row, message):
     with pytest.raises(RowError, match=message):
         row_pair(row, cfg())
+    _, rejected = row_pair({"prompt": "Q?", "chosen": "Yes.", "rejected": ""}, cfg())
+    assert rejected[-1]["content"] == ""  # a blank rejected answer is a fair preference
 
 
 def tokenize_pairs(rows: list[dict], **kw):

@@ -327,6 +327,20 @@ def test_row_without_messages_or_prompt_names_file_and_row(tok, eos_id):
     )
 
 
+def test_an_empty_answer_is_a_bad_row_one_empty_turn_among_others_is_not(tok, eos_id):
+    """A blank answer trained on the end of turn alone (the model learns to say nothing), silently."""
+    blank = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " \n"}]}
+    with pytest.raises(DataError, match=r"rows.jsonl, line 2: the assistant's answer is empty.*bad_rows=skip"):
+        tokenize_rows(tok, eos_id, [GOOD, blank])
+    with pytest.raises(DataError, match=r"line 1: the assistant's answer is empty"):
+        tokenize_rows(tok, eos_id, [{"instruction": "Say nothing.", "input": "", "output": ""}], fmt="instruction")
+    assert tokenize_rows(tok, eos_id, [GOOD, blank], bad_rows="skip")[1] == 1
+    # a turn with no text (a tool call's) among answers that have some trains on the others
+    tool_call = [{"role": "user", "content": "Add 2 and 2."}, {"role": "assistant", "content": ""}]
+    table, skipped = tokenize_rows(tok, eos_id, [{"messages": tool_call + GOOD["messages"]}])
+    assert skipped == 0 and "Hello." in tok.decode([t for t in table.column("labels")[0].as_py() if t != IGNORE])
+
+
 def test_unknown_role_names_row_role_and_known_roles(tok, eos_id, tmp_path):
     narrator = {"messages": [{"role": "narrator", "content": "Once"}, *GOOD["messages"]]}
     with pytest.raises(
