@@ -1494,7 +1494,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="YAML config (default: the embedded local default)")
     p.add_argument("--force", action="store_true", help="rebuild even if the cache exists")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.seq_len=512")
-    args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # Overrides on both sides of --config, as main takes them (argparse mixes positionals and
+    # options only without subparsers, so the command's own parser reads the rest).
+    args = p.parse_intermixed_args(argv[1:]) if argv[:1] == ["prepare"] else ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         check_sources(cfg.data)  # fail on missing paths before Ray starts
@@ -1503,6 +1506,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import ray
 
+    from raytrain_cpu.main import quiet_local_console
+
+    quiet_local_console()  # a Ray of its own; its progress and notices go to its log files
     ray.init(address=cfg.run.ray_init_address, log_to_driver=False, include_dashboard=False)
     try:
         cache = prepare(cfg, force=args.force)

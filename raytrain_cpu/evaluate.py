@@ -292,19 +292,11 @@ def main(argv: list[str] | None = None) -> int:
             f"error: {args.model!r} is not a directory; give a checkpoint, a run directory or a model", file=sys.stderr
         )
         return 2
-    import logging
-
-    import ray.data  # noqa: F401  (sets up ray.data's console handler, to quiet it here)
-
     from raytrain_cpu.data import DataError
     from raytrain_cpu.export import progress_to_stderr
-    from raytrain_cpu.main import hide_core_log_lines
-    from raytrain_cpu.metrics import ray_console_handlers
+    from raytrain_cpu.main import quiet_local_console
 
-    # Packing new data runs on a local Ray: its progress and core-worker lines are not ours.
-    for handler in ray_console_handlers():
-        handler.setLevel(logging.ERROR)
-    hide_core_log_lines()
+    quiet_local_console()  # packing new data runs on a local Ray: its progress lines are not ours
 
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731  stdout holds the JSON
     try:

@@ -630,10 +630,7 @@ def quiet_ray_loggers() -> logging.Handler:
     ray_log_file() writes it to Ray's log directory (ray.data writes its own ray-data.log there)."""
     import logging.handlers
 
-    import ray.data  # noqa: F401  (sets up ray.data's handlers, to quiet them here)
-
-    for handler in ray_console_handlers():
-        handler.setLevel(logging.ERROR)
+    ray_console_errors_only()
     buffer = logging.handlers.MemoryHandler(capacity=10_000, flushLevel=logging.CRITICAL + 1)
     logging.getLogger("ray").addHandler(buffer)
     return buffer
@@ -654,6 +651,24 @@ def ray_log_file(buffer: logging.Handler, logs_dir: Path) -> None:
 
 # A line of Ray's C++ logging: "[2026-11-24 10:26:06,453 E 14559 14559] core_worker.cc:2465: ..."
 CORE_LOG_LINE = re.compile(rb"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [IWE] \d+ \d+\] \S+:\d+: ")
+
+
+def ray_console_errors_only() -> None:
+    """Ray's Python loggers ("ray", and "ray.data" with its own handler) print ERROR and above on
+    the console; their log files keep everything."""
+    import ray.data  # noqa: F401  (sets up ray.data's handlers, to quiet them here)
+
+    for handler in ray_console_handlers():
+        handler.setLevel(logging.ERROR)
+
+
+def quiet_local_console() -> None:
+    """For a one-process command (prepare, evaluate) that starts a local Ray to pack data: Ray's
+    loggers print errors only (Ray Data's records stay in ray-data.log) and the core worker's
+    notices are dropped (`hide_core_log_lines`), so the console holds the command's own lines
+    and its one-line error."""
+    ray_console_errors_only()
+    hide_core_log_lines()
 
 
 def hide_core_log_lines() -> Callable[[], None]:

@@ -188,6 +188,26 @@ def test_a_worker_lost_with_a_preempted_node_is_told_once(capsys):
     ]
 
 
+def test_prepare_cli_prints_its_own_lines_and_a_one_line_error(tmp_path):
+    """`python -m raytrain_cpu.data prepare` starts a Ray of its own: its console held Ray's progress
+    logs and a core-worker notice before the error, and overrides after --config were refused."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo."}]}\n{"x": 1}\n'
+    )
+    args = [f"data.path={bad}", "--config", "configs/sft-local.yaml", f"run.storage_path={tmp_path / 'runs'}"]
+    p = subprocess.run(
+        [sys.executable, "-m", "raytrain_cpu.data", "prepare", *args],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    assert [line.split(" ", 1)[0] for line in p.stdout.splitlines()] == ["[data]", "[data]"], p.stdout
+    assert p.stderr.splitlines() == [
+        f"error: {bad}, line 2: no 'messages' field (has ['x']); set data.messages_column (ShareGPT's 'conversations'"
+        " is recognised as it is). Fix the row, or set data.bad_rows=skip to drop such rows."
+    ]
+
+
 # ----------------------------------------------------------------------------- slow: the real thing
 
 
