@@ -392,8 +392,8 @@ class DataConfig:
     round(1 / eval_fraction)-th document (0.02: every 50th; 0.4 rounds to every 2nd); 0 holds
     none out, and the run evaluates nothing."""
     cache_dir: str = ""
-    """Where packed blocks are cached as parquet, keyed by source + tokenizer + seq_len;
-    '' means <run.storage_path>/data_cache."""
+    """Where packed blocks are cached as parquet, keyed by source (each file's name and version) +
+    tokenizer + seq_len; '' means <run.storage_path>/data_cache."""
     bad_rows: str = "error"
     """'error' stops at the first undecodable or missing text (or, for chat/instruction data, a
     blank answer) naming the file and line; 'skip' drops such rows and counts them in summary.json."""

@@ -84,6 +84,10 @@ class SourceSpec:
     bad_rows: str
     filesystem: str = "local"  # local | s3 | hf
     format: str = "text"  # text: documents | chat / instruction: rows that become examples (sft.py)
+    # A remote file's version from its listing, one per path (S3: size and modification time; the
+    # hub: the content hash), so an object rewritten under the same name is new data to the cache
+    # key; () for local files, which are stat'ed when the key is made.
+    versions: tuple[str, ...] = ()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -111,7 +115,8 @@ def _expand_local(path: str, kind: str, key: str) -> tuple[str, ...]:
     return tuple(str(Path(f).absolute()) for f in files)
 
 
-def _expand_s3(path: str, kind: str, key: str) -> tuple[str, ...]:
+def _expand_s3(path: str, kind: str, key: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(s3:// paths, their versions) of an object or of every object under a prefix."""
     import pyarrow.fs as pafs
 
     try:
@@ -120,21 +125,27 @@ def _expand_s3(path: str, kind: str, key: str) -> tuple[str, ...]:
         if info.type == pafs.FileType.NotFound:
             raise DataError(f"{key}: {path!r} does not exist (or is not readable with these credentials).")
         if info.type == pafs.FileType.File:
-            return (path,)
+            return (path,), (_object_version(info),)
         sel = pafs.FileSelector(root, recursive=True)
-        files = sorted(f.path for f in fs.get_file_info(sel) if f.type == pafs.FileType.File)
+        found = sorted((f.path, f) for f in fs.get_file_info(sel) if f.type == pafs.FileType.File)
     except OSError as e:  # S3 unreachable, an unknown bucket, credentials refused: AWS's words, one line
         raise DataError(
             f"{key}: cannot list {path!r} ({' '.join(str(e).split())}). Check the bucket's name, this machine's "
             "network and its AWS credentials (the instance role on the cluster; AWS_PROFILE or AWS_ACCESS_KEY_ID)."
         ) from None
-    if not files:
+    if not found:
         raise DataError(f"{key}: {path!r} is empty.")
-    return tuple(f"s3://{f}" for f in files)
+    return tuple(f"s3://{p}" for p, _ in found), tuple(_object_version(f) for _, f in found)
 
 
-def _hub_files(cfg: DataConfig, split: str) -> tuple[str, ...]:
-    """Parquet files of a hub dataset split (the hub's own parquet conversion), as hf:// paths."""
+def _object_version(info) -> str:
+    """An S3 object's size and last-modified time, as its listing gives them (no request more)."""
+    return f"{info.size}:{info.mtime_ns}"
+
+
+def _hub_files(cfg: DataConfig, split: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(hf:// paths, their versions) of a hub dataset split's parquet files (the hub's own parquet
+    conversion)."""
     from huggingface_hub import HfFileSystem
 
     fs = HfFileSystem()
@@ -142,9 +153,12 @@ def _hub_files(cfg: DataConfig, split: str) -> tuple[str, ...]:
     candidates = [f"{base}/{cfg.hub_config}/{split}-*.parquet", f"{base}/{cfg.hub_config}/{split}/*.parquet"]
     for pattern in candidates:
         with hub_errors("data.hub_id", cfg.hub_id, "dataset"):
-            files = sorted(fs.glob(pattern))
-        if files:
-            return tuple(f"hf://{f}" for f in files)
+            found = sorted(fs.glob(pattern, detail=True).items())
+        if found:
+            # A file's git blob id (an LFS file's pointer: its content hash) names its version:
+            # a dataset updated on the hub is new data.
+            versions = tuple(str(info.get("blob_id") or info["size"]) for _, info in found)
+            return tuple(f"hf://{f}" for f, _ in found), versions
     raise DataError(
         f"data.hub_id: no parquet files for {cfg.hub_id} / {cfg.hub_config} / split {split!r} on the hub "
         f"(looked for {candidates}). Check data.hub_config and data.train_split/eval_split."
@@ -183,26 +197,22 @@ def _source_specs(cfg: DataConfig) -> tuple[SourceSpec, SourceSpec | None]:
         return mk("test.txt"), mk("valid.txt")
     if cfg.source == "hub":
         wikitext = "wikitext" in cfg.hub_id.lower()
-        mk = lambda s: SourceSpec("parquet", _hub_files(cfg, s), cfg.text_column, wikitext, cfg.bad_rows, "hf")  # noqa: E731
-        return mk(cfg.train_split), (mk(cfg.eval_split) if cfg.eval_split else None)
-    expand = _expand_s3 if cfg.path.startswith("s3://") else _expand_local
-    fs = "s3" if cfg.path.startswith("s3://") else "local"
-    train = SourceSpec(
-        cfg.source, expand(cfg.path, cfg.source, "data.path"), cfg.text_column, cfg.source == "text", cfg.bad_rows, fs
-    )
-    evals = None
-    if cfg.eval_path:
-        efs = "s3" if cfg.eval_path.startswith("s3://") else "local"
-        eexpand = _expand_s3 if efs == "s3" else _expand_local
-        evals = SourceSpec(
-            cfg.source,
-            eexpand(cfg.eval_path, cfg.source, "data.eval_path"),
-            cfg.text_column,
-            cfg.source == "text",
-            cfg.bad_rows,
-            efs,
-        )
-    return train, evals
+
+        def hub(split: str) -> SourceSpec:
+            paths, versions = _hub_files(cfg, split)
+            return SourceSpec("parquet", paths, cfg.text_column, wikitext, cfg.bad_rows, "hf", versions=versions)
+
+        return hub(cfg.train_split), (hub(cfg.eval_split) if cfg.eval_split else None)
+
+    def files(path: str, key: str) -> SourceSpec:
+        if path.startswith("s3://"):
+            paths, versions = _expand_s3(path, cfg.source, key)
+            fs = "s3"
+        else:
+            paths, versions, fs = _expand_local(path, cfg.source, key), (), "local"
+        return SourceSpec(cfg.source, paths, cfg.text_column, cfg.source == "text", cfg.bad_rows, fs, versions=versions)
+
+    return files(cfg.path, "data.path"), (files(cfg.eval_path, "data.eval_path") if cfg.eval_path else None)
 
 
 def _filesystem(name: str):
@@ -644,11 +654,11 @@ def _unwrap(e: BaseException) -> DataError | None:
 # ----------------------------------------------------------------------------- pack + cache
 
 
-def _file_fingerprint(path: str, fs: str) -> str:
-    if fs == "local":
-        st = os.stat(path)
-        return f"{path}:{st.st_size}:{int(st.st_mtime)}"
-    return path  # remote objects: keyed by name (re-prepare by clearing the cache)
+def _file_fingerprints(spec: SourceSpec) -> list[str]:
+    """Each file's name and version: a file changed in place gets a new cache, not the old blocks."""
+    if spec.filesystem == "local":
+        return [f"{p}:{(st := os.stat(p)).st_size}:{int(st.st_mtime)}" for p in spec.paths]
+    return [f"{p}:{v}" for p, v in zip(spec.paths, spec.versions, strict=True)]
 
 
 def _tokenizer_fingerprint(path: str) -> str:
@@ -664,10 +674,8 @@ def cache_key(
     d = cfg.data
     payload = {
         "format": CACHE_FORMAT,
-        "train": [_file_fingerprint(p, train.filesystem) for p in train.paths] + [train.text_column, train.wikitext],
-        "eval": ([_file_fingerprint(p, evals.filesystem) for p in evals.paths] + [evals.text_column])
-        if evals
-        else d.eval_fraction,
+        "train": _file_fingerprints(train) + [train.text_column, train.wikitext],
+        "eval": (_file_fingerprints(evals) + [evals.text_column]) if evals else d.eval_fraction,
         "tokenizer": _tokenizer_fingerprint(tokenizer_path),
         "seq_len": d.seq_len,
         "bad_rows": d.bad_rows,

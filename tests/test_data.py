@@ -316,6 +316,40 @@ def test_document_positions_restart_after_each_eos():
     np.testing.assert_array_equal(document_positions(ids, 0), [[0, 1, 0, 1, 2, 0, 0], [0, 1, 2, 3, 4, 5, 6]])
 
 
+def test_an_s3_object_rewritten_under_its_name_is_new_data_to_the_cache_key(make_config, tmp_path, monkeypatch):
+    """Remote files were keyed by name alone: an S3 prefix whose objects were replaced trained on
+    the old blocks, silently. Their listing's size and modification time now key them. A local
+    filesystem stands in for S3 here (the same pyarrow FileSystem calls, no network)."""
+    import os
+
+    import pyarrow.fs as pafs
+
+    from raytrain_cpu.data import cache_key, source_specs
+    from raytrain_cpu.tokenizer import resolve_tokenizer_path
+
+    bucket = tmp_path / "bucket"
+    (bucket / "wiki").mkdir(parents=True)
+    for name in ("a.jsonl", "b.jsonl"):
+        (bucket / "wiki" / name).write_text('{"text": "Du Fu was a poet."}\n')
+
+    class S3:  # FileSystem.from_uri: the bucket at a local folder
+        from_uri = staticmethod(lambda uri: (pafs.LocalFileSystem(), str(bucket / uri.removeprefix("s3://b/"))))
+
+    monkeypatch.setattr(pafs, "FileSystem", S3)
+
+    def key():
+        c = make_config("data.source=jsonl", "data.path=s3://b/wiki")
+        train, evals = source_specs(c.data)
+        assert train.paths == (f"s3://{bucket}/wiki/a.jsonl", f"s3://{bucket}/wiki/b.jsonl")
+        return cache_key(c, train, evals, resolve_tokenizer_path(c.model.tokenizer, c.model.name_or_path))
+
+    before = key()
+    assert key() == before  # listed again, unchanged
+    (bucket / "wiki" / "b.jsonl").write_text('{"text": "Li Bai was a poet."}\n')  # the same size, new content
+    os.utime(bucket / "wiki" / "b.jsonl", ns=(10**18, 10**18))
+    assert key() != before
+
+
 @pytest.mark.slow
 def test_prepare_cache_keyed_reused_and_bad_sources(ray_session, tmp_path, make_config, capfd):
     from raytrain_cpu.data import prepare, read_meta

@@ -269,6 +269,32 @@ def test_a_hub_this_machine_cannot_reach_is_one_line_before_ray(make_config, ove
     assert "Ray's own logs" not in p.stdout and not Path(cfg.run.storage_path).exists()
 
 
+# The stub hub's one public dataset: its parquet files and their git blob ids (a test changes one).
+PUBLIC_DATASET = "owner/wiki"
+HUB_FILES = {"default/train/0000.parquet": "b" * 40, "default/train/0001.parquet": "c" * 40}
+
+
+def _tree(folder: str) -> list[dict]:
+    """The hub's tree listing of one folder (not recursive), as /api/datasets/<id>/tree/main answers."""
+    entries = {}
+    for path, oid in HUB_FILES.items():
+        rest = path.removeprefix(f"{folder}/" if folder else "")
+        if rest == path and folder:
+            continue
+        if "/" in rest:
+            sub = f"{folder}/{rest.split('/')[0]}".strip("/")
+            entries[sub] = {"type": "directory", "path": sub, "oid": "d" * 40}
+        else:
+            entries[path] = {
+                "type": "file",
+                "path": path,
+                "size": 10,
+                "oid": oid,
+                "lfs": {"oid": oid, "size": 10, "pointerSize": 130},
+            }
+    return list(entries.values())
+
+
 @pytest.fixture(scope="module")
 def stub_hub():
     """A local stand-in for the hub's API answering as huggingface.co does for a gated repo
@@ -276,14 +302,30 @@ def stub_hub():
     RepoNotFound): the real client, the real HTTP, nothing downloaded."""
     import http.server
     import threading
+    import urllib.parse
 
     class Hub(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            url = urllib.parse.urlparse(self.path)
+            if url.path.startswith(f"/api/datasets/{PUBLIC_DATASET}"):
+                listing = "/tree/main" in url.path
+                tree = _tree(urllib.parse.unquote(url.path.partition("/tree/main")[2]).strip("/"))
+                if not listing or tree:
+                    return self._json(tree if listing else {"id": PUBLIC_DATASET, "sha": "0" * 40})
             gated = "gated" in self.path
             self.send_response(401 if gated else 404)
-            self.send_header("X-Error-Code", "GatedRepo" if gated else "RepoNotFound")
+            missing = "EntryNotFound" if PUBLIC_DATASET in self.path else "RepoNotFound"  # a folder it lacks
+            self.send_header("X-Error-Code", "GatedRepo" if gated else missing)
             self.send_header("Content-Length", "0")
             self.end_headers()
+
+        def _json(self, obj) -> None:
+            body = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
         do_HEAD = do_GET
 
@@ -326,6 +368,38 @@ def test_a_gated_or_missing_hub_repo_is_one_line_before_ray(make_config, stub_hu
     assert p.returncode == 2, p.stderr[-2000:]
     assert p.stderr.startswith(f"error: {expected}") and len(p.stderr.splitlines()) == 1, p.stderr
     assert "Ray's own logs" not in p.stdout
+
+
+def test_a_hub_dataset_updated_under_the_same_file_names_is_new_data_to_the_cache_key(
+    make_config, stub_hub, monkeypatch
+):
+    """A hub source was keyed by its files' names alone, so a dataset updated on the hub trained
+    on the old cache, silently. Each file's blob id (its listing's) now keys it."""
+    import huggingface_hub
+    from huggingface_hub import HfFileSystem
+
+    from raytrain_cpu.data import DataError, cache_key, source_specs
+    from raytrain_cpu.tokenizer import resolve_tokenizer_path
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", stub_hub)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setitem(HUB_FILES, "default/train/0001.parquet", HUB_FILES["default/train/0001.parquet"])
+
+    def key() -> str:
+        HfFileSystem.clear_instance_cache()  # a new process lists the hub afresh
+        c = make_config(
+            "data.source=hub", f"data.hub_id={PUBLIC_DATASET}", "data.hub_config=default", "data.eval_split="
+        )
+        train, evals = source_specs(c.data)
+        assert train.paths == tuple(f"hf://datasets/{PUBLIC_DATASET}/{f}" for f in HUB_FILES)
+        return cache_key(c, train, evals, resolve_tokenizer_path(c.model.tokenizer, c.model.name_or_path))
+
+    before = key()
+    assert key() == before
+    HUB_FILES["default/train/0001.parquet"] = "e" * 40  # a new commit of the same file
+    assert key() != before
+    with pytest.raises(DataError, match=r"no parquet files for owner/wiki / wikitext-2-raw-v1 / split 'train'"):
+        source_specs(make_config("data.source=hub", f"data.hub_id={PUBLIC_DATASET}").data)  # the default config
 
 
 def test_a_run_without_evaluation_says_why():
