@@ -85,7 +85,7 @@ class SourceSpec:
     filesystem: str = "local"  # local | s3 | hf
     format: str = "text"  # text: documents | chat / instruction: rows that become examples (sft.py)
     # A remote file's version from its listing, one per path (S3: size and modification time; the
-    # hub: the content hash), so an object rewritten under the same name is new data to the cache
+    # hub: its git blob id), so an object rewritten under the same name is new data to the cache
     # key; () for local files, which are stat'ed when the key is made.
     versions: tuple[str, ...] = ()
 
