@@ -1018,6 +1018,8 @@ def _pack(
         "blocks": writer.n_blocks,
         "eval_blocks": eval_writer.n_blocks if eval_writer else 0,
     }
+    if sft and eval_writer:  # the held-out examples cut to seq_len, counted apart from the training ones
+        stats["eval_truncated_examples"] = eval_writer.truncated
     return stats | (writer.stats() if sft else {})
 
 
@@ -1090,6 +1092,7 @@ def _write_mixture(cfg: Config, caches: list[Path], log) -> Path:
         "pattern": mix_pattern(counts),
         **{k: total(k) for k in ("blocks", "eval_blocks", "documents", "tokens", "skipped_rows", "padding_tokens")},
         "truncated_examples": total("truncated_examples"),
+        "eval_truncated_examples": total("eval_truncated_examples"),
     }
     meta["padding_frac"] = meta["padding_tokens"] / max(1, meta["blocks"] * cfg.data.seq_len)
     out = cache_root(cfg) / f"mix-{key}"
@@ -1117,13 +1120,6 @@ def _pack_training_text(
         f"[data] tokenized {stats['documents']:,} docs, {stats['tokens']:,} tokens -> {stats['blocks']:,} "
         f"blocks in {time.perf_counter() - t0:.1f}s"
     )
-    if cfg.format != "text":
-        log(
-            f"[data] {cfg.format}: {stats['loss_tokens']:,} response tokens carry the loss; padding "
-            f"{stats['padding_frac']:.1%} of the blocks; {stats['truncated_examples']} "
-            f"{'pairs cut to share a block of' if cfg.format == 'preference' else 'examples truncated to'} "
-            f"data.seq_len={cfg.seq_len}"
-        )
     if stats["blocks"] == 0:
         raise DataError(
             f"the training text gives {stats['tokens']} tokens, less than one block of data.seq_len="
@@ -1180,6 +1176,23 @@ def _prepare_source(
             stats["eval_blocks"] = estats["blocks"]
             stats["eval_tokens"] = estats["tokens"]
             stats["skipped_rows"] += estats["skipped_rows"]
+            stats["eval_truncated_examples"] = estats.get("truncated_examples", 0)
+        if cfg.data.format != "text":  # after the eval text: its cut examples are counted on the same line
+            pairs = cfg.data.format == "preference"
+            limit = f"data.seq_len={cfg.data.seq_len}"
+            n_cut = stats.get("eval_truncated_examples", 0)
+            eval_cut = f"{n_cut} eval {'pair' if pairs else 'example'}{'' if n_cut == 1 else 's'}"
+            if not eval_only:
+                log(
+                    f"[data] {cfg.data.format}: {stats['loss_tokens']:,} response tokens carry the loss; padding "
+                    f"{stats['padding_frac']:.1%} of the blocks; {stats['truncated_examples']} "
+                    f"{'pairs cut to share a block of' if pairs else 'examples truncated to'} {limit}"
+                    + (f" (and {eval_cut})" if n_cut else "")
+                )
+            elif n_cut:
+                log(
+                    f"[data] {cfg.data.format}: {eval_cut} {'cut to share a block of' if pairs else 'truncated to'} {limit}"
+                )
         wall = time.perf_counter() - t0
         meta = {
             "format": CACHE_FORMAT,
@@ -1191,6 +1204,7 @@ def _prepare_source(
             "padding_tokens": 0,
             "padding_frac": 0.0,
             "truncated_examples": 0,
+            "eval_truncated_examples": 0,
             "data_format": cfg.data.format,
             **stats,
             "prepare_wall_s": round(wall, 3),
@@ -1440,6 +1454,36 @@ def eval_dataset(world_size: int, rank: int, source: str = "") -> str:
     return f"eval_w{world_size}_rank{rank}" + (f"_{source}" if source else "")
 
 
+def eval_blocks_per_rank(n_eval: int, world_size: int, max_blocks: int = 0) -> int:
+    """Eval rows each rank reads (eval_stream): ceil(n_eval / W), every rank the same count (ZeRO-3
+    needs every rank in every forward), at most `max_blocks` (0: no limit)."""
+    per_rank = -(-n_eval // world_size)
+    return min(per_rank, max_blocks) if max_blocks else per_rank
+
+
+def read_eval_blocks(
+    split_dir: str,
+    block_ids: np.ndarray,
+    n_eval: int,
+    has_labels: bool,
+    documents_eos: int | None = None,
+    labelled: bool = False,
+) -> dict[str, np.ndarray]:
+    """Eval rows `block_ids` (a rank's r, r+W, ...: eval_stream) as read_blocks reads them, with
+    block_id; an id past the split's `n_eval` blocks is padding: block n_eval-1's row in its place,
+    every label -100 (no target) and block_id -1. A text split's rows carry labels too (their
+    inputs; the padding's -100) where some are padding or `labelled` asks: every batch of a
+    stream that may hold padding needs them."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    padding = ids >= n_eval
+    rows = read_blocks(split_dir, np.where(padding, n_eval - 1, ids), has_labels, documents_eos)
+    if (labelled or padding.any()) and not has_labels:
+        rows["labels"] = rows["input_ids"].copy()
+    if padding.any():
+        rows["labels"][padding] = -100  # read_blocks stacks new arrays: the cache's rows are untouched
+    return {"block_id": np.where(padding, -1, ids), **rows}
+
+
 def eval_stream(
     cache: Path,
     world_size: int,
@@ -1449,23 +1493,27 @@ def eval_stream(
     has_labels: bool = False,
     documents_eos: int | None = None,
 ):
-    """Rank r evaluates eval blocks r, r+W, ... (its first `max_blocks`; 0: all); every rank
-    gets the same count (ZeRO-3 needs every rank in every forward), so up to W-1 trailing
-    blocks are left out. Columns as in read_blocks.
+    """Rank r evaluates eval blocks r, r+W, ... (its first `max_blocks`; 0: all), so the ranks
+    together evaluate every block once, whatever W (`python -m raytrain_cpu.evaluate` on one
+    process measures the same targets). Every rank gets the same count, ceil(n_eval / W)
+    (eval_blocks_per_rank; ZeRO-3 needs every rank in every forward): where W does not divide
+    n_eval, the last row of the ranks past the split's end is padding (read_eval_blocks: a real
+    block's tokens, no target, block_id -1). Columns as in read_blocks, and block_id; a text
+    split's stream that holds padding carries labels for all its rows (their inputs where real),
+    so that every batch of the stream has the same columns.
 
     Fetched by index like the training stream: an evaluation reads the blocks it evaluates,
     not the whole split (reading and filtering the split cost seconds an evaluation).
     """
     import ray
 
-    per_rank = n_eval // world_size
-    if max_blocks:
-        per_rank = min(per_rank, max_blocks)
+    per_rank = eval_blocks_per_rank(n_eval, world_size, max_blocks)
+    padded = per_rank > 0 and (per_rank - 1) * world_size + rank >= n_eval  # this rank's last row is padding
     split_dir = str(Path(cache) / "eval")
 
     def fetch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         block_id = batch["id"].astype(np.int64) * world_size + rank
-        return {"block_id": block_id, **read_blocks(split_dir, block_id, has_labels, documents_eos)}
+        return read_eval_blocks(split_dir, block_id, n_eval, has_labels, documents_eos, labelled=padded)
 
     return ray.data.range(per_rank, override_num_blocks=max(1, min(64, per_rank // 256))).map_batches(
         fetch, batch_format="numpy", batch_size=256, num_cpus=0.25
@@ -1484,6 +1532,7 @@ PREPARED_FIGURES = (
     "skipped_rows",
     "tokens_per_s",
     "truncated_examples",
+    "eval_truncated_examples",
     "padding_frac",
     "loss_tokens",
     "sources",

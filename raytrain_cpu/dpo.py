@@ -124,12 +124,16 @@ def dpo_loss(
     label_smoothing: float = 0.0,
     sft_weight: float = 0.0,
     gamma: float = 0.0,
+    per: tuple[float, float] | None = None,
 ):
     """(mean loss over the pairs, plus sft_weight x the chosen answers' per-token loss; the sums
     this batch adds to SUM_NAMES, whose 'loss' is the pairs' alone); a batch with no pair gives a
     zero loss that still reaches the graph (every rank must run the backward). IPO and SimPO
     compare each answer's log-likelihood per token, and their rewards are those too; SimPO's
-    `reference` is None (its rewards are beta x the policy's own)."""
+    `reference` is None (its rewards are beta x the policy's own).
+
+    `per` (pairs, chosen tokens): what the sums are divided by instead of this batch's own counts;
+    training gives the step's (`step_counts`), so the step's loss is the mean over all its pairs."""
     per_token = loss in ("ipo", "simpo")
     mine, ref = (_per_token(s) if per_token and s is not None else s for s in (policy, reference))
     gain_chosen, gain_rejected = (
@@ -138,9 +142,10 @@ def dpo_loss(
     margin = gain_chosen - gain_rejected
     losses = pair_losses(margin, beta, loss, label_smoothing, gamma)
     n = len(losses)
-    loss = losses.sum() / n if n else policy["chosen"].sum() * 0.0
+    pairs, tokens = per or (n, policy["chosen_tokens"].sum())
+    loss = losses.sum() / pairs if n else policy["chosen"].sum() * 0.0
     if sft_weight and n:
-        loss = loss - sft_weight * policy["chosen"].sum() / policy["chosen_tokens"].sum()
+        loss = loss - sft_weight * policy["chosen"].sum() / tokens
     totals = [losses, margin > 0, margin, gain_chosen, gain_rejected, -policy["chosen"], policy["chosen_tokens"]]
     loss_sum, correct, *rest = (float(x.detach().sum()) for x in totals)
     return loss, [loss_sum, n, correct, *rest]  # in SUM_NAMES' order
@@ -249,6 +254,13 @@ def precomputed(kept: KeptLogps) -> Reference:
         return torch.from_numpy(kept.rows(block_digests(inputs)))
 
     return logps
+
+
+def counts(labels: torch.Tensor, position_ids: torch.Tensor) -> list[float]:
+    """[pairs, chosen answers' targets] of a batch of preference blocks, before any forward: what
+    dpo_loss's `per` divides by, summed over a step's micro batches and ranks."""
+    sums = pair_sums(torch.zeros(labels.shape), labels, position_ids)
+    return [float(len(sums["chosen_tokens"])), float(sums["chosen_tokens"].sum())]
 
 
 def micro_batch_loss(model, reference: Reference, inputs: dict[str, Any], fused: bool, **loss_settings: Any):

@@ -152,7 +152,9 @@ class StabilityGuard:
         self.inject = parse_inject(cfg.inject)
         self.counts = {"loss_spike": 0, "grad_norm": 0, "nonfinite": 0, "skipped_steps": 0}
         self.stop_reason: str | None = None
-        self.step_loss: float | None = None  # mean over ranks and micro batches of the last step
+        # The last step's: the mean over ranks and micro batches of their losses, which the training
+        # loop weighs by their targets (train.step_counts), so the mean over the step's targets.
+        self.step_loss: float | None = None
         self._skip = False  # this step's update is being skipped
         self._skips_before = 0  # DeepSpeed's skipped_steps before this step
 

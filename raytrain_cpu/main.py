@@ -1216,6 +1216,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         "padding_tokens": meta["padding_tokens"],
         "padding_frac": meta.get("padding_frac", 0.0),
         "truncated_examples": meta.get("truncated_examples", 0),
+        "eval_truncated_examples": meta.get("eval_truncated_examples", 0),
         "data_format": meta.get("data_format", "text"),
         "skipped_rows": meta["skipped_rows"],
         "scaling": sizing,

@@ -896,9 +896,10 @@ def reference_batches(w: Worker) -> list[tuple[int, str, np.ndarray]]:
     """(rank, cache split directory, block ids) of every micro batch that first
     trains on each block (the stream's positions, data.StreamPlan: rank r's j-th micro batch
     holds positions (j W + r) m ... + m, up to the end of the first pass over the blocks or of
-    the run), then of every evaluation's (data.eval_stream: rank r evaluates r, r + W, ...), in
-    that order, each as the run composes it."""
-    from raytrain_cpu.data import global_order, read_meta
+    the run), then of every evaluation's (data.eval_stream: rank r evaluates r, r + W, ..., each
+    rank ceil(n/W) rows, the last one padding where W does not divide n), in that order, each as
+    the run composes it."""
+    from raytrain_cpu.data import eval_blocks_per_rank, global_order, read_meta
 
     cfg, t, world, m = w.cfg, w.cfg.train, w.world, w.cfg.train.micro_batch_size
     cache = Path(w.loop_config["data_cache"])
@@ -910,9 +911,7 @@ def reference_batches(w: Worker) -> list[tuple[int, str, np.ndarray]]:
     train = str(cache / "train")
     batches = [(j % world, train, ids[j * m : (j + 1) * m]) for j in range(end // m)]
     if meta["eval_blocks"] >= world:  # a source with fewer eval blocks than workers is not evaluated
-        per_rank = meta["eval_blocks"] // world
-        if t.eval_batches:
-            per_rank = min(per_rank, t.eval_batches * m)
+        per_rank = eval_blocks_per_rank(meta["eval_blocks"], world, t.eval_batches * m)
         evals = str(cache / "eval")
         for lo in range(0, per_rank, m):
             batches += [(r, evals, np.arange(lo, min(lo + m, per_rank)) * world + r) for r in range(world)]
@@ -961,15 +960,21 @@ def precompute_reference(w: Worker, engine):
 
 
 def _block_reader(w: Worker) -> Callable[[str, np.ndarray], dict[str, Any]]:
-    """(cache split, block ids) -> their rows as one batch of int64 tensors, as the streams give."""
+    """(cache split, block ids) -> their rows as one batch of int64 tensors, as the streams give
+    (the eval split's ids past its end: eval_stream's padding rows)."""
     import torch
 
-    from raytrain_cpu.data import documents_eos, read_blocks
+    from raytrain_cpu.data import documents_eos, read_blocks, read_eval_blocks, read_meta
 
     eos = documents_eos(w.cfg)
+    n_eval = read_meta(Path(w.loop_config["data_cache"]))["eval_blocks"]
 
     def read(split: str, ids: np.ndarray) -> dict[str, Any]:
-        return {k: torch.from_numpy(v.astype(np.int64)) for k, v in read_blocks(split, ids, True, eos).items()}
+        if Path(split).name == "eval":
+            rows = read_eval_blocks(split, ids, n_eval, True, eos)
+        else:
+            rows = read_blocks(split, ids, True, eos)
+        return {k: torch.from_numpy(v.astype(np.int64)) for k, v in rows.items() if k != "block_id"}
 
     return read
 
@@ -1211,17 +1216,20 @@ def train_step(w: Worker, st: Loop, engine, batches, guard: StabilityGuard, cloc
     """One optimizer step: grad_accum_steps micro batches of forward and backward, then the update."""
     accum = w.cfg.train.grad_accum_steps
     clock.start_step()
+    # The step's micro batches first: their targets, counted over every rank, weigh each one's
+    # loss before the first backward (`step_counts`).
+    micro_batches = [next_batch(w, st, batches, clock, block_log) for _ in range(accum)]
+    counts, totals = step_counts(w, micro_batches)
     step_losses = []
-    for micro_i in range(accum):
-        batch = next_batch(w, st, batches, clock, block_log)
+    for micro_i, batch in enumerate(micro_batches):
         st.last_input_ids = batch["input_ids"]
         t0 = time.perf_counter()
         inputs = model_inputs(batch)
         if w.preference:
-            loss = preference_loss(w, st, engine, inputs)
+            loss = preference_loss(w, st, engine, inputs, per=totals)
         else:
             out = engine(**inputs, row_losses=True) if w.loss_sources else engine(**inputs)
-            loss = out.loss
+            loss = out.loss if totals is None else out.loss * (counts[micro_i][0] / totals[0])
             if w.loss_sources:
                 add_by_source(w, st, batch["source"], out.row_losses, inputs["labels"])
         step_losses.append(float(loss.detach()))
@@ -1243,11 +1251,39 @@ def train_step(w: Worker, st: Loop, engine, batches, guard: StabilityGuard, cloc
     st.window_tokens += w.tokens_per_step
 
 
-def preference_loss(w: Worker, st: Loop, engine, inputs: dict[str, Any]):
-    """A micro batch's DPO loss (the reference forward first); its sums go to the next log row."""
+def step_counts(w: Worker, micro_batches: list[dict[str, Any]]) -> tuple[list[list[float]], list[float] | None]:
+    """(each micro batch's counts, the step's totals over every rank per micro batch) that weigh
+    each micro batch's loss, so the step's loss is the mean over all of its targets (DPO: pairs;
+    and the chosen answers' tokens for train.dpo_sft_weight) whatever the micro batch,
+    accumulation and worker count. DeepSpeed averages the micro batches' losses, each a mean over
+    its own targets: a micro batch of short chat answers weighed as much as one of long ones, a
+    different objective for each split of the same batch (3.1x the gradient norm in one case).
+
+    A loss divided by the totals per micro batch (the totals / (accumulation x workers)) comes
+    out of DeepSpeed's averaging as the step's. Text blocks hold seq_len - 1 targets each, so
+    their weights are all 1: totals None, and no all-reduce (every rank's stream has the same
+    columns, so every rank skips it alike)."""
+    if w.preference:
+        from raytrain_cpu import dpo
+
+        counts = [dpo.counts(b["labels"], b["position_ids"]) for b in micro_batches]
+    elif any("labels" in b for b in micro_batches):
+        counts = [[float(loss_tokens(b["labels"]))] for b in micro_batches]
+    else:
+        return [], None
+    totals = _allreduce_sum([sum(c[k] for c in counts) for k in range(len(counts[0]))])
+    if not totals[0]:  # no target anywhere: the losses are NaN, and the guard skips the step
+        return counts, None
+    share = len(micro_batches) * w.world
+    return counts, [t / share for t in totals]
+
+
+def preference_loss(w: Worker, st: Loop, engine, inputs: dict[str, Any], per: list[float] | None = None):
+    """A micro batch's DPO loss (the reference forward first), its sums divided by `per`
+    (`step_counts`' totals); its sums go to the next log row."""
     from raytrain_cpu import dpo
 
-    loss, sums = dpo.micro_batch_loss(engine, w.reference, inputs, w.fused_loss, **w.dpo_settings)
+    loss, sums = dpo.micro_batch_loss(engine, w.reference, inputs, w.fused_loss, **w.dpo_settings, per=per)
     st.pair_sums = [a + b for a, b in zip(st.pair_sums, sums)] if st.pair_sums else sums
     return loss
 

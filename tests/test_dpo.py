@@ -261,6 +261,27 @@ def test_simpo_compares_per_token_likelihoods_with_no_reference():
         load_config(None, ["train.simpo_gamma=-1"])
 
 
+def test_micro_batches_divided_by_the_steps_counts_add_up_to_the_whole_batchs_loss():
+    """Training divides each micro batch's sums by the step's pair and chosen-token counts
+    (`per`, over every micro batch and rank), so the micro batches' losses, averaged as DeepSpeed
+    does, are the whole batch's: row 0 holds 2 pairs, row 1 one (their own means weighed them
+    alike, the one pair as much as the two)."""
+    labels, position_ids = packed_batch()
+    logps = -torch.rand(2, 12, generator=torch.Generator().manual_seed(0)) * (labels != IGNORE)
+    reference = {k: v.detach() for k, v in dpo.pair_sums(torch.zeros(2, 12), labels, position_ids).items()}
+    counts = [dpo.counts(labels[r : r + 1], position_ids[r : r + 1]) for r in range(2)]
+    assert counts == [[2.0, 4.0], [1.0, 2.0]] and dpo.counts(labels, position_ids) == [3.0, 6.0]
+    settings = {"beta": 0.1, "sft_weight": 0.5}
+    whole, _ = dpo.dpo_loss(dpo.pair_sums(logps, labels, position_ids), reference, **settings)
+    per = [sum(c[k] for c in counts) / 2 for k in range(2)]  # the totals / (micro batches x ranks)
+    rows = [dpo.pair_sums(logps[r : r + 1], labels[r : r + 1], position_ids[r : r + 1]) for r in range(2)]
+    refs = [{k: v[:2] for k, v in reference.items()}, {k: v[2:] for k, v in reference.items()}]
+    parts = [dpo.dpo_loss(row, ref, **settings, per=per)[0] for row, ref in zip(rows, refs)]
+    assert ((parts[0] + parts[1]) / 2).item() == pytest.approx(whole.item(), rel=1e-6)
+    own = [dpo.dpo_loss(row, ref, **settings)[0] for row, ref in zip(rows, refs)]
+    assert ((own[0] + own[1]) / 2).item() != pytest.approx(whole.item(), rel=1e-3)  # each micro batch's mean
+
+
 def test_sft_weight_adds_the_chosen_answers_per_token_loss():
     labels, position_ids = packed_batch()
     logps = (-torch.rand(2, 12) * (labels != IGNORE)).requires_grad_()

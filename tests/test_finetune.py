@@ -126,6 +126,52 @@ def test_full_parameter_sft_under_zero2_resumes_and_exports(ray_session, make_co
     assert s["padding_frac"] >= 0.0 and s["truncated_examples"] >= 0
 
 
+def _uneven_chat(path: Path) -> Path:
+    """Chat rows whose answers are a word or a paragraph: packed blocks of one long answer (~120
+    targets) and blocks of many short ones (a few targets each)."""
+    from raytrain_cpu.data import BUNDLED_WIKITEXT
+
+    paragraphs = [p for p in (BUNDLED_WIKITEXT / "test.txt").read_text().splitlines() if len(p) > 600]
+    rows = []
+    for i in range(96):
+        answer = paragraphs[i] if i % 8 == 0 else "Yes."
+        rows.append(
+            {"messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": answer}]}
+        )
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_a_step_is_the_mean_over_its_targets_however_the_batch_is_split(ray_session, make_config, tmp_path):
+    """Each micro batch's loss is a mean over its own targets; DeepSpeed averaged those, so a micro
+    batch of short answers weighed as much as one long answer, and the same global batch split
+    another way (micro batches, accumulation, workers) trained another objective: 3.1x the
+    gradient norm in the report. train.step_counts weighs each by its share of the step's targets."""
+    from raytrain_cpu.main import run
+
+    data = _uneven_chat(tmp_path / "uneven.jsonl")
+    common = [*SFT, "data.source=jsonl", f"data.path={data}", "model.dtype=fp32", "train.max_steps=1"]
+    common += ["train.warmup_steps=0", "train.log_every=1"]
+    steps = {}
+    for name, split in {
+        "whole": ["scaling.num_workers=1", "train.micro_batch_size=4", "train.grad_accum_steps=1"],
+        "split": ["scaling.num_workers=2", "train.micro_batch_size=1", "train.grad_accum_steps=2"],
+    }.items():
+        s = run(make_config(*common, *split, f"run.name={name}", "train.record_block_ids=true"))
+        rows = [json.loads(line) for line in (Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        steps[name] = next(r for r in rows if r.get("step") == 1 and "loss" in r and "event" not in r)
+        steps[name]["blocks"] = sorted(
+            int(b) for f in (Path(s["run_dir"]) / "block_ids").glob("rank*.txt") for b in f.read_text().split()
+        )
+    whole, split = steps["whole"], steps["split"]
+    print(f"\n[step weights] loss {whole['loss']:.6f} / {split['loss']:.6f}, grad_norm {whole['grad_norm']:.5f} / "
+          f"{split['grad_norm']:.5f} (1 worker x micro 4 / 2 workers x micro 1 x accum 2)")  # fmt: skip
+    assert whole["blocks"] == split["blocks"]  # the same 4 blocks
+    assert split["loss"] == pytest.approx(whole["loss"], rel=1e-5)
+    assert split["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-4)
+
+
 def _lora_gathers_rank(rank: int, port: int, root: str) -> None:
     """One of 2 ranks, no Ray: LoRA under ZeRO-3 through the workers' own load_model and
     build_engine, 3 steps with per-module gathers, then 3 from the same start with whole layers."""
