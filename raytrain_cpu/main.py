@@ -78,8 +78,13 @@ def check_checkpoint_room(cfg: Config, model_dir: str) -> None:
         from raytrain_cpu.model import count_parameters
 
         n_params = count_parameters(model_dir)["total"]
+    from raytrain_cpu.checkpoint import STAGING
+
     one = CHECKPOINT_BYTES_PER_PARAM * n_params
-    free = shutil.disk_usage(cfg.run.run_dir).free
+    # A save that failed (the storage full) leaves its staged files, which the next save removes
+    # before it writes: room it has.
+    staged = sum(f.stat().st_size for f in (cfg.run.run_dir / STAGING).rglob("*") if f.is_file())
+    free = shutil.disk_usage(cfg.run.run_dir).free + staged
     kept = cfg.run.num_to_keep + bool(cfg.run.best_metric)  # ranked: the newest may be kept beside the best
     which = f"{kept} (the best and the newest)" if cfg.run.best_metric else "that many"
     needed = one * (kept + 1)
@@ -89,7 +94,7 @@ def check_checkpoint_room(cfg: Config, model_dir: str) -> None:
     )
     if free < one:
         raise ConfigError(
-            f"run.storage_path: {cfg.run.run_dir} has {_size(free)} free, and {what}: the first save would fail. "
+            f"run.storage_path: {cfg.run.run_dir} has {_size(free)} free, and {what}: the next save would fail. "
             "Free space there, or choose a storage path with room."
         )
     if free < needed:
@@ -552,13 +557,27 @@ def newest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
 
     Only Ray's snapshot counts: a checkpoint directory it does not list was never reported (a
     crash between writing and reporting) and is not resumed from. When the snapshot's latest
-    checkpoint is missing, incomplete or unreadable this fails loudly instead of starting over.
+    checkpoint is missing, incomplete or unreadable, or the snapshot is missing beside finished
+    checkpoints, this fails loudly instead of starting over.
     """
-    from raytrain_cpu.checkpoint import CheckpointError, latest_reported, verify_checkpoint
+    from raytrain_cpu.checkpoint import MANIFEST, SNAPSHOT, CheckpointError, latest_reported, verify_checkpoint
 
     try:
         path = latest_reported(run_dir)
-        return None if path is None else {**verify_checkpoint(path), "path": str(path)}
+        if path is None:
+            # Without Ray's record Ray Train starts the run over and overwrites what is there: a
+            # run copied without that file once lost its checkpoints so, silently.
+            found = sorted(p.name for p in Path(run_dir).glob("checkpoint_*") if (p / MANIFEST).is_file())
+            if found:
+                raise ConfigError(
+                    f"run.name: {run_dir} holds {', '.join(found)} but not Ray Train's record of them ({SNAPSHOT}), "
+                    f"so Ray Train would start run {run_dir.name!r} over and overwrite them. Restore that file (copy "
+                    "the whole run directory), or start a new run.name from the newest as a model (python -m "
+                    f"raytrain_cpu.export {Path(run_dir) / found[-1]} OUT, then model.name_or_path=OUT). Only a run "
+                    f"that stopped while saving its first checkpoint has none recorded: remove {found[-1]} to start over."
+                )
+            return None
+        return {**verify_checkpoint(path), "path": str(path)}
     except CheckpointError as e:
         raise ConfigError(
             f"run.name: {e}. Ray Train would resume run {run_dir.name!r} from it; restore the files, or start a "

@@ -224,7 +224,12 @@ def test_incomplete_checkpoint_fails_loudly(tmp_path, process_group):
     (run_dir / ck.SNAPSHOT).write_text("{not json")
     with pytest.raises(ConfigError, match="unreadable"):
         newest_checkpoint(run_dir)
+    # No record beside a finished checkpoint (a run copied without it): Ray Train would start over
+    # and overwrite it, as it once did silently.
     (run_dir / ck.SNAPSHOT).unlink()
+    with pytest.raises(ConfigError, match=rf"holds {good.name} but not Ray Train's record of them \({ck.SNAPSHOT}\)"):
+        newest_checkpoint(run_dir)
+    shutil.rmtree(good)
     assert newest_checkpoint(run_dir) is None  # nothing reported yet: a fresh start is right
 
 

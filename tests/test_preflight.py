@@ -701,6 +701,13 @@ def test_storage_without_room_for_a_checkpoint_stops_before_training(make_config
         else:
             check_checkpoint_room(cfg, "tiny")
         assert ("[raytrain] storage:" in capsys.readouterr().out) == warns
+    # What a save that filled the storage left staged is room: the next save removes it first.
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * n, 0, 1))
+    staged = cfg.run.run_dir / ".staging" / "checkpoint_000015" / "ds"
+    staged.mkdir(parents=True)
+    with open(staged / "shard.pt", "wb") as f:
+        f.truncate(n)  # sparse: its size, without the bytes
+    check_checkpoint_room(cfg, "tiny")
     check_checkpoint_room(make_config("run.name=r", "lora.rank=4"), "tiny")  # adapters only: not checked
 
 
