@@ -42,8 +42,10 @@ import os
 import pickle
 import random
 import shutil
+import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -600,6 +602,31 @@ def latest_reported(run_dir: Path) -> Path | None:
     if not latest:
         return None
     return Path(run_dir) / latest["checkpoint_dir_name"]
+
+
+UNSCORED = sys.float_info.max
+"""The `checkpoint_score` of a checkpoint with no evaluation at its step: ranked last. Finite, as
+Ray Train writes its record with pydantic, which turns inf into null."""
+
+
+def rank_unscored_last(run_dir: Path) -> list[str]:
+    """Rewrites the null scores in Ray Train's record of the run (checkpoints saved without an
+    evaluation, before 2026-11-30, reported with inf) as UNSCORED, which Ray can rank: a resume
+    with run.best_metric failed on them ('float' * 'NoneType') at every retry. Before Ray starts,
+    when nothing else writes the file. Returns the checkpoints rewritten."""
+    snapshot = Path(run_dir) / SNAPSHOT
+    record = _snapshot(run_dir)
+    fixed = []
+    for result in [*(record.get("checkpoint_results") or []), record.get("latest_checkpoint_result") or {}]:
+        metrics = result.get("metrics") or {}
+        if "checkpoint_score" in metrics and metrics["checkpoint_score"] is None:
+            metrics["checkpoint_score"] = UNSCORED
+            fixed.append(result["checkpoint_dir_name"])
+    if fixed:
+        tmp = snapshot.with_name(f".{snapshot.name}.tmp-{uuid.uuid4().hex[:8]}")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, snapshot)
+    return sorted(set(fixed))
 
 
 def scored_metrics(run_dir: Path) -> dict[str, str | None]:

@@ -203,10 +203,16 @@ def check_ranking(cfg: Config) -> None:
     with: one scored by another metric, or by none (Ray Train puts those first), would keep its
     place over better ones, and a better one (the best, which export --best reads) could be the
     one deleted. So a resume may rank only by the metric its checkpoints were scored with."""
-    from raytrain_cpu.checkpoint import scored_metrics
+    from raytrain_cpu.checkpoint import rank_unscored_last, scored_metrics
 
     if not cfg.run.best_metric:
         return  # Ray Train keeps the newest: no score read
+    if unscored := rank_unscored_last(cfg.run.run_dir):
+        print(
+            f"[raytrain] {', '.join(unscored)}: saved at a step without an evaluation, so with no score in Ray "
+            "Train's record; ranked last now",
+            flush=True,
+        )
     others = {name: m for name, m in scored_metrics(cfg.run.run_dir).items() if m != cfg.watched_metric}
     if not others:
         return

@@ -510,8 +510,10 @@ class EvalWatch:
 
     def score(self, step: int) -> float:
         """The checkpoint at `step`'s rank for Ray Train (lower is better): its evaluation's value,
-        or +inf where none was made at that step (a preemption's), which ranks it last."""
-        return self.value if self.value_step == step else math.inf
+        or the largest float where none was made at that step (a preemption's) or it diverged,
+        which ranks it last (not inf: Ray's record writes that as null, and a run resumed with
+        run.best_metric then failed ranking it, at every retry)."""
+        return min(self.value, ckpt_io.UNSCORED) if self.value_step == step else ckpt_io.UNSCORED
 
     def checkpointed(self, name: str, step: int) -> None:
         if self.ranks_checkpoints and self.score(step) < (self.best_checkpoint or {}).get("value", math.inf):

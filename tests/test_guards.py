@@ -185,7 +185,8 @@ def test_early_stopping_counts_evaluations_without_improvement_and_resumes_count
     }
     watch.after_eval(100, {"eval_loss": 4.0})
     watch.checkpointed("checkpoint_000100", 100)
-    assert watch.score(100) == 4.0 and watch.score(150) == math.inf  # a preemption's checkpoint ranks last
+    # A preemption's checkpoint ranks last: scored the largest float (inf became null in Ray's record)
+    assert watch.score(100) == 4.0 and watch.score(150) == sys.float_info.max
     watch.checkpointed("checkpoint_000150", 150)
     watch.after_eval(200, {"eval_loss": 3.995})  # lower, but by less than min_delta: not an improvement
     watch.checkpointed("checkpoint_000200", 200)
@@ -194,7 +195,7 @@ def test_early_stopping_counts_evaluations_without_improvement_and_resumes_count
 
     resumed = EvalWatch.for_run(cfg, {"eval_watch": json.loads(json.dumps(watch.state()))})
     resumed.after_eval(300, {"eval_loss": math.nan})  # diverged
-    assert resumed.score(300) == math.inf
+    assert resumed.score(300) == sys.float_info.max
     assert "eval_loss has not improved on its best (4.0000 at step 100) in 2 evaluations" in resumed.stop_reason
     assert resumed.best_checkpoint["step"] == 200
     resumed.after_eval(400, {"eval_loss": 3.0})  # improves again (a resume with more patience)

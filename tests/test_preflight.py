@@ -162,7 +162,7 @@ def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     )
 
 
-def test_ranking_resumes_only_by_the_metric_its_checkpoints_were_scored_with(make_config):
+def test_ranking_resumes_only_by_the_metric_its_checkpoints_were_scored_with(make_config, capsys):
     """Ray Train puts a checkpoint reported without a score first under a ranking, and compares
     scores of different metrics as one: the driver stops such a resume, naming what to set."""
     from raytrain_cpu import checkpoint as ck
@@ -191,6 +191,17 @@ def test_ranking_resumes_only_by_the_metric_its_checkpoints_were_scored_with(mak
         r"not by eval_loss/wiki.*could delete the best. Set run.best_metric=eval_loss \(theirs\)",
     ):
         check_ranking(make_config("run.best_metric=eval_loss/wiki", *mix))
+    # Saved at a step without an evaluation, before 2026-11-30: scored inf, which Ray's record
+    # writes as null, and Ray Train's ranking failed on at every retry. Ranked last now.
+    record = json.loads((cfg.run.run_dir / ck.SNAPSHOT).read_text())
+    record["checkpoint_results"][1]["metrics"]["checkpoint_score"] = None
+    record["latest_checkpoint_result"] = record["checkpoint_results"][1]
+    (cfg.run.run_dir / ck.SNAPSHOT).write_text(json.dumps(record))
+    check_ranking(cfg)
+    record = json.loads((cfg.run.run_dir / ck.SNAPSHOT).read_text())
+    assert [r["metrics"]["checkpoint_score"] for r in record["checkpoint_results"]] == [4.0, ck.UNSCORED]
+    assert record["latest_checkpoint_result"]["metrics"]["checkpoint_score"] == ck.UNSCORED
+    assert "checkpoint_000002: saved at a step without an evaluation" in capsys.readouterr().out
     scored(cfg, {"checkpoint_000001": None, "checkpoint_000002": "eval_loss"})  # from before scores
     with pytest.raises(
         ConfigError, match=r"checkpoints checkpoint_000001 were saved without a score.*Leave run.best_metric out"
