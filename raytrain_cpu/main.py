@@ -1088,16 +1088,17 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         # that runs several Rays.
         joined = {} if local or is_url(cfg.run.ray_init_address) else {"RAY_ADDRESS": cfg.run.ray_init_address}
         ray_logs = quiet_ray_loggers() if quiet else None
-        context = ray.init(
-            address=cfg.run.ray_init_address,
-            num_cpus=local_ray_cpus() if local else None,
-            runtime_env={"env_vars": ray_env | joined}
-            | ({"worker_process_setup_hook": "raytrain_cpu.main.quiet_worker_logs"} if local else {}),
-            include_dashboard=False,
-            log_to_driver=True,
-            configure_logging=True,
-            logging_level="WARNING",
-        )
+        with sigterm_held_while_ray_starts():
+            context = ray.init(
+                address=cfg.run.ray_init_address,
+                num_cpus=local_ray_cpus() if local else None,
+                runtime_env={"env_vars": ray_env | joined}
+                | ({"worker_process_setup_hook": "raytrain_cpu.main.quiet_worker_logs"} if local else {}),
+                include_dashboard=False,
+                log_to_driver=True,
+                configure_logging=True,
+                logging_level="WARNING",
+            )
         logs_dir = Path(context.address_info["session_dir"]) / "logs"
         if ray_logs is not None:
             ray_log_file(ray_logs, logs_dir)
@@ -1352,6 +1353,32 @@ def stop_on_sigterm() -> None:
         on_sigint(signal.SIGINT, frame)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+@contextlib.contextmanager
+def sigterm_held_while_ray_starts() -> Iterator[None]:
+    """A SIGTERM while ray.init runs is held and acted on once Ray has started: the run stops as
+    for Ctrl-C, with its line and exit code 143. ray.init sets Ray's own handlers as it starts
+    (sys.exit mid-call): a SIGTERM then was lost inside a logging lock ("Exception ignored") and
+    the run trained on, or ended as if by Ctrl-C (130). Ray's atexit hook still stops the
+    processes it started."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from ray._private import utils as ray_utils
+
+    held: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
+    set_handler = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None  # ours stays while Ray starts
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = set_handler
+        signal.signal(signal.SIGTERM, before)
+    if held:
+        STOP_SIGNAL[0] = signal.SIGTERM
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager

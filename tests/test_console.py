@@ -188,6 +188,28 @@ def test_a_worker_lost_with_a_preempted_node_is_told_once(capsys):
     ]
 
 
+def test_a_sigterm_while_ray_starts_is_held_then_stops_the_run():
+    """ray.init sets Ray's SIGTERM handler (sys.exit mid-call) as it starts: a SIGTERM then was lost
+    in a logging lock and the run trained on, or ended as by Ctrl-C (130). It is held while Ray
+    starts, then stops the run as a SIGTERM does later (128 + SIGTERM), the caller's handler back."""
+    import signal
+
+    from ray._private import utils as ray_utils
+
+    from raytrain_cpu import main as raytrain_main
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), raytrain_main.sigterm_held_while_ray_starts():
+        ray_utils.set_sigterm_handler(lambda signum, frame: sys.exit(signum))  # as ray.init does: kept out
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)  # the handler runs between bytecodes: this process goes on
+    assert raytrain_main.STOP_SIGNAL[0] == signal.SIGTERM and signal.getsignal(signal.SIGTERM) is before
+    raytrain_main.STOP_SIGNAL[0] = signal.SIGINT
+    with raytrain_main.sigterm_held_while_ray_starts():  # none came: nothing happens
+        pass
+    assert ray_utils.set_sigterm_handler.__module__ == "ray._private.utils"
+
+
 def test_prepare_cli_prints_its_own_lines_and_a_one_line_error(tmp_path):
     """`python -m raytrain_cpu.data prepare` starts a Ray of its own: its console held Ray's progress
     logs and a core-worker notice before the error, and overrides after --config were refused."""
