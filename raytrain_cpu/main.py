@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -1300,7 +1301,7 @@ def print_summary(s: dict[str, Any]) -> None:
         f"{_best_line(s)}"
         f"run directory    {s['run_dir']} (metrics.jsonl, summary.json)\n"
         f"guards           {_guard_line(s)}\n"
-        f"report           python -m raytrain_cpu.report {s['run_dir']}\n",
+        f"report           python -m raytrain_cpu.report {shlex.quote(str(s['run_dir']))}\n",
         flush=True,
     )
     if s.get("early_stop"):
@@ -1402,12 +1403,10 @@ def where_it_resumes(cfg: Config, failed: bool = False) -> str:
         latest = latest_reported(cfg.run.run_dir)
     except CheckpointError as e:
         return f"{e}."
-    again = (
-        "Once the cause is fixed (or if it was passing), the same command" if failed else "Run the same command again"
-    )
+    again = "Once the cause is fixed (or if it was passing), run the same command" if failed else "Run the same command"
     if latest:
-        return f"its latest checkpoint is {latest}. {again} to resume from it."
-    return f"it had saved no checkpoint yet. {again} to start it."
+        return f"its latest checkpoint is {latest}. {again} again to resume from it."
+    return f"it had saved no checkpoint yet. {again} again to start it."
 
 
 def print_interrupted(cfg: Config) -> None:

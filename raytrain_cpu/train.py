@@ -1161,12 +1161,19 @@ def apply_optimizer_settings(engine, scheduler, t) -> list[str]:
         "train.weight_decay": groups[0]["weight_decay"],
     }
     now = {"train.lr": t.lr, "train.betas": list(t.betas), "train.eps": t.eps, "train.weight_decay": t.weight_decay}
+    lr_before = groups[0]["lr"]  # the saved schedule's at this step
     scheduler.base_lrs = [t.lr] * len(groups)
     for i, group in enumerate(groups):
         group.update(betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay if i == 0 else 0.0)
         group["initial_lr"] = t.lr
         group["lr"] = t.lr * lr_factor(scheduler.last_epoch, t, t.max_steps)
-    return [f"{k}: {saved[k]} in the checkpoint → {now[k]}" for k in now if saved[k] != now[k]]
+    changes = [f"{k}: {saved[k]} in the checkpoint → {now[k]}" for k in now if saved[k] != now[k]]
+    if not math.isclose(groups[0]["lr"], lr_before, rel_tol=1e-6):  # a longer run's schedule (train.max_steps)
+        changes.append(
+            f"the learning rate at step {scheduler.last_epoch}: {lr_before:.3g} → {groups[0]['lr']:.3g}, "
+            f"the {t.schedule} schedule of train.max_steps={t.max_steps} from here"
+        )
+    return changes
 
 
 def open_batches(w: Worker, st: Loop, shard):

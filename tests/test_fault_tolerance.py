@@ -316,6 +316,37 @@ def test_rng_state_round_trip(tmp_path, process_group):
     assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1]) and expected[2] == again[2]
 
 
+def test_a_resume_names_the_optimizer_settings_and_the_learning_rate_it_changes():
+    """A checkpoint brings back its LR schedule's state; the config's go in, and each change is
+    named: a longer train.max_steps moved a cosine run's LR (3.0e-4 to 6.95e-4) without a word."""
+    import types
+
+    import torch
+
+    from raytrain_cpu.train import apply_optimizer_settings, lr_factor
+
+    t = load_config(None, ["train.max_steps=30", "train.warmup_steps=5", "train.lr=1e-3"]).train
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW(
+        [{"params": [param], "weight_decay": t.weight_decay}, {"params": [], "weight_decay": 0.0}],
+        lr=t.lr, betas=tuple(t.betas), eps=t.eps,
+    )  # fmt: skip
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t, t.max_steps))
+    for _ in range(30):
+        opt.step()
+        sched.step()
+    engine = types.SimpleNamespace(optimizer=opt)
+    assert apply_optimizer_settings(engine, sched, t) == []  # the same settings: nothing to say
+    longer = load_config(None, ["train.max_steps=40", "train.warmup_steps=5", "train.lr=1e-3"]).train
+    (change,) = apply_optimizer_settings(engine, sched, longer)
+    assert (
+        change == "the learning rate at step 30: 0.0001 → 0.000261, the cosine schedule of train.max_steps=40 from here"
+    )
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * lr_factor(30, longer, 40))
+    other = load_config(None, ["train.max_steps=40", "train.warmup_steps=5", "train.lr=2e-3"]).train
+    assert apply_optimizer_settings(engine, sched, other)[0] == "train.lr: 0.001 in the checkpoint → 0.002"
+
+
 def test_batches_to_skip():
     # The driver planned from step 8 (position 64); Ray restarted the workers from step 24.
     assert ck.batches_to_skip(start_position=64, step=24, global_batch=8, accum=2) == 32
