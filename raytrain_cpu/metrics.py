@@ -10,6 +10,8 @@ metrics.jsonl holds three kinds of rows, told apart by their keys:
 - eval: ``{step, eval_loss, eval_perplexity, eval_tokens, time}`` (a mixture adds
   ``eval_loss/<source>`` and ``eval_perplexity/<source>``)
 - guard event: ``{step, event, value, threshold, action, time}``
+- attempt: ``{step, attempt: {workers}, time}``, where each attempt starts (step 0, or the step
+  of the checkpoint it resumed from)
 
 A resumed run appends to the same file, so steps after its checkpoint appear twice;
 `read_metrics` keeps the rows of the attempt that came last.
@@ -49,6 +51,8 @@ class RunMetrics:
 
 
 def row_kind(row: dict[str, Any]) -> str:
+    if "attempt" in row:
+        return "attempt"
     if "event" in row:
         return "event"
     if "eval_loss" in row:
@@ -73,9 +77,12 @@ def _read_lines(path: Path) -> Iterable[dict[str, Any]]:
 def read_metrics(path: str | os.PathLike) -> RunMetrics:
     """Reads metrics.jsonl (a file or a run directory) as it stands, even mid-write.
 
-    When a train row's step is not past the previous one, a resumed attempt has started
-    there: rows of every kind from that step on belong to the superseded attempt and are
-    dropped, so what remains is the history of the attempt that got furthest last.
+    An attempt row says where an attempt started: rows past its step belong to the superseded
+    attempt and are dropped, so what remains is the history of the attempt that got furthest
+    last; an attempt after earlier rows (or past step 0) is a restart at its checkpoint's step.
+    Files written before attempt rows (2026-11-30) tell a restart by a train row whose step is
+    not past the previous one (the first row it logged, not its checkpoint's step, and none
+    where it resumed at its last logged step).
     """
     path = Path(path)
     if path.is_dir():
@@ -83,12 +90,20 @@ def read_metrics(path: str | os.PathLike) -> RunMetrics:
     kept: list[dict[str, Any]] = []
     restarts: list[int] = []
     last_train_step = -1
+    attempts = False
     if path.is_file():
         for row in _read_lines(path):
             kind, step = row_kind(row), row["step"]
+            if kind == "attempt":
+                if kept or step > 0:
+                    restarts.append(step)
+                kept = [r for r in kept if r["step"] <= step]
+                last_train_step, attempts = step, True
+                continue
             if kind == "train":
                 if step <= last_train_step:
-                    restarts.append(step)
+                    if not attempts:
+                        restarts.append(step)
                     kept = [r for r in kept if r["step"] < step]
                 last_train_step = step
             kept.append(row)
@@ -425,6 +440,8 @@ class MetricsSink:
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         step = row["step"]
+        if "attempt" in row:  # where an attempt started: for read_metrics, not a figure
+            return
         if "event" in row:  # a guard event: its value under guards/<kind>, at its step
             tags = {f"guards/{row['event']}": float("nan") if row.get("value") is None else float(row["value"])}
         else:

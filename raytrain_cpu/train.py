@@ -1684,6 +1684,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     # ---- observability: rank 0 writes the sinks; every rank runs the guard (its decisions
     # come from all-reduced values, so all ranks skip or stop together)
     sink = obs.MetricsSink.for_run(cfg, w.run_dir, resume_step=st.step, log=w.log) if w.is_main else None
+    if sink is not None:  # where this attempt starts: the report's restarts (metrics.read_metrics)
+        sink.write({"step": st.step, "attempt": {"workers": w.world}, "time": time.time()})
 
     def on_guard_event(event) -> None:
         if sink is not None:

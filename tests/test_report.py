@@ -138,10 +138,11 @@ def test_report_on_a_resumed_run_keeps_the_last_attempt(run_dir, tmp_path):
         for r in rows
         if "loss" in r and "event" not in r and r["step"] >= 16
     ]
+    assert [r["step"] for r in rows if "attempt" in r] == [0]  # where the run's one attempt started
     with open(copy / "metrics.jsonl", "a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in replay)
+        f.writelines(json.dumps(r) + "\n" for r in [{"step": 14, "attempt": {"workers": 2}}, *replay])
     run = load_run(copy)
-    assert run.metrics.restarts == [16]
+    assert run.metrics.restarts == [14]
     assert [r["step"] for r in run.metrics.train] == list(range(2, STEPS + 1, 2))  # each step once
     loss_line = plot_loss(run).axes[0].get_lines()[0]
     plotted = dict(zip(loss_line.get_xdata(), loss_line.get_ydata(), strict=True))
@@ -307,6 +308,27 @@ def test_read_metrics_drops_rows_of_a_superseded_attempt(tmp_path):
     assert [(r["step"], r["loss"]) for r in m.train] == [(2, 5.0), (4, 4.0), (6, 3.5)]
     assert [r["step"] for r in m.eval] == [4] and m.events == [] and m.restarts == [6]
     assert obs.count_events(m) == {"loss_spike": 0, "grad_norm": 0, "nonfinite": 0, "skipped_steps": 0}
+
+
+def test_attempt_rows_name_each_restart_at_its_checkpoints_step(tmp_path):
+    """Each attempt writes where it starts. Without that a resume was told only by a step logged
+    again, at that row's step: none where it resumed at its last logged step (a longer
+    train.max_steps, a stop between a checkpoint and the next row), the wrong step elsewhere."""
+    rows = [
+        {"step": 0, "attempt": {"workers": 2}},
+        {"step": 2, "loss": 5.0},
+        {"step": 4, "loss": 4.0},
+        {"step": 5, "loss": 3.8},  # a checkpoint at 4; the attempt failed after logging step 5
+        {"step": 4, "attempt": {"workers": 2}},
+        {"step": 6, "loss": 3.5},
+        {"step": 6, "attempt": {"workers": 1}},  # resumed at its last logged step: no row repeats
+        {"step": 8, "loss": 3.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    m = obs.read_metrics(tmp_path)
+    assert m.restarts == [4, 6]
+    assert [(r["step"], r["loss"]) for r in m.train] == [(2, 5.0), (4, 4.0), (6, 3.5), (8, 3.0)]
+    assert m.events == [] and obs.count_events(m)["nonfinite"] == 0
 
 
 def test_sink_writes_null_for_nan_and_tensorboard_files(tmp_path):
