@@ -1229,6 +1229,8 @@ def train_step(w: Worker, st: Loop, engine, batches, guard: StabilityGuard, cloc
     # loss before the first backward (`step_counts`).
     micro_batches = [next_batch(w, st, batches, clock, block_log) for _ in range(accum)]
     counts, totals = step_counts(w, micro_batches)
+    if st.source_sums is not None:  # loss/<name> is the logged step's, as loss is (loss_by_source)
+        st.source_sums.zero_()
     step_losses = []
     for micro_i, batch in enumerate(micro_batches):
         st.last_input_ids = batch["input_ids"]
@@ -1327,7 +1329,7 @@ def add_by_source(w: Worker, st: Loop, source, row_losses, labels) -> None:
 
 
 def loss_by_source(w: Worker, st: Loop) -> dict[str, float]:
-    """loss/<name>: each mixture source's mean loss over its targets since the last log row, over
+    """loss/<name>: each mixture source's mean loss over its targets in the logged step, over
     every rank (an all-reduce every rank joins); sources without targets there are left out."""
     if st.source_sums is None:
         return {}

@@ -292,6 +292,9 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     assert max(trained) < chat_blocks + notes_blocks  # none of wiki's
     trains = [m for m in _metrics(run_dir) if "loss" in m and "event" not in m]
     assert {"loss/chat", "loss/notes"} <= set(trains[-1]) and "loss/wiki" not in trains[-1]  # wiki: not trained on
+    for row in trains:  # the step's loss over all its targets, each source's over its own in that step
+        by_source = [row["loss/chat"], row["loss/notes"]]
+        assert min(by_source) - 1e-3 <= row["loss"] <= max(by_source) + 1e-3, row
     assert summary["final_loss/notes"] == trains[-1]["loss/notes"]
     evals = [m for m in _metrics(run_dir) if "eval_loss" in m]
     assert [m["step"] for m in evals] == [0, 6]  # train.eval_on_start: the starting model's, then the end's
