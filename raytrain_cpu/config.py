@@ -293,7 +293,7 @@ MIX_RESOLUTION = 1000  # mixture shares are kept to 1/1000 of the blocks
 class MixSource:
     """One source of a data mixture (an entry of data.mix) and its share of the training blocks."""
 
-    weight: float = -1.0  # -1: not given, which the check names (a weight is required)
+    weight: float = math.nan  # NaN: not given, which the check names (a weight is required)
     """Its share of the training blocks, relative to the other entries' (3 and 1: 75% and 25%);
     0 evaluates it without training on it (general text watched while fine-tuning on another)."""
     name: str = ""
@@ -546,10 +546,10 @@ class DataConfig:
         names: dict[str, int] = {}
         for i, entry in enumerate(self.mix):
             _require(
-                entry.weight >= 0,
+                math.isfinite(entry.weight) and entry.weight >= 0,
                 f"data.mix[{i}].weight",
-                f"{'is missing' if entry.weight == -1 else f'got {entry.weight}'}; give each source a weight "
-                "(> 0 trains on it, 0 only evaluates it).",
+                f"{'is missing' if math.isnan(entry.weight) else f'got {entry.weight}'}; give each source a "
+                "weight, a number >= 0 (> 0 trains on it, 0 only evaluates it).",
             )
             part = self.mix_part(i)  # validates the entry as a source of its own
             entry.source, entry.path, entry.eval_path = part.source, part.path, part.eval_path  # as resolved

@@ -175,6 +175,12 @@ def test_round_trip_through_plain_dict():
         (["data.mix=[{path: /no/such/dir, weight: 1}]"], "data.mix[0].path", "does not exist"),
         (["data.mix=[{source: bundled}]"], "data.mix[0].weight", "is missing; give each source a weight"),
         (["data.mix=[{source: bundled, weight: -1.5}]"], "data.mix[0].weight", "0 only evaluates it"),
+        (["data.mix=[{source: bundled, weight: -1}]"], "data.mix[0].weight", "got -1.0; give each source"),
+        (
+            ["data.mix=[{source: bundled, weight: .inf}, {source: bundled, name: b, weight: 1}]"],
+            "data.mix[0].weight",
+            "got inf; give each source a weight, a number >= 0",
+        ),  # a traceback in mix_counts
         (["data.mix=[{source: bundled, weight: 0}]"], "data.mix", "every source has weight 0"),
         (["data.mix=[{source: bundled, weight: 1, colour: red}]"], "data.mix[0].colour", "valid keys are weight"),
         (["data.mix=[bundled]"], "data.mix[0]", "section"),
