@@ -1536,17 +1536,17 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def describe_options(cls: type = Config, prefix: str = "", default: Any = None) -> list[tuple[str, str, str]]:
-    """(dotted key, default, meaning) for every leaf option."""
-    default = default if default is not None else cls()
+def describe_options(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, meaning) for every leaf option: the default as declared ('auto'), not
+    what validation resolves it to on this machine ('bundled')."""
     docs = _field_docs(cls)
     hints = _type_hints(cls)
     rows = []
     for f in dataclasses.fields(cls):
-        value = getattr(default, f.name)
         if dataclasses.is_dataclass(hints[f.name]):
-            rows += describe_options(hints[f.name], f"{prefix}{f.name}.", value)
+            rows += describe_options(hints[f.name], f"{prefix}{f.name}.")
         else:
+            value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             rows.append((f"{prefix}{f.name}", repr(value), docs.get(f.name, "")))
     return rows
 

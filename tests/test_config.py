@@ -360,6 +360,8 @@ def test_help_lists_every_option():
     for key, _, doc in describe_options():
         assert key in out, key
         assert doc, f"{key} has no docstring"
+    # the defaults as declared, not as this machine resolves them ('bundled' was shown for 'auto')
+    assert "  data.source (default 'auto')\n" in out and "  model.tokenizer (default 'auto')\n" in out
 
 
 @pytest.mark.parametrize(
