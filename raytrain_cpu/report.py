@@ -378,7 +378,7 @@ def key_figures(run: Run) -> dict[str, str]:
         out["workers"] = counts
     elif s.get("world_size"):
         out["workers"] = str(s["world_size"])
-    if s.get("wall_s"):
+    if s.get("wall_s") and s.get("steps", 0) >= run.last_step:  # a summary.json of an earlier attempt: not this one's
         out["wall time (last attempt)"] = f"{s['wall_s']:.0f}s"
     return out
 

@@ -20,7 +20,7 @@ import pytest
 from conftest import CLI_STEPS as STEPS
 
 from raytrain_cpu import metrics as obs
-from raytrain_cpu.report import PLOTS, load_run, plot_loss, plot_lr, plot_memory, write_report
+from raytrain_cpu.report import PLOTS, key_figures, load_run, plot_loss, plot_lr, plot_memory, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -329,6 +329,20 @@ def test_attempt_rows_name_each_restart_at_its_checkpoints_step(tmp_path):
     assert m.restarts == [4, 6]
     assert [(r["step"], r["loss"]) for r in m.train] == [(2, 5.0), (4, 4.0), (6, 3.5), (8, 3.0)]
     assert m.events == [] and obs.count_events(m)["nonfinite"] == 0
+
+
+def test_a_resumed_run_in_progress_shows_no_wall_time_of_its_earlier_attempt(tmp_path):
+    """summary.json is the last finished attempt's: while a resumed one runs past it, its wall
+    time was shown as this attempt's."""
+    rows = [{"step": 0, "attempt": {"workers": 2}}, {"step": 4, "loss": 4.0}, {"step": 4, "attempt": {"workers": 2}}]
+    rows += [{"step": 8, "loss": 3.0}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 4, "wall_s": 80.0}))
+    figures = key_figures(load_run(tmp_path))
+    assert figures["status"].startswith("in progress or interrupted") and "wall time (last attempt)" not in figures
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 8, "wall_s": 95.0}))
+    figures = key_figures(load_run(tmp_path))
+    assert figures["status"] == "finished" and figures["wall time (last attempt)"] == "95s"
 
 
 def test_sink_writes_null_for_nan_and_tensorboard_files(tmp_path):
