@@ -4,7 +4,7 @@ Rank 0 owns a `MetricsSink`; every row goes to metrics.jsonl first, then to Tens
 (`<run dir>/tensorboard`) and, when `metrics.mlflow_tracking_uri` is set, to MLflow. The other
 sinks are conveniences: a failure there warns once and never stops training.
 
-metrics.jsonl holds three kinds of rows, told apart by their keys:
+metrics.jsonl holds four kinds of rows, told apart by their keys:
 
 - train: ``{step, loss, lr, grad_norm, tokens_seen, tokens_per_s, data_wait_frac, time, ...}``
 - eval: ``{step, eval_loss, eval_perplexity, eval_tokens, time}`` (a mixture adds
