@@ -1033,10 +1033,16 @@ def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
     if not cfg.data.mix:
         return _prepare_source(cfg, force=force, log=log)
     caches = []
-    for entry, part in zip(cfg.data.mix, cfg.data.parts()):
+    for i, (entry, part) in enumerate(zip(cfg.data.mix, cfg.data.parts())):
         named = lambda m, name=entry.name: log(m.replace("[data] ", f"[data] {name}: ", 1))  # noqa: E731
         part_cfg = dataclasses.replace(cfg, data=part)
-        caches.append(_prepare_source(part_cfg, force=force, log=named, eval_only=entry.weight == 0))
+        try:
+            caches.append(_prepare_source(part_cfg, force=force, log=named, eval_only=entry.weight == 0))
+        except DataError as e:  # which entry: "the training text gives 127 tokens" named none
+            message = mix_entry_keys(str(e), i)
+            raise DataError(
+                message if f"data.mix[{i}]" in message else f"data.mix[{i}] ({entry.name}): {message}"
+            ) from None
     return _write_mixture(cfg, caches, log)
 
 

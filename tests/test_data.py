@@ -398,6 +398,11 @@ def test_prepare_cache_keyed_reused_and_bad_sources(ray_session, tmp_path, make_
     # While the error is held (as pytest or a notebook holds it), no tokenizer actor keeps a CPU:
     # leaked ones once left the next run waiting forever for its training workers.
     assert failed.value is not None and _alive_tokenizer_actors(timeout=15) == []
+    # A mixture's source that fails is named as its entry (a too-small one said only its tokens).
+    (tmp_path / "tiny.txt").write_text("A few words.\n")
+    mix = f"data.mix=[{{source: bundled, weight: 1}}, {{path: {tmp_path / 'tiny.txt'}, name: tiny, weight: 1}}]"
+    with pytest.raises(DataError, match=r"^data.mix\[1\] \(tiny\): the training text gives \d+ tokens"):
+        prepare(make_config(f"data.cache_dir={tmp_path / 'cache'}", mix))
 
 
 def test_prepare_packs_a_directorys_files_in_order_and_may_hold_nothing_out(
