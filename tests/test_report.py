@@ -150,7 +150,7 @@ def test_report_on_a_resumed_run_keeps_the_last_attempt(run_dir, tmp_path):
         assert plotted.get(r["tokens_seen"]) == r["loss"]  # the replayed attempt's values (None: not plotted)
     assert [e["step"] for e in run.metrics.events] == [12]  # the superseded attempt's step-16 event is gone
     md = write_report(copy)["report.md"].read_text()
-    assert "| resumed at steps | 16 |" in md and "| workers | 2 |" in md
+    assert "| resumed at steps | 14 |" in md and "| workers | 2 |" in md
 
 
 def test_report_names_a_change_of_worker_count():
