@@ -1427,6 +1427,10 @@ def print_failed(cfg: Config, error: Exception) -> None:
         reason, _ = failure_reason(failures)
     else:  # the controller's own error
         reason = next((line for line in str(error).splitlines()[1:] if line.strip()), str(error)).strip()
+    from raytrain_cpu.metrics import FAILURE_FILE
+
+    with contextlib.suppress(OSError):  # for the report, which otherwise sees a run still in progress
+        (cfg.run.run_dir / FAILURE_FILE).write_text(json.dumps({"time": time.time(), "reason": reason}))
     print(
         f"\nerror: run {cfg.run.name!r} failed ({reason}); {where_it_resumes(cfg, failed=True)} Ray's logs (named at the top, "
         "on each node) hold every rank's traceback; run.verbose=true prints them here too.",

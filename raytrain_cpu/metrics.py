@@ -35,6 +35,7 @@ from typing import Any
 GIB = 2**30
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"  # train.sample_prompt's completions, one row per evaluation
+FAILURE_FILE = "failure.json"  # {time, reason} of the driver run that failed last (main.print_failed)
 
 # ----------------------------------------------------------------------------- reading
 

@@ -22,6 +22,7 @@ stays as it was.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -34,7 +35,15 @@ from typing import Any
 
 import yaml
 
-from raytrain_cpu.metrics import METRICS_FILE, RunMetrics, by_source, count_events, format_duration, read_metrics
+from raytrain_cpu.metrics import (
+    FAILURE_FILE,
+    METRICS_FILE,
+    RunMetrics,
+    by_source,
+    count_events,
+    format_duration,
+    read_metrics,
+)
 
 FIGSIZE = (8.0, 4.5)  # inches
 DPI = 100  # so each PNG is 800 x 450 pixels
@@ -51,6 +60,7 @@ class Run:
     metrics: RunMetrics
     config: dict[str, Any] | None
     summary: dict[str, Any] | None
+    failure: dict[str, Any] | None = None  # FAILURE_FILE: the driver run that failed last
 
     @property
     def name(self) -> str:
@@ -93,6 +103,8 @@ class Run:
                 return f"stopped early at step {s['steps']}: {s['early_stop']}"
             return "finished"
         last = max((r.get("time") or 0 for r in self.metrics.train + self.metrics.eval), default=0)
+        if self.failure and self.failure.get("time", 0) >= last:  # nothing logged since it failed
+            return f"failed: {self.failure.get('reason')}"
         ago = f"; last row written {format_duration(time.time() - last)} ago" if last else ""
         return f"in progress or interrupted (no summary.json for this step yet{ago})"
 
@@ -110,13 +122,15 @@ def load_run(run_dir: str | Path) -> Run:
             "(<run.storage_path>/<run.name>) of a run that has logged at least one step."
         )
     config = _read_config(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else None
-    summary = None
+    summary, failure = None, None
     if (run_dir / "summary.json").is_file():
         try:
             summary = json.loads((run_dir / "summary.json").read_text())
         except ValueError:
             summary = None  # being written right now
-    return Run(run_dir, read_metrics(run_dir / METRICS_FILE), config, summary)
+    with contextlib.suppress(OSError, ValueError):
+        failure = json.loads((run_dir / FAILURE_FILE).read_text())
+    return Run(run_dir, read_metrics(run_dir / METRICS_FILE), config, summary, failure)
 
 
 def _read_config(path: Path) -> dict[str, Any] | None:

@@ -345,6 +345,19 @@ def test_a_resumed_run_in_progress_shows_no_wall_time_of_its_earlier_attempt(tmp
     assert figures["status"] == "finished" and figures["wall time (last attempt)"] == "95s"
 
 
+def test_a_run_that_failed_is_reported_as_failed_until_it_logs_again(tmp_path):
+    """The driver writes nothing else when a run fails: the report called it 'in progress or
+    interrupted'. main.print_failed leaves the reason for it."""
+    rows = [{"step": 0, "attempt": {"workers": 2}}, {"step": 4, "loss": 4.0, "time": 100.0}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    failure = {"time": 200.0, "reason": "rank 1, pid 7 on node 10.0.0.5: RuntimeError: boom"}
+    (tmp_path / obs.FAILURE_FILE).write_text(json.dumps(failure))
+    assert key_figures(load_run(tmp_path))["status"] == f"failed: {failure['reason']}"
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # resumed since, and logging again
+        f.write(json.dumps({"step": 8, "loss": 3.0, "time": 300.0}) + "\n")
+    assert key_figures(load_run(tmp_path))["status"].startswith("in progress or interrupted")
+
+
 def test_sink_writes_null_for_nan_and_tensorboard_files(tmp_path):
     sink = obs.MetricsSink(tmp_path, tensorboard=True)
     sink.write({"step": 1, "loss": float("nan"), "lr": 1e-3, "grad_norm": float("inf"), "tokens_seen": 10})
