@@ -1142,6 +1142,24 @@ def mixture_sources(cache: Path, meta: dict) -> list[tuple[str, Path, dict]]:
     return [(s["name"], Path(s["cache"]), read_meta(Path(s["cache"]))) for s in meta["sources"]]
 
 
+def _log_examples_packed(data: DataConfig, stats: dict[str, Any], eval_only: bool, log) -> None:
+    """The console line of packed chat/instruction/preference examples: the response tokens, the
+    padding and the examples cut to data.seq_len, the eval text's among them."""
+    pairs = data.format == "preference"
+    limit = f"data.seq_len={data.seq_len}"
+    n_cut = stats.get("eval_truncated_examples", 0)
+    eval_cut = f"{n_cut} eval {'pair' if pairs else 'example'}{'' if n_cut == 1 else 's'}"
+    if not eval_only:
+        log(
+            f"[data] {data.format}: {stats['loss_tokens']:,} response tokens carry the loss; padding "
+            f"{stats['padding_frac']:.1%} of the blocks; {stats['truncated_examples']} "
+            f"{'pairs cut to share a block of' if pairs else 'examples truncated to'} {limit}"
+            + (f" (and {eval_cut})" if n_cut else "")
+        )
+    elif n_cut:
+        log(f"[data] {data.format}: {eval_cut} {'cut to share a block of' if pairs else 'truncated to'} {limit}")
+
+
 def _prepare_source(
     cfg: Config, *, force: bool, log, eval_only: bool = False, specs: tuple[SourceSpec, SourceSpec | None] = ()
 ) -> Path:
@@ -1184,21 +1202,7 @@ def _prepare_source(
             stats["skipped_rows"] += estats["skipped_rows"]
             stats["eval_truncated_examples"] = estats.get("truncated_examples", 0)
         if cfg.data.format != "text":  # after the eval text: its cut examples are counted on the same line
-            pairs = cfg.data.format == "preference"
-            limit = f"data.seq_len={cfg.data.seq_len}"
-            n_cut = stats.get("eval_truncated_examples", 0)
-            eval_cut = f"{n_cut} eval {'pair' if pairs else 'example'}{'' if n_cut == 1 else 's'}"
-            if not eval_only:
-                log(
-                    f"[data] {cfg.data.format}: {stats['loss_tokens']:,} response tokens carry the loss; padding "
-                    f"{stats['padding_frac']:.1%} of the blocks; {stats['truncated_examples']} "
-                    f"{'pairs cut to share a block of' if pairs else 'examples truncated to'} {limit}"
-                    + (f" (and {eval_cut})" if n_cut else "")
-                )
-            elif n_cut:
-                log(
-                    f"[data] {cfg.data.format}: {eval_cut} {'cut to share a block of' if pairs else 'truncated to'} {limit}"
-                )
+            _log_examples_packed(cfg.data, stats, eval_only, log)
         wall = time.perf_counter() - t0
         meta = {
             "format": CACHE_FORMAT,

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +124,7 @@ def dpo_loss(
     label_smoothing: float = 0.0,
     sft_weight: float = 0.0,
     gamma: float = 0.0,
-    per: tuple[float, float] | None = None,
+    per: Sequence[float] | None = None,
 ):
     """(mean loss over the pairs, plus sft_weight x the chosen answers' per-token loss; the sums
     this batch adds to SUM_NAMES, whose 'loss' is the pairs' alone); a batch with no pair gives a

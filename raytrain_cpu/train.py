@@ -1333,8 +1333,7 @@ def loss_by_source(w: Worker, st: Loop) -> dict[str, float]:
     every rank (an all-reduce every rank joins); sources without targets there are left out."""
     if st.source_sums is None:
         return {}
-    sums = _allreduce_sum(st.source_sums.flatten().tolist())
-    st.source_sums.zero_()
+    sums = _allreduce_sum(st.source_sums.flatten().tolist())  # train_step zeroes them at each step
     return {f"loss/{name}": sums[2 * i] / sums[2 * i + 1] for i, name in enumerate(w.loss_sources) if sums[2 * i + 1]}
 
 
