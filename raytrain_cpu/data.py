@@ -59,7 +59,7 @@ from raytrain_cpu.config import (
     mix_entry_keys,
 )
 from raytrain_cpu.hub import download_tokenizer, hub_errors, is_hub_id
-from raytrain_cpu.tokenizer import BUNDLED_SFT, BUNDLED_WIKITEXT, load_tokenizer, resolve_tokenizer_path
+from raytrain_cpu.tokenizer import BUNDLED_SFT, BUNDLED_WIKITEXT, load_tokenizer, resolve_tokenizer_path, save_tokenizer
 
 CACHE_FORMAT = 1
 BLOCKS_PER_FILE = 8192
@@ -563,7 +563,7 @@ def materialize_tokenizer(path: str, cfg: Config) -> tuple[str, int]:
         p = cache_root(cfg) / "tokenizers" / re.sub(r"[^A-Za-z0-9_.-]", "_", path)
         if not (p / "tokenizer.json").is_file():
             source = download_tokenizer(path, cfg.run.hub_cache) if is_hub_id(path) else path
-            load_tokenizer(source).save_pretrained(str(p))
+            save_tokenizer(load_tokenizer(source), p)
         if not (p / "tokenizer.json").is_file():
             raise DataError(f"model.tokenizer: {path!r} has no fast tokenizer (tokenizer.json); use one that does.")
     eos = _local_eos_id(p)
@@ -1023,6 +1023,14 @@ def _pack(
     return stats | (writer.stats() if sft else {})
 
 
+def _log_named(log, name: str, message: str) -> None:
+    """A mixture entry's console line with its name after "[data] ", once: a line that already
+    starts with it (an entry named for its format, "chat") is not named twice."""
+    if not message.startswith(f"[data] {name}: "):
+        message = message.replace("[data] ", f"[data] {name}: ", 1)
+    log(message)
+
+
 def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
     """Builds (or finds) the packed-block cache for this config; returns its directory.
 
@@ -1034,7 +1042,7 @@ def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
         return _prepare_source(cfg, force=force, log=log)
     caches = []
     for i, (entry, part) in enumerate(zip(cfg.data.mix, cfg.data.parts())):
-        named = lambda m, name=entry.name: log(m.replace("[data] ", f"[data] {name}: ", 1))  # noqa: E731
+        named = functools.partial(_log_named, log, entry.name)
         part_cfg = dataclasses.replace(cfg, data=part)
         try:
             caches.append(_prepare_source(part_cfg, force=force, log=named, eval_only=entry.weight == 0))

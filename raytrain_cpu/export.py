@@ -145,7 +145,7 @@ def _write_config_and_tokenizer(out: Path, model_dir: str, tokenizer: str, dtype
 def _write_tokenizer(out: Path, tokenizer: str, manifest: dict[str, Any]) -> None:
     """The run's tokenizer, with the chat template it trained with (chat/instruction runs), and
     raytrain.json: the data settings, so `generate` renders prompts exactly as training did."""
-    from raytrain_cpu.tokenizer import load_tokenizer
+    from raytrain_cpu.tokenizer import load_tokenizer, save_tokenizer
 
     tok = load_tokenizer(tokenizer)
     data = manifest.get("data") or {}
@@ -154,7 +154,7 @@ def _write_tokenizer(out: Path, tokenizer: str, manifest: dict[str, Any]) -> Non
         from raytrain_cpu.sft import chat_template_for
 
         tok.chat_template = chat_template_for(tok, DataConfig(**data))
-    tok.save_pretrained(out)
+    save_tokenizer(tok, out)
     info = {k: manifest.get(k) for k in ("step", "dtype", "model_dir", "tokenizer", "lora", "data", "dpo")}
     (out / RUN_INFO).write_text(json.dumps(info, indent=2))
 

@@ -8,6 +8,7 @@ parameters on layers rather than on the embedding. Rebuild it with
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 ASSETS = Path(__file__).parent / "assets"
@@ -32,6 +33,21 @@ def load_tokenizer(path: str):
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer {path!r} has no EOS token; packing needs one to separate documents.")
     return tok
+
+
+# What transformers 5 writes into tokenizer_config.json about how this process loaded the
+# tokenizer: a copy given to someone else (an export, the data cache's) must not say it.
+LOAD_TIME_KEYS = ("is_local", "local_files_only")
+
+
+def save_tokenizer(tok, out: str | Path) -> None:
+    """tok.save_pretrained(out), without the load-time keys in its tokenizer_config.json."""
+    tok.save_pretrained(str(out))
+    path = Path(out) / "tokenizer_config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+        if any(k in config for k in LOAD_TIME_KEYS):
+            path.write_text(json.dumps({k: v for k, v in config.items() if k not in LOAD_TIME_KEYS}, indent=2) + "\n")
 
 
 def build_bundled_tokenizer(vocab_size: int = 2048) -> Path:

@@ -311,6 +311,19 @@ def test_a_mixture_of_text_and_labelled_blocks_labels_the_text_with_its_inputs(t
     np.testing.assert_array_equal(batch["position_ids"][is_text], document_positions(batch["input_ids"][is_text], 7))
 
 
+def test_a_mixture_entrys_lines_carry_its_name_once():
+    """An entry named for its format (chat.jsonl: "chat") logged "[data] chat: chat: ..."."""
+    from raytrain_cpu.data import _log_named
+
+    lines = []
+    _log_named(lines.append, "chat", "[data] chat: 1,234 response tokens carry the loss")
+    _log_named(lines.append, "wiki", "[data] 12 train / 2 eval blocks of 64 tokens")
+    assert lines == [
+        "[data] chat: 1,234 response tokens carry the loss",
+        "[data] wiki: 12 train / 2 eval blocks of 64 tokens",
+    ]
+
+
 def test_document_positions_restart_after_each_eos():
     ids = np.array([[5, 0, 3, 4, 0, 0, 7], [1, 2, 3, 4, 5, 6, 0]])
     np.testing.assert_array_equal(document_positions(ids, 0), [[0, 1, 0, 1, 2, 0, 0], [0, 1, 2, 3, 4, 5, 6]])
