@@ -185,6 +185,23 @@ def test_pinned_suites_gives_each_command_its_own_cores(tmp_path):
     assert all(len(m) >= 1 for m in masks) and not set(masks[0]) & set(masks[1])
 
 
+def test_pinned_suites_times_each_command_from_its_own_start(tmp_path):
+    """With one core group (all the usable cores) the commands run one after another, and each
+    gets --timeout from its own start: one deadline for all killed the last of issue 12's four
+    suites on the 2-core AMX host, after the first three had used it up."""
+    import subprocess
+    import sys
+
+    from raytrain_cpu.cpu import cpu_features
+
+    nap = "-c 'import time; time.sleep(2); print(\"done\")'"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "pinned_suites.py"
+    cores = str(cpu_features().usable_cores)
+    argv = [sys.executable, str(script), "--cores", cores, "--timeout", "3.5", "--workdir", str(tmp_path), nap, nap]
+    assert subprocess.run(argv, timeout=60).returncode == 0
+    assert [(tmp_path / f"{i}.log").read_text() for i in range(2)] == ["done\n"] * 2
+
+
 def test_device_goals_table_reads_each_suites_result(tmp_path):
     """benchmarks/device/goals.py reads its four figures from bench's own result files (lease 5's,
     AMX), and a suite that wrote none shows as failed, not as a figure."""
