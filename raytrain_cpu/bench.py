@@ -300,6 +300,7 @@ class Runner:
             "threads": s["scaling"]["threads_per_worker"],
             "dtype": s["cpu"]["dtype"]["dtype"],
             "allocator": s["cpu"]["allocator"],
+            "compiled": s.get("compiled", False),
             "pinned": s["cpu"]["placement"]["pinned_cpus"],
             "tokens_per_s": bd["tokens_per_s"],
             "tokens_per_s_incl_overheads": s["tokens_per_s"],
@@ -493,7 +494,8 @@ OPTIONS_VARIANTS: dict[str, list[str]] = {
     "unfused rotary": ["model.fused_rotary=false"],
     "fused MLP": ["model.fused_mlp=true"],
     "micro batch 4": ["train.micro_batch_size=4"],  # the 50m bench's until 2026-11-27
-    "compile": ["model.compile=true"],
+    "compile": ["model.compile=true"],  # the 50m model's default since model.compile=auto (2026-12-01)
+    "uncompiled": ["model.compile=false"],
     "compile + sdpa attention": ["model.compile=true", "model.attention=sdpa"],
     "compile (whole model)": ["model.compile=true", "model.compile_scope=model"],
     # Skipping a step on the gradient norm reads ZeRO-3's partitions: below 3 the guard logs.
@@ -520,7 +522,8 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
     timing's pick, the blocks' probabilities recomputed in the backward instead of kept
     (model.attention_probs), Hugging Face's loss, norms and rotary embedding in place of the
     fused ones, the fused MLP activation, micro batch 4 in place of 8 (twice the ZeRO-3
-    gathers and hooks per token), compile per layer and of the whole model, ZeRO-2 and ZeRO-1
+    gathers and hooks per token), compile per layer and of the whole model, no compile (the
+    50m model compiles its layers by default: model.compile=auto), ZeRO-2 and ZeRO-1
     (no parameter gathers: for a model that fits whole on every rank, see `plan`), PyTorch's
     per-tensor AdamW loop in place of the fused kernel, and glibc malloc with the workers' fixed
     mmap threshold and with its own dynamic one (against jemalloc or tcmalloc where the defaults
@@ -982,13 +985,15 @@ def suite_reference(r: Runner, args) -> dict[str, Any]:
         return _reference_row(name, res) | {"recipe": precision}
 
     refs = [reference("reference" if len(eager) == 1 else f"reference {p}", p, False) for p in eager]
-    if "compile" in only:  # opt-in: inductor's C++ build takes minutes on a few cores
+    # Opt-in (inductor's C++ build takes a while on a few cores), and a given where ZeRO-3 compiled
+    # its layers (model.compile=auto at this size): plain PyTorch gets the same lever.
+    if "compile" in only or z.get("compiled"):
         best_eager = max(refs, key=lambda x: x["tokens_per_s"])
         refs.append(reference("reference + compile", best_eager["recipe"], True))
     zero3.append(r.run("zero3-1", [f"scaling.num_workers={args.workers}"]))
     for x in zero3:
         x["tokens_per_step"] = round(x["tokens_per_s"] * x["step_s"])
-        x["precision"] = "DeepSpeed " + x["dtype"]
+        x["precision"] = "DeepSpeed " + x["dtype"] + (" + compile" if x.get("compiled") else "")
     return _reference_report(zero3, refs, f"{batch} x {r.spec['seq_len']}", cores)
 
 

@@ -36,6 +36,10 @@ class ConfigError(ValueError):
 # 'causal_blocks_<N>' N (raytrain_cpu.attention; parsed here, where nothing imports torch, for
 # the config check, the attention module and the planner alike).
 CAUSAL_BLOCKS_DEFAULT = 64
+# model.compile=auto compiles models of at least this many parameters: per-layer compile paid on
+# the 53M bench model on every host measured, and lost on the embedded default's ~0.4M one; 20M
+# lies between, where the compile's fixed tens of seconds are a small share of a real run.
+COMPILE_AUTO_MIN_PARAMS = 20_000_000
 
 
 def causal_blocks_size(name: str | None) -> int | None:
@@ -178,9 +182,16 @@ class ModelConfig:
     it cost 0.97-0.98x on the 50M bench model and 0.89x on the embedded default (the recompute
     and a Python autograd call per layer); turn it on where activations limit an uncompiled
     run. Llama-style MLPs with SiLU; compiled models keep Hugging Face's."""
-    compile: bool = False
-    """torch.compile with inductor; the first steps compile (minutes on a few cores, seconds from
-    the cache after that)."""
+    compile: bool | str = "auto"
+    """torch.compile with inductor (model.compile_scope): true, false or 'auto', which compiles
+    where it has paid: a model of at least 20M parameters (COMPILE_AUTO_MIN_PARAMS), trained in
+    bf16 without document masks, on a machine with inductor's C++ compiler ($CXX, else g++). Per-layer
+    compile trained the ~50M bench model faster on every host measured in bf16 (README,
+    "Compilation"), but cost the embedded default's tiny model more than it saved (106 s against
+    79) and lost in fp32 (0.89x, AMD AVX2). Document masks (chat and instruction data) stay
+    uncompiled under auto: the causal blocks take no mask inside a compiled graph, and SDPA's
+    attention costs more than compile saves. The first steps compile (tens of seconds at 50M on
+    2 cores; seconds from the cache after that)."""
     compile_scope: str = "layers"
     """What model.compile compiles: 'layers' compiles each decoder layer's forward (one graph,
     reused by every layer; under ZeRO-3 the layers are gathered whole, so the gathers stay
@@ -193,6 +204,13 @@ class ModelConfig:
         _require(bool(self.name_or_path), "model.name_or_path", "must not be empty; use 'tiny'.")
         _choice(self.dtype, "model.dtype", ("auto", "bf16", "fp32"))
         _choice(self.compile_scope, "model.compile_scope", ("layers", "model"))
+        if isinstance(self.compile, str) and self.compile.lower() in ("true", "false"):
+            self.compile = self.compile.lower() == "true"
+        _require(
+            isinstance(self.compile, bool) or self.compile == "auto",
+            "model.compile",
+            f"got {self.compile!r}; choose true, false or auto.",
+        )
         _require(
             self.attention in ("auto", "sdpa")
             or (causal_blocks_size(self.attention) is not None and not self.attention.startswith("raytrain_")),

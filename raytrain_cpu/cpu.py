@@ -778,6 +778,37 @@ def setup_worker(
     }
 
 
+def cpp_compiler() -> str:
+    """The C++ compiler inductor builds with on this machine ($CXX, else g++: torch._inductor's
+    config.cpp.cxx), found on PATH; '' where there is none."""
+    import shutil
+
+    return shutil.which(os.environ.get("CXX") or "g++") or ""
+
+
+def compile_auto(n_params: int, dtype: str, attention_span: str, compiler: str) -> tuple[bool, str]:
+    """model.compile=auto for a model of `n_params` parameters training in `dtype` ('bf16' or
+    'fp32', as resolved) with data.attention_span and inductor's C++ compiler ('' for none):
+    whether to compile, and why not where the model is large enough for it to pay ('' else).
+
+    Per-layer compile paid in bf16 at the 53M bench model on every host measured (AMX, Zen 4,
+    Zen 5), and cost more than it saved on the ~0.4M embedded default (config.COMPILE_AUTO_MIN_PARAMS
+    lies between). In fp32 (a CPU without bf16 GEMMs) the GEMMs take more of the step and the one
+    measurement lost (0.89x, AMD AVX2). Document masks send a compiled layer's attention to SDPA.
+    """
+    from raytrain_cpu.config import COMPILE_AUTO_MIN_PARAMS
+
+    if n_params < COMPILE_AUTO_MIN_PARAMS:
+        return False, ""
+    if dtype != "bf16":
+        return False, "training in fp32 (no bf16 GEMMs here), where compiling has not paid"
+    if attention_span == "document":
+        return False, "document masks (data.attention_span=document) would put SDPA in the compiled layers"
+    if not compiler:
+        return False, f"no C++ compiler for inductor ({os.environ.get('CXX') or 'g++'}; apt-get install g++)"
+    return True, ""
+
+
 def _use_compile_cache(cache_dir: str) -> None:
     """Inductor compiles C++ per graph with the host compiler: minutes on a few cores the first
     time, seconds from this cache after that (every rank and every later run reads it)."""

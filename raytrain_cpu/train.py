@@ -664,6 +664,21 @@ def setup_cpu(w: Worker) -> dict[str, Any]:
     return setup
 
 
+def resolve_compile(w: Worker) -> None:
+    """model.compile=auto as this run's true or false (cpu.compile_auto: where compiling pays),
+    once the dtype is known; rank 0 says why not where only the data, the dtype or this
+    machine keep a model of that size uncompiled."""
+    from raytrain_cpu import cpu
+
+    m = w.cfg.model
+    if m.compile != "auto":
+        return
+    n = w.loop_config["n_params"]["total"]
+    m.compile, why_not = cpu.compile_auto(n, m.dtype, w.cfg.data.attention_span, cpu.cpp_compiler())
+    if why_not:
+        w.log(f"[model] not compiled (model.compile=auto, {n / 1e6:.0f}M parameters): {why_not}")
+
+
 def time_mfu_peak(w: Worker, cpu_setup: dict[str, Any]) -> None:
     """MFU's denominator, timed again now that every rank is set up and Ray's start-up is over
     (cpu.time_peak_flops: the start-up probe read half the rate on a 2-core host)."""
@@ -764,7 +779,7 @@ def choose_attention(w: Worker, model) -> str:
     block = attention.block_of(chosen)
     probs = "" if block is None else f"; probabilities {'kept' if keep_probs(block) else 'recomputed'} for the backward"
     span = "; within each document" if w.cfg.data.attention_span == "document" else ""
-    if span and block is not None and m.compile:  # the blocks take no mask while traced (attention.py)
+    if span and block is not None and m.compile is True:  # the blocks take no mask while traced (attention.py)
         span += " (SDPA in the compiled layers: the blocks take no mask under torch.compile)"
     w.log(f"[model] attention: {chosen}{why}{probs}{span}")
     return chosen
@@ -803,7 +818,7 @@ def install_fused_layer_ops(w: Worker, model, log: Callable[[str], None] | None 
         ("rotary embeddings", m.fused_rotary, "model.fused_rotary", rotary.install, "rotary embeddings"),
         ("MLP activations", m.fused_mlp, "model.fused_mlp", mlp.install, "SwiGLU activations"),
     ):
-        if not on or m.compile:
+        if not on or m.compile is True:
             why = f"{setting}=false" if not on else "inductor fuses them in compiled code"
             log(f"[model] {what}: Hugging Face's ({why})")
             continue
@@ -821,7 +836,7 @@ def build_engine(w: Worker, model, ds_config: dict[str, Any]):
 
     t, m = w.cfg.train, w.cfg.model
     layers = decoder_layers(model)
-    compile_layers = m.compile and m.compile_scope == "layers" and bool(layers)
+    compile_layers = m.compile is True and m.compile_scope == "layers" and bool(layers)
     # Compiled layers need whole-layer gathers: per-module hooks would break the graph at every projection.
     if w.cfg.deepspeed.zero_stage == 3 and (w.cfg.deepspeed.gather_whole_layers or compile_layers):
         leaves = mark_layers_as_zero3_leaves(model, layers)
@@ -846,8 +861,15 @@ def build_engine(w: Worker, model, ds_config: dict[str, Any]):
             w.log(f"[engine] one fp32 gradient buffer of {size} per rank, reused every step")
     cache_dir = m.compile_cache_dir or str(w.run_dir.parent / "inductor_cache")
     if compile_layers:
-        w.log(f"[engine] torch.compile: {cpu.compile_layers(layers, cache_dir)} decoder layers")
-    elif m.compile:
+        auto = (
+            " (model.compile=auto; model.compile=false turns it off)"
+            if w.loop_config["config"]["model"]["compile"] == "auto"
+            else ""
+        )
+        w.log(
+            f"[engine] torch.compile: {cpu.compile_layers(layers, cache_dir)} decoder layers{auto}; the first steps compile"
+        )
+    elif m.compile is True:
         cpu.compile_engine(engine, cache_dir)
         w.log("[engine] torch.compile: the whole model")
     # The load's and the set-up's free pages go back now, a checkpoint's after each save; other
@@ -1613,6 +1635,7 @@ def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu
         "dpo": w.dpo_settings,
         "reference_pass": w.reference_pass,
         "attention": loaded.attention,
+        "compiled": w.cfg.model.compile is True,  # model.compile=auto as this run resolved it
         "train_wall_s": st.wall(),
         "guard_events_this_attempt": guard.counts,
         "skipped_steps": engine.skipped_steps,  # DeepSpeed's count, kept across resumes
@@ -1657,6 +1680,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     w = setup_worker(loop_config)
     cfg, t = w.cfg, w.cfg.train
     cpu_setup = setup_cpu(w)
+    resolve_compile(w)  # model.compile=auto reads the dtype setup_cpu resolved
 
     # ---- data: this rank's blocks in their global order (planned on the driver for each worker count)
     train_shard = ray.train.get_dataset_shard(f"train_w{w.world}_rank{w.rank}")

@@ -159,6 +159,8 @@ def test_round_trip_through_plain_dict():
         (["deepspeed.zero_stage=4"], "deepspeed.zero_stage", "1, 2, 3"),
         (["train.profile_step=300"], "train.profile_step", "1..max_steps"),
         (["model.compile_scope=graph"], "model.compile_scope", "layers"),
+        (["model.compile=1"], "model.compile", "true, false or auto"),
+        (["model.compile=fast"], "model.compile", "true, false or auto"),
         (["deepspeed.config_file=/nope.json"], "deepspeed.config_file", "does not exist"),
         (["run.name=a/b"], "run.name", "plain directory"),
         (["run.storage_path=s3://bucket/runs"], "run.storage_path", "is a URL"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -404,3 +405,28 @@ def test_affinity_cpus_sees_taskset(one_vcpu):
     """Under a mask of one vCPU: that is what this process may use, not the machine."""
     assert cpu.affinity_cpus() == 1
     assert cpu.cpu_features().usable_cores == 1
+
+
+@pytest.mark.parametrize(
+    "params, dtype, span, compiler, compiled, why_not",
+    [
+        (400_000, "bf16", "block", "/usr/bin/g++", False, ""),  # the embedded default: it costs more than it saves
+        (53_000_000, "bf16", "block", "/usr/bin/g++", True, ""),
+        (53_000_000, "fp32", "block", "/usr/bin/g++", False, "training in fp32"),
+        (53_000_000, "bf16", "document", "/usr/bin/g++", False, "document masks"),
+        (53_000_000, "bf16", "block", "", False, "no C++ compiler for inductor"),
+    ],
+)
+def test_compile_auto_compiles_where_it_pays(params, dtype, span, compiler, compiled, why_not):
+    """model.compile=auto: a model of 20M parameters and more, in bf16, without document masks,
+    where inductor finds its C++ compiler; the reason it does not where only that stands in the way."""
+    on, reason = cpu.compile_auto(params, dtype, span, compiler)
+    assert on is compiled and reason.startswith(why_not) and bool(reason) == bool(why_not)
+
+
+def test_cpp_compiler_is_inductors(monkeypatch):
+    """$CXX, else g++, as torch._inductor looks for it; '' where that is not on PATH."""
+    monkeypatch.setenv("CXX", "no-such-compiler++")
+    assert cpu.cpp_compiler() == ""
+    monkeypatch.delenv("CXX")
+    assert cpu.cpp_compiler() == (shutil.which("g++") or "")

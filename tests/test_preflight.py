@@ -744,3 +744,14 @@ def test_an_allocator_asked_for_but_not_installed(make_config, monkeypatch):
     with pytest.raises(ConfigError, match=r"^scaling.allocator: tcmalloc is not installed here"):
         validate_before_ray(make_config("scaling.allocator=tcmalloc"))
     validate_before_ray(make_config("scaling.allocator=auto"))
+
+
+def test_compile_asked_for_without_a_cpp_compiler(make_config, monkeypatch):
+    """model.compile=true where inductor finds no C++ compiler stops before Ray (inductor failed
+    in the first step on every worker, with a page of its own traceback)."""
+    from raytrain_cpu.main import validate_before_ray
+
+    monkeypatch.setenv("CXX", "no-such-compiler++")
+    with pytest.raises(ConfigError, match=r"^model.compile: true, .* no C\+\+ compiler \(no-such-compiler\+\+ is not"):
+        validate_before_ray(make_config("model.compile=true"))
+    validate_before_ray(make_config("model.compile=auto"))
