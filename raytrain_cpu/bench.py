@@ -494,7 +494,7 @@ OPTIONS_VARIANTS: dict[str, list[str]] = {
     "unfused rotary": ["model.fused_rotary=false"],
     "fused MLP": ["model.fused_mlp=true"],
     "micro batch 4": ["train.micro_batch_size=4"],  # the 50m bench's until 2026-11-27
-    "compile": ["model.compile=true"],  # the 50m model's default since model.compile=auto (2026-12-01)
+    "compile": ["model.compile=true"],  # the 50m model's default in bf16 since model.compile=auto (2026-12-01)
     "uncompiled": ["model.compile=false"],
     "compile + sdpa attention": ["model.compile=true", "model.attention=sdpa"],
     "compile (whole model)": ["model.compile=true", "model.compile_scope=model"],
@@ -522,8 +522,8 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
     timing's pick, the blocks' probabilities recomputed in the backward instead of kept
     (model.attention_probs), Hugging Face's loss, norms and rotary embedding in place of the
     fused ones, the fused MLP activation, micro batch 4 in place of 8 (twice the ZeRO-3
-    gathers and hooks per token), compile per layer and of the whole model, no compile (the
-    50m model compiles its layers by default: model.compile=auto), ZeRO-2 and ZeRO-1
+    gathers and hooks per token), compile per layer and of the whole model, no compile (in
+    bf16 the 50m model compiles its layers by default: model.compile=auto), ZeRO-2 and ZeRO-1
     (no parameter gathers: for a model that fits whole on every rank, see `plan`), PyTorch's
     per-tensor AdamW loop in place of the fused kernel, and glibc malloc with the workers' fixed
     mmap threshold and with its own dynamic one (against jemalloc or tcmalloc where the defaults
