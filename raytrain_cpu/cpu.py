@@ -778,12 +778,16 @@ def setup_worker(
     }
 
 
+def cpp_compiler_name() -> str:
+    """The C++ compiler inductor builds with: $CXX, else g++ (torch._inductor's config.cpp.cxx)."""
+    return os.environ.get("CXX") or "g++"
+
+
 def cpp_compiler() -> str:
-    """The C++ compiler inductor builds with on this machine ($CXX, else g++: torch._inductor's
-    config.cpp.cxx), found on PATH; '' where there is none."""
+    """cpp_compiler_name() found on PATH; '' where it is not."""
     import shutil
 
-    return shutil.which(os.environ.get("CXX") or "g++") or ""
+    return shutil.which(cpp_compiler_name()) or ""
 
 
 def compile_auto(n_params: int, dtype: str, attention_span: str, compiler: str) -> tuple[bool, str]:
@@ -805,7 +809,7 @@ def compile_auto(n_params: int, dtype: str, attention_span: str, compiler: str) 
     if attention_span == "document":
         return False, "document masks (data.attention_span=document) would put SDPA in the compiled layers"
     if not compiler:
-        return False, f"no C++ compiler for inductor ({os.environ.get('CXX') or 'g++'}; apt-get install g++)"
+        return False, f"no C++ compiler for inductor ({cpp_compiler_name()}; apt-get install g++)"
     return True, ""
 
 

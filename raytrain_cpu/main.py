@@ -113,7 +113,7 @@ def _size(n: float) -> str:
 
 def check_installed(cfg: Config) -> None:
     """What a setting asks for explicitly must be installed, else the workers quietly run without it."""
-    from raytrain_cpu.cpu import cpp_compiler, find_allocator
+    from raytrain_cpu.cpu import cpp_compiler, cpp_compiler_name, find_allocator
 
     allocator = cfg.scaling.allocator
     if allocator in ("jemalloc", "tcmalloc") and find_allocator(allocator)[0] == "system":
@@ -125,7 +125,7 @@ def check_installed(cfg: Config) -> None:
     if cfg.model.compile is True and not cpp_compiler():
         raise ConfigError(
             "model.compile: true, and inductor builds C++ on every worker, but this machine has no C++ compiler "
-            f"({os.environ.get('CXX') or 'g++'} is not on PATH): install one (apt-get install g++; the cluster "
+            f"({cpp_compiler_name()} is not on PATH): install one (apt-get install g++; the cluster "
             "images have it), or set model.compile=false (or auto, which compiles only where one is found)."
         )
     if cfg.metrics.mlflow_tracking_uri and importlib.util.find_spec("mlflow") is None:
