@@ -165,6 +165,47 @@ def test_reference_suite_matches_dtype_tokens_and_cores_of_the_run(monkeypatch, 
     assert bench.write_results("reference", res | {"command": "x", "machine": "y"}, str(tmp_path / "r.json"))
 
 
+def test_scaling_suite_runs_rounds_in_turn_beside_the_hosts_ceiling(monkeypatch, tmp_path):
+    """bench scaling --repeats 3: 1 and 2 workers and the host's plain-PyTorch ceiling (1 process,
+    then 2 at once) in rounds, in turn first and last; each figure is the median round's."""
+    seq = bench.SIZES["tiny"]["seq_len"]
+
+    class FakeRunner:
+        spec, workdir, runs = bench.SIZES["tiny"], tmp_path, []
+        speed = iter([1000.0, 1800.0, 1200.0, 700.0, 900.0, 1710.0])  # rounds at 0.9, 0.86 and 0.95
+
+        def run(self, name, overrides):
+            self.runs.append(name)
+            n = int(overrides[0].rsplit("=", 1)[1])
+            tps = next(self.speed)
+            return {"variant": name, "workers": n, "threads": 1, "dtype": "bf16", "allocator": "system",
+                    "compiled": True, "tokens_per_s": tps, "step_s": n * 4 * seq / tps, "data_wait_s": 0.0,
+                    "forward_s": 0.3, "backward_s": 0.6, "optimizer_step_s": 0.1, "comm_s": 0.0, "other_s": 0.0}  # fmt: skip
+
+    calls = []
+
+    def fake_reference_runs(spec, dtype, threads, batch, steps, processes=1, **kw):
+        calls.append((dtype, threads, batch, processes, kw["compile"], kw["precision"]))
+        FakeRunner.runs.append(f"host-{processes}")
+        return [{"tokens_per_s": 500.0 if processes == 1 else 450.0 + 50 * i} for i in range(processes)]
+
+    monkeypatch.setattr(bench, "reference_runs", fake_reference_runs)
+    res = bench.suite_scaling(FakeRunner(), type("Args", (), {"repeats": 3})())
+    assert FakeRunner.runs == [
+        *("scale-1", "scale-2", "host-1", "host-2"),
+        *("host-1", "host-2", "scale-2-1", "scale-1-1"),
+        *("scale-1-2", "scale-2-2", "host-1", "host-2"),
+    ]
+    # One worker's micro batch of 4 blocks, 1 thread, the run's dtype, recipe and compile.
+    assert set(calls) == {("bf16", 1, 4, 1, True, "bf16_master"), ("bf16", 1, 4, 2, True, "bf16_master")}
+    assert res["round_efficiencies"] == pytest.approx([0.9, 1200 / 1400, 0.95])
+    assert res["efficiency"] == pytest.approx(0.9)
+    assert res["host_efficiency"] == pytest.approx(0.95)  # (450 + 500) / (2 x 500)
+    assert res["efficiency_vs_host"] == pytest.approx(0.9 / 0.95)
+    assert [x["variant"] for x in res["runs"]] == ["scale-1", "scale-2"] * 3  # by round
+    assert bench.write_results("scaling", res | {"command": "x", "machine": "y"}, str(tmp_path / "s.json"))
+
+
 def test_pinned_suites_gives_each_command_its_own_cores(tmp_path):
     """benchmarks/pinned_suites.py: each command runs under an affinity mask of its own cores."""
     import subprocess
