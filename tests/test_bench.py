@@ -262,6 +262,11 @@ def test_device_goals_table_reads_each_suites_result(tmp_path):
     assert figures["reference"] == pytest.approx(0.848, abs=1e-3) and figures["seed"] == pytest.approx(1.29, abs=0.01)
     assert figures["scaling"] is None and "| scaling | 2-worker scaling efficiency | failed" in table
     assert not any(r["met"] for r in rows) and "Not an AMX host" not in table
+    # bench scaling's figure is read against the host's own 2-process efficiency, beside it.
+    shutil.copy(amx / "scaling-host-native.json", tmp_path / "scaling.json")
+    table, rows = goals.goals_table(tmp_path, "an AMX host", amx=True)
+    assert rows[-1]["value"] == pytest.approx(0.910, abs=1e-3) and rows[-1]["met"]
+    assert "| >= 0.9 | yes | host's own 2-process efficiency 0.878 |" in table
 
 
 # ----------------------------------------------------------------------------- the command line, checked up front
