@@ -423,6 +423,12 @@ def suite_gemm(r: Runner, args) -> dict[str, Any]:
     }
 
 
+def tokens_per_step(run: dict[str, Any]) -> int:
+    """A training run's tokens per step, all workers': its tokens/s is tokens per step over the
+    mean step time, so this is the run's exact batch."""
+    return round(run["tokens_per_s"] * run["step_s"])
+
+
 def suite_scaling(r: Runner, args) -> dict[str, Any]:
     """1 worker x 1 thread against 2 workers x 1 thread: the same cores per worker; beside it
     the host's own ceiling, plain PyTorch (one worker's micro batch, its dtype and compile, no
@@ -433,7 +439,7 @@ def suite_scaling(r: Runner, args) -> dict[str, Any]:
     last (in_rep_order), and each figure is the median of the rounds': the host's speed drifts
     over minutes, and single rounds of the same code there ranged from 0.60 to 0.95."""
     rounds: list[dict[str, Any]] = []
-    for rep in range(max(1, getattr(args, "repeats", 1))):
+    for rep in range(args.repeats):
         got: dict[str, Any] = {}
         for name in in_rep_order(("scale-1", "scale-2", "host"), rep):
             if name == "host":
@@ -448,7 +454,7 @@ def suite_scaling(r: Runner, args) -> dict[str, Any]:
 
 def _host_ceiling(r: Runner, run: dict[str, Any]) -> dict[str, Any]:
     """Plain PyTorch at one worker's share of `run` (a training run's row), alone and 2 at once."""
-    batch = round(run["tokens_per_s"] * run["step_s"] / run["workers"]) // r.spec["seq_len"]
+    batch = tokens_per_step(run) // run["workers"] // r.spec["seq_len"]
     recipe = "bf16_master" if run["dtype"] == "bf16" else "autocast"  # the faster bf16 recipe on every host so far
     kw = {
         "compile": bool(run.get("compiled")),
@@ -1039,9 +1045,7 @@ def suite_reference(r: Runner, args) -> dict[str, Any]:
     tokens per step and cores, interleaved: zero3, references, zero3."""
     zero3 = [r.run("zero3-0", [f"scaling.num_workers={args.workers}"])]
     z = zero3[0]
-    # tokens/s is tokens per step over the mean step time, so this is the run's exact batch.
-    tokens_per_step = round(z["tokens_per_s"] * z["step_s"])
-    batch = tokens_per_step // r.spec["seq_len"]
+    batch = tokens_per_step(z) // r.spec["seq_len"]
     cores = z["workers"] * z["threads"]
     precisions = REFERENCE_PRECISIONS if z["dtype"] == "bf16" else ("autocast",)  # fp32 has one recipe
     only = chosen_variants(args)
@@ -1065,7 +1069,7 @@ def suite_reference(r: Runner, args) -> dict[str, Any]:
         refs.append(reference("reference + compile", best_eager["recipe"], True))
     zero3.append(r.run("zero3-1", [f"scaling.num_workers={args.workers}"]))
     for x in zero3:
-        x["tokens_per_step"] = round(x["tokens_per_s"] * x["step_s"])
+        x["tokens_per_step"] = tokens_per_step(x)
         x["precision"] = "DeepSpeed " + x["dtype"] + (" + compile" if x.get("compiled") else "")
     return _reference_report(zero3, refs, f"{batch} x {r.spec['seq_len']}", cores)
 
