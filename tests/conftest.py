@@ -202,8 +202,49 @@ def ray_session():
             logging_level="WARNING",
         )
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+
+    def raylet_pid() -> str:  # local: pickled by value (workers cannot import conftest)
+        return os.environ["RAY_RAYLET_PID"]  # Ray sets it in every process its raylet starts
+
+    raylet = ray.get(ray.remote(num_cpus=0)(raylet_pid).remote())
     yield ray
     ray.shutdown()
+    _stop_what_ray_left(raylet)
+
+
+def _processes_of(raylet: str) -> dict[int, str]:
+    """Live processes that the raylet with pid `raylet` started: {pid: title}."""
+    mark = f"RAY_RAYLET_PID={raylet}".encode()
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and mark in (proc / "environ").read_bytes().split(b"\0"):
+                found[int(proc.name)] = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def _stop_what_ray_left(raylet: str, grace_s: float = 10.0) -> None:
+    """Kills, by pid, the session Ray's processes still alive `grace_s` after ray.shutdown(), and
+    warns naming them. An actor process can hang while Python tears it down after Ray marked it
+    dead (ray-project/ray#52322); once the raylet is gone nothing else stops it, and CI hosts
+    would keep a `ray::TrainController` (seen now and then after a whole suite)."""
+    import contextlib
+    import signal
+    import warnings
+
+    deadline = time.time() + grace_s
+    while (left := _processes_of(raylet)) and time.time() < deadline:
+        time.sleep(0.5)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if left:
+        named = ", ".join(f"{title} (pid {pid})" for pid, title in sorted(left.items()))
+        warnings.warn(
+            f"killed what the session's Ray left running {grace_s:.0f} s after ray.shutdown(): {named}", stacklevel=1
+        )
 
 
 @pytest.fixture(scope="session")
