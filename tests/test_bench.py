@@ -345,3 +345,31 @@ def test_kernel_benches_reject_counts_below_one(capsys, flag):
         with pytest.raises(SystemExit) as e:
             ap.parse_args([flag, bad])
         assert e.value.code == 2 and f"argument {flag}: must be" in capsys.readouterr().err
+
+
+def test_gemm_layouts_times_each_gemm_of_a_linear_layer_at_tiny_size(tmp_path):
+    """benchmarks/gemm_layouts.py at the tiny model's shapes: a row per linear shape (Mistral-
+    style grouped k/v apart from q/o), each GEMM's rate, the weight gradient against the forward,
+    and the transpose's cost both ways."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gemm_layouts.py"
+    out = tmp_path / "gl.json"
+    argv = [sys.executable, str(script), "--size", "tiny", "--rounds", "1", "--reps", "1", "--json", str(out)]
+    subprocess.run(argv, check=True, timeout=300, capture_output=True)
+    (rows,) = json.loads(out.read_text())["tables"].values()
+    assert [r["shape (out x in)"] for r in rows] == [
+        "q, o 64x64",
+        "k, v 32x64",
+        "gate, up 176x64",
+        "down 64x176",
+        "output 2048x64",
+    ]
+    for r in rows:
+        assert all(v > 0 for k, v in r.items() if k != "shape (out x in)")
+        assert r["weight grad / forward"] == pytest.approx(
+            r["weight grad dy^T @ x GFLOP/s"] / r["forward x @ W^T GFLOP/s"]
+        )
+    assert out.with_suffix(".md").read_text().count("\n| ") == 1 + len(rows)  # the header, then each row
