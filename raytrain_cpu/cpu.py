@@ -426,8 +426,9 @@ def time_peak_flops(
     beside the workers: on a 2-core host it read half the rate (the ~50M model's shapes: bf16
     99.8 and 103.5 GFLOP/s, against 205.9 timed after the engine's set-up and 205.5 in `bench
     train`'s GEMM peak), and the logged MFU read 120-147%. Its bf16/fp32 ratio, both timed in
-    the same conditions, still decides the dtype; this timing of the chosen dtype alone is
-    MFU's denominator. `agree` averages it over ranks, as choose_dtype's does."""
+    the same conditions, still decides the dtype; MFU's denominator is the faster of the two
+    timings of the chosen dtype (train.time_mfu_peak). `agree` averages it over ranks, as
+    choose_dtype's does."""
     import torch
 
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
