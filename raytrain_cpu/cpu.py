@@ -314,22 +314,28 @@ def _operands(g: Gemm, dtype):
     return torch.randn(g.m, g.k, dtype=dtype), torch.randn(g.k, g.n, dtype=dtype)
 
 
-def time_gemm(g: Gemm, dtype, min_time_s: float = 0.2, warmup: int = 2) -> float:
-    """Seconds per call of one GEMM (best of a few timed batches: noise only ever adds time)."""
-    import torch
-
-    a, b = _operands(g, dtype)
+def best_seconds(fn: Callable[[], object], min_time_s: float = 0.2, warmup: int = 2) -> float:
+    """Seconds per call of `fn`: the best of timed batches over at least `min_time_s` (noise
+    only ever adds time), after `warmup` calls."""
     for _ in range(warmup):
-        torch.mm(a, b)
+        fn()
     best, spent, reps = float("inf"), 0.0, 1
     while spent < min_time_s:
         t0 = time.perf_counter()
         for _ in range(reps):
-            torch.mm(a, b)
+            fn()
         dt = time.perf_counter() - t0
         best, spent = min(best, dt / reps), spent + dt
         reps = max(1, min(reps * 2, int(0.05 / max(best, 1e-9))))  # batches of ~50 ms
     return best
+
+
+def time_gemm(g: Gemm, dtype, min_time_s: float = 0.2, warmup: int = 2) -> float:
+    """Seconds per call of one GEMM, its operands laid out as autograd has them (best_seconds)."""
+    import torch
+
+    a, b = _operands(g, dtype)
+    return best_seconds(lambda: torch.mm(a, b), min_time_s, warmup)
 
 
 def gemm_probe(gemms: Sequence[Gemm], dtype, min_time_s: float = 0.2) -> dict[str, Any]:

@@ -357,7 +357,7 @@ def test_gemm_layouts_times_each_gemm_of_a_linear_layer_at_tiny_size(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gemm_layouts.py"
     out = tmp_path / "gl.json"
-    argv = [sys.executable, str(script), "--size", "tiny", "--rounds", "1", "--reps", "1", "--json", str(out)]
+    argv = [sys.executable, str(script), "--size", "tiny", "--rounds", "1", "--min-time", "0.001", "--json", str(out)]
     subprocess.run(argv, check=True, timeout=300, capture_output=True)
     (rows,) = json.loads(out.read_text())["tables"].values()
     assert [r["shape (out x in)"] for r in rows] == [
