@@ -32,7 +32,7 @@ from raytrain_cpu.bench import (
 SHAPES = {"50m": (8, 8, 512, 64), "llama3-8b": (32, 8, 1024, 128)}  # heads, kv heads, seq, head dim
 BLOCKS = (32, 64, 128, 256)
 KEPT = (64, 128)  # model.attention_probs=keep at auto's block sizes
-VARIANTS = ("sdpa", *(f"causal blocks {b}" for b in BLOCKS), *(f"causal blocks {b} kept" for b in KEPT))
+VARIANTS = ("sdpa", *(f"causal blocks {b}" for b in BLOCKS), *(f"causal blocks {b} kept" for b in KEPT), "fused")
 
 
 def child(_: int, spec: dict[str, Any], out) -> None:
@@ -48,6 +48,11 @@ def child(_: int, spec: dict[str, Any], out) -> None:
 
         def attend() -> torch.Tensor:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != hk)
+    elif spec["variant"] == "fused":
+        from raytrain_cpu import fused_attention
+
+        def attend() -> torch.Tensor:
+            return fused_attention.fused_causal(q, k, v)
     else:
         block, keep = int(spec["variant"].split()[2]), spec["variant"].endswith(" kept")
 
@@ -77,7 +82,8 @@ def main() -> None:
         "bf16 q, k, v as transposed views of (batch, seq, heads, head dim), as Hugging Face's Llama passes them; "
         "'sdpa' = torch's scaled_dot_product_attention (is_causal, its CPU flash kernel); 'causal blocks N' = "
         "raytrain_cpu.attention.causal_blocks with N queries a block (model.attention=causal_blocks), recomputing "
-        "the probabilities in the backward; '... kept': keeping them from the forward (model.attention_probs=keep).",
+        "the probabilities in the backward; '... kept': keeping them from the forward (model.attention_probs=keep); "
+        "'fused': raytrain_cpu.fused_attention (model.attention=fused).",
         "useful GFLOP/s: 6·b·h·s²·d (the causal half of QKᵀ and PV, forward, and their four backward GEMMs) "
         "over the time: what the same work would take at the GEMM peak.",
     ]

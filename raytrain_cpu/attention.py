@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from raytrain_cpu import plan
-from raytrain_cpu.config import CAUSAL_BLOCKS_DEFAULT, causal_blocks_size
+from raytrain_cpu import fused_attention, plan
+from raytrain_cpu.config import CAUSAL_BLOCKS_DEFAULT, FUSED, causal_blocks_size
 
 BLOCK = CAUSAL_BLOCKS_DEFAULT  # queries per block of model.attention=causal_blocks
 NAME = "raytrain_causal_blocks"  # its name in transformers' attention interfaces (register)
@@ -354,29 +354,35 @@ def attention_forward(
     scaling=None,
     block: int = BLOCK,
     keep_probs: bool = False,
+    fused: bool = False,
     **kwargs,
 ):
-    """transformers' attention-function signature: (B, H, S, D) in, (B, S, H, D) out."""
+    """transformers' attention-function signature: (B, H, S, D) in, (B, S, H, D) out. `fused`:
+    the fused kernel (raytrain_cpu.fused_attention) where it applies, the blocks for a document
+    mask (the kernel is plainly causal) and for what it does not compute (fp32)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if not _plain_causal(module, query, key, value, attention_mask, dropout, kwargs):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    if fused and attention_mask is None and fused_attention.supports(query, key, value):
+        return fused_attention.fused_causal(query, key, value, scaling).transpose(1, 2), None
     keep_probs = keep_probs and torch.is_grad_enabled()  # evaluation has no backward to keep them for
     out = causal_blocks(query, key, value, scaling, block, keep_probs, mask=attention_mask)
     return out.transpose(1, 2), None  # (B, S, H, D) memory already: no copy
 
 
-def register(block: int = BLOCK, keep_probs: bool = False) -> str:
+def register(block: int = BLOCK, keep_probs: bool = False, fused: bool = False) -> str:
     """Registers the blocks at `block` queries a block (keeping their probabilities for the
-    backward or not) as a transformers attention implementation (it takes SDPA's masks: None
-    when plainly causal); returns its name there."""
+    backward or not), or with `fused` the fused kernel, as a transformers attention
+    implementation (it takes SDPA's masks: None when plainly causal); returns its name there."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    name = "raytrain_" + impl_name(block)
-    AttentionInterface.register(name, functools.partial(attention_forward, block=block, keep_probs=keep_probs))
+    name = "raytrain_" + (FUSED if fused else impl_name(block))
+    forward = functools.partial(attention_forward, block=block, keep_probs=keep_probs, fused=fused)
+    AttentionInterface.register(name, forward)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
 
@@ -410,7 +416,9 @@ def time_attention(
 ) -> dict[str, float]:
     """Seconds of one forward + backward of each implementation at `shape`: the best of at least
     `reps` rounds (more where they are quick: MIN_TIMING_S), each taking every implementation in
-    turn, after a warm-up; the blocks keep their probabilities where `keep_probs(block)` says."""
+    turn, after a warm-up; the blocks keep their probabilities where `keep_probs(block)` says.
+    The fused kernel is timed last, in bf16 where it builds (the build happens here, once per
+    machine: fused_attention)."""
     b, h, hk, s, d = shape
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(b, h, s, d, generator=gen).to(dtype).requires_grad_()
@@ -425,6 +433,8 @@ def time_attention(
             if n < s or n == BLOCK
         },
     }
+    if fused_attention.supports(q, k, v) and fused_attention.kernel() is not None:
+        impls[FUSED] = functools.partial(fused_attention.fused_causal, q, k, v)
     for fn in impls.values():
         fn().backward(grad)  # the first call warms the allocator and the BLAS's kernels
     best = dict.fromkeys(impls, float("inf"))
@@ -462,7 +472,7 @@ def choose(
     agree: Callable[[list[float]], list[float]] = lambda v: v,
     keep_probs: Callable[[int], bool] = lambda block: False,
 ) -> tuple[str, dict[str, float]]:
-    """Sets the model's attention for `setting` ("auto", "sdpa" or a causal-blocks impl_name),
+    """Sets the model's attention for `setting` ("auto", "sdpa", "fused" or a causal-blocks impl_name),
     the blocks keeping their probabilities where `keep_probs(block)` says; returns (the
     implementation's impl_name or "sdpa", the timings "auto" measured, averaged over ranks by
     `agree`)."""
@@ -480,6 +490,14 @@ def choose(
         setting = pick_fastest(timings)
         if setting == "sdpa":
             return "sdpa", timings
+    if setting == FUSED:
+        dtype = next(iter(model.parameters())).dtype
+        if dtype != torch.bfloat16 or fused_attention.kernel() is None:
+            why = "it computes bf16 only" if dtype != torch.bfloat16 else fused_attention.why_unavailable()
+            raise RuntimeError(f"model.attention={FUSED}: {why}. Set model.attention=auto (or causal_blocks).")
+        # Document masks go to the blocks (the kernel is plainly causal), recomputing: nothing kept.
+        model.set_attn_implementation(register(BLOCK, False, fused=True))
+        return FUSED, timings
     block = block_of(setting)
     model.set_attn_implementation(register(block, keep_probs(block)))
     return impl_name(block), timings

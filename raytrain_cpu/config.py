@@ -36,6 +36,8 @@ class ConfigError(ValueError):
 # 'causal_blocks_<N>' N (raytrain_cpu.attention; parsed here, where nothing imports torch, for
 # the config check, the attention module and the planner alike).
 CAUSAL_BLOCKS_DEFAULT = 64
+# model.attention's fused kernel (raytrain_cpu.fused_attention)
+FUSED = "fused"
 # model.compile=auto compiles models of at least this many parameters: per-layer compile paid on
 # the 53M bench model on every host measured, and lost on the embedded default's ~0.4M one; 20M
 # lies between, where the compile's fixed tens of seconds are a small share of a real run.
@@ -146,9 +148,11 @@ class ModelConfig:
     """Causal self-attention: 'causal_blocks' (raytrain_cpu.attention: 64 queries at a time
     against their key prefix, as GEMMs; 2x the speed of SDPA's CPU flash kernel on an AVX-512
     host at seq 512), 'causal_blocks_<N>' (N queries at a time: 128 is faster on AMX), 'sdpa',
-    or 'auto': every rank times SDPA and the blocks at 64 and 128 queries at the run's shape at
+    'fused' (raytrain_cpu.fused_attention: one C++ kernel on oneDNN's AMX micro-kernels, built at
+    first use; bf16 only; keeps no probabilities), or 'auto': every rank times SDPA, the blocks
+    at 64 and 128 queries and (in bf16, where it builds) the fused kernel at the run's shape at
     start-up and all take the fastest (one more than 3% faster than those before it); a resumed
-    run keeps its checkpoint's pick, so its losses continue bit for bit. Masked or cached attention always runs SDPA."""
+    run keeps its checkpoint's pick, so its losses continue bit for bit. Padding-masked or cached attention always runs SDPA."""
     attention_probs: str = "auto"
     """What the causal blocks keep for the backward: 'keep' their probabilities (the backward
     reads them: one batched GEMM of seven and half the softmax work fewer, about 1.2x the
@@ -212,10 +216,10 @@ class ModelConfig:
             f"got {self.compile!r}; choose true, false or auto.",
         )
         _require(
-            self.attention in ("auto", "sdpa")
+            self.attention in ("auto", "sdpa", FUSED)
             or (causal_blocks_size(self.attention) is not None and not self.attention.startswith("raytrain_")),
             "model.attention",
-            f"got {self.attention!r}; choose one of auto, sdpa, causal_blocks, causal_blocks_<queries a block>.",
+            f"got {self.attention!r}; choose one of auto, sdpa, fused, causal_blocks, causal_blocks_<queries a block>.",
         )
         _choice(self.attention_probs, "model.attention_probs", ("auto", "keep", "recompute"))
         # A hub id stays as it is; a local directory (what model.check_model_path treats as one) goes absolute.

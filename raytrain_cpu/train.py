@@ -768,7 +768,7 @@ def choose_attention(w: Worker, model) -> str:
 
     m = w.cfg.model
     resumed = w.resumed.get("attention")
-    kept = m.attention == "auto" and (resumed == "sdpa" or attention.block_of(resumed) is not None)
+    kept = m.attention == "auto" and (resumed in ("sdpa", attention.FUSED) or attention.block_of(resumed) is not None)
     # model.attention_probs, per block size (the same bits either way)
     keep_probs = plan.probs_keeper(model.config, w.cfg.data.seq_len, m.activation_checkpointing, m.attention_probs)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raytrain_cpu import attention, plan
+from raytrain_cpu import attention, fused_attention, plan
 from raytrain_cpu.config import ConfigError, load_config
 from raytrain_cpu.model import tiny_llama_config
 
@@ -120,7 +120,7 @@ def test_causal_blocks_under_a_document_mask_match_masked_sdpa(shape, block, kee
         assert b < 1.5 * f, f"{name}: {b:.2e} against masked SDPA's {f:.2e}"
 
 
-def _tiny_llama(attn: str, seq_len: int = 96, **overrides):
+def _tiny_llama(attn: str, seq_len: int = 96, dtype: torch.dtype = torch.float32, **overrides):
     from transformers import LlamaForCausalLM
 
     cfg = load_config(
@@ -129,7 +129,7 @@ def _tiny_llama(attn: str, seq_len: int = 96, **overrides):
     )
     config = tiny_llama_config(cfg, 256, eos_token_id=0)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).eval().to(dtype)
     chosen, timings = attention.choose(model, attn, micro_batch=2, seq_len=seq_len, **overrides)
     return model, chosen, timings
 
@@ -295,7 +295,7 @@ def test_the_worker_keeps_the_probabilities_as_configured(setting):
     w = Worker(cfg, {}, 0, 1, Path("."), 4, logged.append)
     assert choose_attention(w, model) == "causal_blocks_128"
     fn = AttentionInterface._global_mapping[model.config._attn_implementation]
-    assert fn.keywords == {"block": 128, "keep_probs": setting == "keep"}
+    assert fn.keywords == {"block": 128, "keep_probs": setting == "keep", "fused": False}
     word = "kept" if setting == "keep" else "recomputed"
     assert logged == [f"[model] attention: causal_blocks_128; probabilities {word} for the backward"]
 
@@ -365,3 +365,75 @@ def test_compiled_decoder_layers_keep_the_blocks_without_graph_breaks():
     assert compiled.item() == pytest.approx(eager.item(), rel=1e-5)
     assert not torch._dynamo.utils.counters["graph_break"]
     assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+# ----------------------------------------------------------------------------- the fused kernel
+
+# (batch, heads, kv_heads, seq, head_dim): whole blocks, grouped queries with a ragged last block,
+# Llama-3-8B's head dim with one kv head, and a sequence shorter than one block.
+FUSED_SHAPES = [(2, 4, 4, 128, 64), (1, 8, 2, 100, 64), (2, 2, 1, 130, 128), (1, 2, 2, 7, 16)]
+
+
+def _fused_kernel():
+    if fused_attention.kernel() is None:
+        pytest.skip(f"the fused kernel is unavailable here: {fused_attention.why_unavailable()}")
+
+
+@pytest.mark.parametrize("shape", FUSED_SHAPES)
+def test_the_fused_kernel_matches_an_fp64_reference_as_closely_as_sdpa(shape):
+    _fused_kernel()
+    q, k, v, grad = _inputs(shape)
+    ref = _output_and_grads(_sdpa, q, k, v, grad, torch.float64)
+    # Inputs as transformers hands them over: (B, H, S, D) views of (B, S, H, D) memory.
+    q, k, v, grad = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, grad))
+    fused = _rel_errors(_output_and_grads(fused_attention.fused_causal, q, k, v, grad, torch.bfloat16), ref)
+    flash = _rel_errors(_output_and_grads(_sdpa, q, k, v, grad, torch.bfloat16), ref)
+    for name, f, s in zip(("out", "dq", "dk", "dv"), fused, flash, strict=True):
+        assert f < 1.5 * s, f"{name}: {f:.2e} against SDPA's {s:.2e}"
+    out = fused_attention.fused_causal(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert out.transpose(1, 2).is_contiguous()  # (B, S, H, D) memory: o_proj takes it without a copy
+
+
+def test_the_fused_operators_pass_torch_library_opcheck():
+    _fused_kernel()
+    q, k, v, grad = (t.bfloat16().transpose(1, 2).contiguous().transpose(1, 2) for t in _inputs((1, 4, 2, 70, 64)))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    _, lse = torch.ops.raytrain.fused_causal(q, k, v, 0.125)
+    for op, args in (
+        (torch.ops.raytrain.fused_causal.default, (q, k, v, 0.125)),
+        (torch.ops.raytrain.fused_causal_backward.default, (grad, q.detach(), k.detach(), v.detach(), lse, 0.125)),
+    ):
+        assert set(torch.library.opcheck(op, args).values()) == {"SUCCESS"}
+
+
+def test_a_bf16_llama_on_the_fused_kernel_trains_like_the_blocks_and_sends_documents_to_them():
+    _fused_kernel()
+    blocks, _, _ = _tiny_llama("causal_blocks", seq_len=128, dtype=torch.bfloat16)
+    fused, chosen, _ = _tiny_llama("fused", seq_len=128, dtype=torch.bfloat16)
+    assert chosen == "fused" and fused.config._attn_implementation == "raytrain_fused"
+    ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for model in (blocks, fused):
+        model.train()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-2)
+    g = [m.model.layers[0].self_attn.q_proj.weight.grad.float() for m in (blocks, fused)]
+    assert ((g[0] - g[1]).norm() / g[0].norm()).item() < 0.05
+    # Packed documents: the kernel is plainly causal, so their masked calls run the blocks.
+    mask = _document_mask_of([50, 78]).expand(2, 1, 128, 128)
+    q, k, v = (torch.randn(2, 4, 128, 16, dtype=torch.bfloat16) for _ in range(3))
+    module = fused.model.layers[0].self_attn
+    out, _ = attention.attention_forward(module, q, k, v, mask, fused=True)
+    assert torch.equal(out, attention.attention_forward(module, q, k, v, mask)[0])
+
+
+def test_auto_times_the_fused_kernel_in_bf16_and_an_explicit_fused_needs_bf16():
+    _fused_kernel()
+    timings = attention.time_attention((1, 4, 2, 200, 64), torch.bfloat16)
+    assert list(timings) == ["sdpa", "causal_blocks", "causal_blocks_128", "fused"]
+    assert "fused" not in attention.time_attention((1, 4, 2, 200, 64), torch.float32)
+    with pytest.raises(RuntimeError, match="model.attention=fused: it computes bf16 only"):
+        _tiny_llama("fused")  # an fp32 model
+    assert load_config(None, ["model.attention=fused"]).model.attention == "fused"

@@ -1,0 +1,339 @@
+// model.attention=fused: causal self-attention for CPU training as one kernel per (batch, key/value
+// head), built at first use by raytrain_cpu/fused_attention.py (torch.utils.cpp_extension).
+//
+// Why: the causal blocks (raytrain_cpu/attention.py) run each block of queries as batched GEMMs
+// over all heads, and every step between them (scores, mask, softmax, its backward, the gradient
+// sums) is a pass over memory: on the AMX host their forward + backward ran at ~90 useful GFLOP/s,
+// a twelfth of its GEMM rate. Here one head's 64 x 64 tiles go through oneDNN's batch-reduce
+// micro-kernels (at::native::cpublas::brgemm: AMX tiles where present, a plain GEMM elsewhere)
+// and the softmax runs on the tile just made, still in cache.
+//
+// Forward, per block of 64 queries: scores against the keys up to the block's end (fp32),
+// softmax (exact: max, exp, sum over the whole row), P in bf16, O = P V. It returns O and the
+// log-sum-exp of each row, which is all the backward keeps besides q, k and v (no probabilities).
+// Backward, two passes per head (flash attention 2's arithmetic without its atomics):
+//   1. per block of queries: P again from the log-sum-exp, dP = dO V^T, delta = rowsum(P * dP),
+//      dS = P * (dP - delta), dQ = scale * dS K;
+//   2. per block of keys, against every query that sees it: P^T and dP^T from K Q^T and V dO^T,
+//      dV += P^T dO, dK += scale * dS^T Q (fp32 sums over the group's query heads).
+// Pass 2 computes the scores again (seven GEMMs where a kept-P backward needs four) so that every
+// GEMM operand is a plain row-major tile or a B packed once per head: nothing is transposed a tile
+// at a time. Scores and softmax are fp32, P and dS enter the GEMMs in bf16.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+// fbgemm's vectorized transposes, exported by libtorch_cpu (ATen's own utils::transpose calls
+// them; its header would need fbgemm's headers, which torch's wheel does not ship).
+namespace fbgemm {
+template <typename T>
+void transpose_simd(int64_t M, int64_t N, const T* src, int64_t ld_src, T* dst, int64_t ld_dst);
+}  // namespace fbgemm
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+// src [M x N] (ld_src) -> dst [N x M] (ld_dst), for 16- and 32-bit elements: fbgemm's AVX2 /
+// AVX-512 code where the kernel is built for them, else a loop.
+template <typename T>
+void transpose(int64_t M, int64_t N, const T* src, int64_t ld_src, T* dst, int64_t ld_dst) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  fbgemm::transpose_simd<T>(M, N, src, ld_src, dst, ld_dst);
+#else
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) dst[j * ld_dst + i] = src[i * ld_src + j];
+#endif
+}
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t BLK = 64;  // queries and keys a block; N of every packed operand
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// B operands: row-major [K x N] (ld_in) into the micro-kernel's layout (VNNI pairs of rows on
+// AMX, plain rows elsewhere), N <= BLK, K even (zero rows padded by the caller).
+struct Packer {
+  bool vnni = at::native::cpublas::could_pack(at::kBFloat16);
+  void operator()(const bf16* in, int64_t K, int64_t N, int64_t ld_in, bf16* out) const {
+    if (vnni) {
+      at::native::cpublas::pack(K, N, ld_in, N, at::kBFloat16, at::kBFloat16, in, out);
+    } else {
+      for (int64_t k = 0; k < K; ++k) std::memcpy(out + k * N, in + k * ld_in, N * sizeof(bf16));
+    }
+  }
+  // C[M x N] (+)= A[M x K] (ld_a) @ B (packed [K x N])
+  void gemm(int64_t M, int64_t N, int64_t K, const bf16* A, int64_t ld_a, const bf16* B, float* C, int64_t ld_c,
+            bool add) const {
+    at::native::cpublas::brgemm(M, N, K, ld_a, N, ld_c, add, A, B, C, vnni);
+  }
+};
+
+// (rows of a strided [S x D] matrix) -> contiguous [Sp x D], zero rows past S
+void rows_padded(const bf16* src, int64_t ld, int64_t S, int64_t Sp, int64_t D, bf16* dst) {
+  for (int64_t s = 0; s < S; ++s) std::memcpy(dst + s * D, src + s * ld, D * sizeof(bf16));
+  std::memset(dst + S * D, 0, (Sp - S) * D * sizeof(bf16));
+}
+
+// x [Sp x D] contiguous -> packed as B with K = Sp (rows), per BLK-wide column chunk:
+// out + c * Sp * BLK holds columns [c * BLK, ...) of every row; a row suffix from an even row r
+// starts r * width elements in.
+void pack_rows(const Packer& pk, const bf16* x, int64_t Sp, int64_t D, bf16* out) {
+  for (int64_t c = 0; c < D; c += BLK) pk(x + c, Sp, std::min(BLK, D - c), D, out + c * Sp);
+}
+
+// x [Sp x D] contiguous -> per BLK-row block j, its transpose [D x BLK] packed as B (K = D).
+// VNNI keeps pairs of K (here: of the head dim, adjacent in a row of x) together, so the packed
+// transpose is a transpose of 32-bit words: no bf16 transpose first.
+void pack_blocks_transposed(const Packer& pk, const bf16* x, int64_t Sp, int64_t D, bf16* out, bf16* tmp) {
+  for (int64_t j = 0; j < Sp / BLK; ++j) {
+    const bf16* xj = x + j * BLK * D;
+    bf16* oj = out + j * D * BLK;
+    if (pk.vnni) {  // 32-bit words moved as floats: bit patterns only, no arithmetic
+      transpose(BLK, D / 2, reinterpret_cast<const float*>(xj), D / 2, reinterpret_cast<float*>(oj), BLK);
+    } else {
+      transpose(BLK, D, reinterpret_cast<const uint16_t*>(xj), D, reinterpret_cast<uint16_t*>(tmp), BLK);
+      pk(tmp, D, BLK, BLK, oj);
+    }
+  }
+}
+
+// C [M x D] (+)= A [M x K] @ rows [K x D] packed by pack_rows, from row `r0` (even)
+void gemm_rows(const Packer& pk, int64_t M, int64_t K, int64_t D, const bf16* A, int64_t ld_a, const bf16* packed,
+               int64_t Sp, int64_t r0, float* C, bool add) {
+  for (int64_t c = 0; c < D; c += BLK) {
+    int64_t w = std::min(BLK, D - c);
+    pk.gemm(M, w, K, A, ld_a, packed + c * Sp + r0 * w, C + c, D, add);
+  }
+}
+
+float vmax(const float* x, int64_t n) {
+  return at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x, n);
+}
+
+constexpr int64_t VL = Vec::size();
+
+// out[0, n) = bf16 of f(i, count), f giving the Vec of elements [i, i + count)
+template <typename F>
+inline void store_bf16(bf16* out, int64_t n, F f) {
+  int64_t i = 0;
+  for (; i + 2 * VL <= n; i += 2 * VL) at::vec::convert_from_float<bf16>(f(i, VL), f(i + VL, VL)).store(out + i);
+  if (i < n) {
+    const int64_t r = n - i, c0 = std::min(r, VL), c1 = r - c0;
+    const Vec a = f(i, c0), b = c1 > 0 ? f(i + VL, c1) : Vec(0.0f);
+    at::vec::convert_from_float<bf16>(a, b).store(out + i, r);
+  }
+}
+
+inline Vec load(const float* p, int64_t i, int64_t c) { return c == VL ? Vec::loadu(p + i) : Vec::loadu(p + i, c); }
+
+struct Dims {
+  int64_t B, H, Hk, S, D, Sp, groups;
+  float scale;
+};
+
+Dims dims_of(const at::Tensor& q, const at::Tensor& k, double scale) {
+  Dims d{q.size(0), q.size(1), k.size(1), q.size(2), q.size(3), round_up(q.size(2), BLK), q.size(1) / k.size(1),
+         static_cast<float>(scale)};
+  TORCH_CHECK(d.H % d.Hk == 0, "query heads must be a multiple of key/value heads");
+  TORCH_CHECK(d.D % 2 == 0, "head dim must be even");
+  return d;
+}
+
+// strided (B, H, S, D) access: the row s of head h of batch b
+struct Rows {
+  const bf16* p;
+  int64_t sb, sh, ss;
+  explicit Rows(const at::Tensor& t)
+      : p(t.data_ptr<bf16>()), sb(t.stride(0)), sh(t.stride(1)), ss(t.stride(2)) {
+    TORCH_CHECK(t.stride(3) == 1, "the head dim must be contiguous");
+  }
+  const bf16* at(int64_t b, int64_t h) const { return p + b * sb + h * sh; }
+};
+
+}  // namespace
+
+// out (B, S, H, D) memory as a (B, H, S, D) view, and the log-sum-exp (B, H, S) fp32
+std::vector<at::Tensor> fused_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "bf16 inputs only");
+  const Dims d = dims_of(q, k, scale);
+  auto out = at::empty({d.B, d.S, d.H, d.D}, q.options());
+  auto lse = at::empty({d.B, d.H, d.S}, q.options().dtype(at::kFloat));
+  const Rows Q(q), K(k), V(v);
+  bf16* O = out.data_ptr<bf16>();
+  float* L = lse.data_ptr<float>();
+  const int64_t Sp = d.Sp, D = d.D, nb = Sp / BLK;
+  at::parallel_for(0, d.B * d.Hk, 1, [&](int64_t t0, int64_t t1) {
+    Packer pk;
+    std::vector<bf16> kc(Sp * D), vc(Sp * D), kt(Sp * D), vp(Sp * D), tmp(D * BLK), p(BLK * Sp);
+    std::vector<float> s(BLK * Sp), acc(BLK * D);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / d.Hk, hk = t % d.Hk;
+      rows_padded(K.at(b, hk), K.ss, d.S, Sp, D, kc.data());
+      rows_padded(V.at(b, hk), V.ss, d.S, Sp, D, vc.data());
+      pack_blocks_transposed(pk, kc.data(), Sp, D, kt.data(), tmp.data());
+      pack_rows(pk, vc.data(), Sp, D, vp.data());
+      for (int64_t h = hk * d.groups; h < (hk + 1) * d.groups; ++h) {
+        const bf16* qh = Q.at(b, h);
+        for (int64_t i = 0; i < nb; ++i) {
+          const int64_t q0 = i * BLK, rows = std::min(BLK, d.S - q0), e = (i + 1) * BLK;
+          for (int64_t j = 0; j <= i; ++j)
+            pk.gemm(rows, BLK, D, qh + q0 * Q.ss, Q.ss, kt.data() + j * D * BLK, s.data() + j * BLK, e, false);
+          for (int64_t r = 0; r < rows; ++r) {
+            float* sr = s.data() + r * e;
+            const int64_t seen = std::min(q0 + r + 1, d.S);  // keys [0, seen) are visible
+            const float m = vmax(sr, seen) * d.scale;  // scale > 0
+            Vec sum(0.0f);
+            int64_t c = 0;
+            for (; c + VL <= seen; c += VL) {
+              const Vec p = (Vec::loadu(sr + c) * Vec(d.scale) - Vec(m)).exp_u20();
+              p.store(sr + c);
+              sum = sum + p;
+            }
+            float l = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
+            for (; c < seen; ++c) l += (sr[c] = std::exp(sr[c] * d.scale - m));
+            const Vec inv(1.0f / l);
+            bf16* pr = p.data() + r * e;
+            store_bf16(pr, seen, [&](int64_t i, int64_t n) { return load(sr, i, n) * inv; });
+            std::fill(pr + seen, pr + e, bf16(0.0f));
+            L[(b * d.H + h) * d.S + q0 + r] = m + std::log(l);
+          }
+          gemm_rows(pk, rows, e, D, p.data(), e, vp.data(), Sp, 0, acc.data(), false);
+          for (int64_t r = 0; r < rows; ++r)
+            at::vec::convert(acc.data() + r * D, O + ((b * d.S + q0 + r) * d.H + h) * D, D);
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release(pk.vnni);
+  });
+  return {out.transpose(1, 2), lse};
+}
+
+// Where key block j's probabilities (or dS) start in the per-key-block store of one head: block
+// j holds the queries that see it, [j * BLK, Sp), packed as a B operand ([queries x BLK keys]).
+int64_t key_block_offset(int64_t j, int64_t Sp) { return j * Sp * BLK - BLK * BLK * j * (j - 1) / 2; }
+
+// x [S x D] (rows `ld` apart) -> its transpose [D x Sp], plain rows (an A operand), zero columns past S
+void transpose_rows(const bf16* x, int64_t ld, int64_t S, int64_t Sp, int64_t D, bf16* out) {
+  transpose(S, D, reinterpret_cast<const uint16_t*>(x), ld, reinterpret_cast<uint16_t*>(out), Sp);
+  for (int64_t dd = 0; dd < D; ++dd) std::fill(out + dd * Sp + S, out + (dd + 1) * Sp, bf16(0.0f));
+}
+
+// out (B, S, heads, D) bf16 rows of one head from acc^T [D x Sp] fp32, times `mul`, through a
+// BLK x D tile
+void store_transposed(const float* acc, int64_t S, int64_t Sp, int64_t D, float mul, bf16* out, int64_t ld_out) {
+  std::vector<float> tile(BLK * D);
+  for (int64_t s0 = 0; s0 < S; s0 += BLK) {
+    const int64_t n = std::min(BLK, S - s0);
+    transpose(D, n, acc + s0, Sp, tile.data(), D);
+    for (int64_t s = 0; s < n; ++s) {
+      float* t = tile.data() + s * D;
+      if (mul != 1.0f) at::vec::map([&](Vec x) { return x * Vec(mul); }, t, t, D);
+      at::vec::convert(t, out + (s0 + s) * ld_out, D);
+    }
+  }
+}
+
+// dq, dk, dv, each (B, S, heads, D) memory as a (B, heads, S, D) view
+std::vector<at::Tensor> fused_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& lse, double scale) {
+  const Dims d = dims_of(q, k, scale);
+  auto dq = at::empty({d.B, d.S, d.H, d.D}, q.options());
+  auto dk = at::empty({d.B, d.S, d.Hk, d.D}, q.options());
+  auto dv = at::empty({d.B, d.S, d.Hk, d.D}, q.options());
+  const Rows Q(q), K(k), V(v), G(grad_out);
+  const float* L = lse.data_ptr<float>();
+  bf16 *DQ = dq.data_ptr<bf16>(), *DK = dk.data_ptr<bf16>(), *DV = dv.data_ptr<bf16>();
+  const int64_t Sp = d.Sp, D = d.D, nb = Sp / BLK, S = d.S;
+  const int64_t stored = key_block_offset(nb, Sp);  // the causal blocks' elements
+  at::parallel_for(0, d.B * d.Hk, 1, [&](int64_t t0, int64_t t1) {
+    Packer pk;
+    std::vector<bf16> kc(Sp * D), vc(Sp * D), kt(Sp * D), vt(Sp * D), kp(Sp * D), tmp(D * BLK);
+    std::vector<bf16> qT(D * Sp), gT(D * Sp), pb(BLK * Sp), dsb(BLK * Sp);
+    std::vector<bf16> p_store(stored), ds_store(stored);
+    std::vector<float> s(BLK * Sp), dp(BLK * Sp), acc(BLK * D), lse_p(Sp), dkT(D * Sp), dvT(D * Sp);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / d.Hk, hk = t % d.Hk;
+      rows_padded(K.at(b, hk), K.ss, S, Sp, D, kc.data());
+      rows_padded(V.at(b, hk), V.ss, S, Sp, D, vc.data());
+      pack_blocks_transposed(pk, kc.data(), Sp, D, kt.data(), tmp.data());
+      pack_blocks_transposed(pk, vc.data(), Sp, D, vt.data(), tmp.data());
+      pack_rows(pk, kc.data(), Sp, D, kp.data());
+      std::fill(dkT.begin(), dkT.end(), 0.0f);
+      std::fill(dvT.begin(), dvT.end(), 0.0f);
+      for (int64_t h = hk * d.groups; h < (hk + 1) * d.groups; ++h) {
+        const bf16 *qh = Q.at(b, h), *gh = G.at(b, h);  // read in place: A operands take strided rows
+        std::copy(L + (b * d.H + h) * S, L + (b * d.H + h + 1) * S, lse_p.begin());
+        // pass 1, a block of queries at a time against its keys: P from the log-sum-exp, dP,
+        // dS = P * (dP - rowsum(P * dP)), dQ = scale * dS K; P and dS kept per key block for pass 2
+        for (int64_t i = 0; i < nb; ++i) {
+          const int64_t q0 = i * BLK, rows = std::min(BLK, S - q0), e = (i + 1) * BLK;
+          for (int64_t j = 0; j <= i; ++j) {
+            pk.gemm(rows, BLK, D, qh + q0 * Q.ss, Q.ss, kt.data() + j * D * BLK, s.data() + j * BLK, e, false);
+            pk.gemm(rows, BLK, D, gh + q0 * G.ss, G.ss, vt.data() + j * D * BLK, dp.data() + j * BLK, e, false);
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            float* sr = s.data() + r * e;
+            float* dr = dp.data() + r * e;
+            const int64_t seen = std::min(q0 + r + 1, S);
+            const float l = lse_p[q0 + r];
+            Vec dot(0.0f);
+            int64_t c = 0;
+            for (; c + VL <= seen; c += VL) {
+              const Vec p = (Vec::loadu(sr + c) * Vec(d.scale) - Vec(l)).exp_u20();
+              p.store(sr + c);
+              dot = dot + p * Vec::loadu(dr + c);
+            }
+            float dl = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, dot);
+            for (; c < seen; ++c) dl += (sr[c] = std::exp(sr[c] * d.scale - l)) * dr[c];
+            bf16* pr = pb.data() + r * e;
+            bf16* o = dsb.data() + r * e;
+            store_bf16(pr, seen, [&](int64_t i, int64_t n) { return load(sr, i, n); });
+            store_bf16(o, seen, [&](int64_t i, int64_t n) { return load(sr, i, n) * (load(dr, i, n) - Vec(dl)); });
+            std::fill(pr + seen, pr + e, bf16(0.0f));
+            std::fill(o + seen, o + e, bf16(0.0f));
+          }
+          // the last block's rows past S: zeros in the stores
+          std::fill(pb.begin() + rows * e, pb.begin() + BLK * e, bf16(0.0f));
+          std::fill(dsb.begin() + rows * e, dsb.begin() + BLK * e, bf16(0.0f));
+          gemm_rows(pk, rows, e, D, dsb.data(), e, kp.data(), Sp, 0, acc.data(), false);
+          for (int64_t r = 0; r < rows; ++r) {
+            float* a = acc.data() + r * D;
+            at::vec::map([&](Vec x) { return x * Vec(d.scale); }, a, a, D);
+            at::vec::convert(a, DQ + ((b * S + q0 + r) * d.H + h) * D, D);
+          }
+          for (int64_t j = 0; j <= i; ++j) {
+            const int64_t at_ = key_block_offset(j, Sp) + (i - j) * BLK * BLK;
+            pk(pb.data() + j * BLK, BLK, BLK, e, p_store.data() + at_);
+            pk(dsb.data() + j * BLK, BLK, BLK, e, ds_store.data() + at_);
+          }
+        }
+        // pass 2, a block of keys at a time: dV^T += dO^T P, dK^T += Q^T dS over the queries that see it
+        transpose_rows(qh, Q.ss, S, Sp, D, qT.data());
+        transpose_rows(gh, G.ss, S, Sp, D, gT.data());
+        for (int64_t j = 0; j < nb; ++j) {
+          const int64_t k0 = j * BLK, w = Sp - k0, at_ = key_block_offset(j, Sp);
+          pk.gemm(D, BLK, w, gT.data() + k0, Sp, p_store.data() + at_, dvT.data() + k0, Sp, true);
+          pk.gemm(D, BLK, w, qT.data() + k0, Sp, ds_store.data() + at_, dkT.data() + k0, Sp, true);
+        }
+      }
+      store_transposed(dkT.data(), S, Sp, D, d.scale, DK + (b * S * d.Hk + hk) * D, d.Hk * D);
+      store_transposed(dvT.data(), S, Sp, D, 1.0f, DV + (b * S * d.Hk + hk) * D, d.Hk * D);
+    }
+    at::native::cpublas::brgemm_release(pk.vnni);
+  });
+  return {dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &fused_forward);
+  m.def("backward", &fused_backward);
+}

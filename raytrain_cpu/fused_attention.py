@@ -1,0 +1,139 @@
+"""model.attention=fused: causal self-attention as one C++ kernel (raytrain_cpu/csrc/fused_attention.cpp).
+
+Why a kernel of our own: on AMX the causal blocks (raytrain_cpu.attention) ran forward +
+backward at ~90 useful GFLOP/s against the host's ~1,100 for a plain GEMM, because each step
+between their batched GEMMs is a pass over memory; SDPA's CPU flash kernel fuses its forward
+(faster than the blocks') but not its backward (2-3x slower than theirs). The kernel here runs
+both fused on oneDNN's AMX micro-kernels, and keeps for the backward only each row's
+log-sum-exp (4 bytes a query a head), not the blocks' probabilities. See the .cpp for the passes.
+
+It is built on first use with torch.utils.cpp_extension (about 35 s on two cores; then cached
+under TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default, per source and CPU capability),
+so it needs a C++ compiler and ninja where the workers run, as model.compile does. Where either
+is missing or the build fails, `kernel()` says why and model.attention=auto leaves it out.
+bf16 q, k and v only: an fp32 run (a CPU without fast bf16) keeps the other attentions.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "fused_attention.cpp"
+
+
+def _capability() -> tuple[str, list[str]]:
+    """The ATen vector width the kernel compiles for on this CPU, and its flags (ATen's own
+    CPU_CAPABILITY builds): AVX-512 where the CPU has it, else AVX2, else plain C++."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "avx512", ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512", "-mavx512f", "-mavx512bw",
+                          "-mavx512vl", "-mavx512dq", "-mfma"]  # fmt: skip
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "avx2", ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2", "-mavx2", "-mfma", "-mf16c"]
+    return "default", ["-DCPU_CAPABILITY=DEFAULT"]
+
+
+@functools.cache
+def _build():
+    """(the loaded extension, '') or (None, why it is unavailable)."""
+    compiler = os.environ.get("CXX") or "c++"
+    if not shutil.which(compiler) or not shutil.which("ninja"):
+        return None, f"needs a C++ compiler ({compiler}) and ninja on PATH"
+    cap, flags = _capability()
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:10]
+    try:
+        from torch.utils.cpp_extension import load
+
+        # The name carries the source, torch and CPU capability: a changed kernel, another torch or
+        # another CPU type sharing the cache directory builds afresh instead of loading a stale .so.
+        ext = load(f"raytrain_fused_attention_{cap}_{digest}", [str(SOURCE)], extra_cflags=["-O3", *flags])
+    except Exception as e:  # a build error: the run goes on with the other attentions
+        return None, f"its build failed: {str(e).strip().splitlines()[-1][:200]}"
+    return ext, ""
+
+
+def kernel():
+    """The built kernel module, or None (why_unavailable() says why)."""
+    return _build()[0]
+
+
+def why_unavailable() -> str:
+    return _build()[1]
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernel computes this call: bf16, the same head dim (even), grouped heads."""
+    return (
+        q.dtype == k.dtype == v.dtype == torch.bfloat16
+        and q.shape[-1] == k.shape[-1] == v.shape[-1]
+        and q.shape[-1] % 2 == 0
+        and q.shape[1] % k.shape[1] == 0
+        and q.shape[2] == k.shape[2]
+    )
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x with its head dim contiguous (the kernel reads rows through the other strides)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# Custom operators (as the causal blocks'): torch.compile keeps each as one call in its graph.
+@torch.library.custom_op("raytrain::fused_causal", mutates_args=())
+def _fused_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = kernel().forward(_rows(q), _rows(k), _rows(v), scale)
+    return out, lse
+
+
+@torch.library.custom_op("raytrain::fused_causal_backward", mutates_args=())
+def _fused_bwd(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = kernel().backward(_rows(grad_out), _rows(q), _rows(k), _rows(v), lse, scale)
+    return dq, dk, dv
+
+
+def _layout(shape, like: torch.Tensor) -> torch.Tensor:
+    """An empty (B, H, S, D) tensor as the kernel returns one: a view of (B, S, H, D) memory."""
+    b, h, s, d = shape
+    return like.new_empty(b, s, h, d).transpose(1, 2)
+
+
+@_fused_fwd.register_fake
+def _(q, k, v, scale):
+    return _layout(q.shape, q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@_fused_bwd.register_fake
+def _(grad_out, q, k, v, lse, scale):
+    return _layout(q.shape, q), _layout(k.shape, k), _layout(v.shape, v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, ctx.scale = inputs
+    _, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, lse)
+
+
+def _backward(ctx, grad_out, _):
+    q, k, v, lse = ctx.saved_tensors
+    return (*_fused_bwd(grad_out, q, k, v, lse, ctx.scale), None)
+
+
+_fused_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of bf16 (B, H, S, D) q, k, v (k and v may have fewer heads): (B, H, S, D)
+    out, a view of (B, S, H, D) memory as transformers' output projection takes it."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _fused_fwd(q, k, v, scale)[0]
