@@ -17,11 +17,13 @@ softmax and its backward run in fp32 inside, and dK, dV accumulate in fp32 over 
 The relative error against an fp64 reference is within 1.5x of the flash kernel's
 (tests/test_attention.py).
 
-Which one runs is `model.attention`: "auto" times SDPA and the blocks at each of BLOCKS
-queries at the run's shape on every rank at start-up, and all ranks take the fastest by their
-summed times, so each host (AVX2, AVX-512, AMX) keeps what is fastest on it: on AMX 128
-queries a block (its small batched GEMMs cost more a call, and a taller block makes half as
-many); on the AMD Zen 5 host 64 and 128 are within a few percent.
+Which one runs is `model.attention`: "auto" times SDPA, the blocks at each of BLOCKS queries
+and, in bf16 where it builds, the fused kernel (raytrain_cpu.fused_attention: the same
+arithmetic in one C++ kernel per head, its GEMMs on oneDNN's micro-kernels) at the run's shape
+on every rank at start-up, and all ranks take the fastest by their summed times, so each host
+(AVX2, AVX-512, AMX) keeps what is fastest on it. Among the blocks, on AMX 128 queries a block
+(its small batched GEMMs cost more a call, and a taller block makes half as many); on the AMD
+Zen 5 host 64 and 128 are within a few percent. Packed documents' masks always run the blocks.
 
 Packed documents (data.attention_span=document): transformers builds a boolean mask, causal
 within each document, from the blocks' position ids; the blocks add it to each query block's

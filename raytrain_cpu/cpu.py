@@ -1028,7 +1028,7 @@ OP_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # DeepSpeed's autograd functions around each gathered module: gathers, releases, gradient hand-off.
     ("ZeRO-3 hooks", ("backwardhookfunction", "prebackwardfunction", "postbackwardfunction", "zerostage3")),
     ("GEMM", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm", "mkldnn")),
-    # raytrain_cpu.attention's operators count with everything they run (their GEMMs, softmax).
+    # raytrain_cpu.attention's and fused_attention's operators count with everything they run (their GEMMs, softmax).
     (
         "attention",
         (
@@ -1037,6 +1037,7 @@ OP_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_efficient_attention",
             "raytrain::causal_blocks",
             "raytrain_causal_blocks",
+            "raytrain::fused_causal",
         ),
     ),
     ("collectives", ("gloo", "c10d", "all_gather", "allgather", "reduce_scatter", "all_reduce", "allreduce")),

@@ -761,14 +761,21 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
 
 
 def choose_attention(w: Worker, model) -> str:
-    """model.attention on this model: 'auto' times SDPA and the causal blocks here and every rank
-    takes the fastest by the summed timings (raytrain_cpu.attention); a resumed 'auto' run keeps
-    the attention (and block size) its checkpoint trained with, so its losses continue bit for bit."""
+    """model.attention on this model: 'auto' times SDPA, the causal blocks and the fused kernel here
+    and every rank takes the fastest by the summed timings (raytrain_cpu.attention); a resumed
+    'auto' run keeps the attention (and block size) its checkpoint trained with, so its losses
+    continue bit for bit, unless that was the fused kernel and it does not build here."""
     from raytrain_cpu import attention, plan
 
     m = w.cfg.model
     resumed = w.resumed.get("attention")
-    kept = m.attention == "auto" and (resumed in ("sdpa", attention.FUSED) or attention.block_of(resumed) is not None)
+    # The fused kernel kept only where it builds here (a resumed run may have moved to another host).
+    fused_here = resumed != attention.FUSED or attention.fused_attention.kernel() is not None
+    kept = (
+        fused_here
+        and m.attention == "auto"
+        and (resumed in ("sdpa", attention.FUSED) or attention.block_of(resumed) is not None)
+    )
     # model.attention_probs, per block size (the same bits either way)
     keep_probs = plan.probs_keeper(model.config, w.cfg.data.seq_len, m.activation_checkpointing, m.attention_probs)
 
@@ -784,6 +791,8 @@ def choose_attention(w: Worker, model) -> str:
     why = f" (forward + backward, mean of ranks: {measured})" if measured else ""
     if kept:
         why = f" (auto: kept from the checkpoint at step {w.resumed.get('step')})"
+    elif not fused_here:
+        why += f"; the checkpoint's fused kernel is unavailable here ({attention.fused_attention.why_unavailable()})"
     block = attention.block_of(chosen)
     probs = "" if block is None else f"; probabilities {'kept' if keep_probs(block) else 'recomputed'} for the backward"
     span = "; within each document" if w.cfg.data.attention_span == "document" else ""

@@ -437,3 +437,23 @@ def test_auto_times_the_fused_kernel_in_bf16_and_an_explicit_fused_needs_bf16():
     with pytest.raises(RuntimeError, match="model.attention=fused: it computes bf16 only"):
         _tiny_llama("fused")  # an fp32 model
     assert load_config(None, ["model.attention=fused"]).model.attention == "fused"
+
+
+def test_a_resumed_auto_run_keeps_the_fused_kernel_and_times_afresh_where_it_does_not_build(monkeypatch):
+    _fused_kernel()
+    from raytrain_cpu import train
+    from raytrain_cpu.train import Worker, choose_attention
+
+    cfg = load_config(None, ["model.attention=auto"])
+    model, _, _ = _tiny_llama("sdpa", dtype=torch.bfloat16)
+    logged = []
+    w = Worker(cfg, {}, 0, 1, Path("."), 4, logged.append, resumed={"attention": "fused", "step": 3})
+    assert choose_attention(w, model) == "fused" and model.config._attn_implementation == "raytrain_fused"
+    assert logged == ["[model] attention: fused (auto: kept from the checkpoint at step 3)"]
+
+    # Another host, without a compiler: the run times what it has (one rank: the sum is its own).
+    monkeypatch.setattr(fused_attention, "_build", lambda: (None, "needs a C++ compiler"))
+    monkeypatch.setattr(train, "_allreduce_sum", lambda values: values)
+    logged.clear()
+    assert choose_attention(w, model) in ("sdpa", "causal_blocks")
+    assert "; the checkpoint's fused kernel is unavailable here (needs a C++ compiler)" in logged[0]

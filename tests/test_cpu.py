@@ -370,6 +370,22 @@ def test_op_time_by_kind_sorts_a_real_profile():
     assert sum(r["seconds"] for r in rows.values()) == pytest.approx(wall, abs=1e-3)
 
 
+def test_op_time_by_kind_counts_the_fused_kernel_as_attention():
+    import torch
+    from torch.profiler import profile
+
+    from raytrain_cpu import fused_attention
+
+    if fused_attention.kernel() is None:
+        pytest.skip(fused_attention.why_unavailable())
+    q = torch.randn(1, 2, 128, 16, dtype=torch.bfloat16, requires_grad=True)
+    with profile() as prof:
+        fused_attention.fused_causal(q, q, q).sum().backward()
+    rows = {r["kind"]: r["seconds"] for r in cpu.op_time_by_kind(prof.events(), 1.0)}
+    own = sum(e.self_cpu_time_total for e in prof.events() if "fused_causal" in e.name) / 1e6
+    assert own > 0 and rows["attention"] >= own - 1e-4  # the table rounds to 0.1 ms
+
+
 def test_op_time_by_kind_counts_what_the_causal_blocks_run_as_attention():
     import torch
     from torch.profiler import profile
