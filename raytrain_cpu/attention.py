@@ -420,7 +420,7 @@ def time_attention(
     `reps` rounds (more where they are quick: MIN_TIMING_S), each taking every implementation in
     turn, after a warm-up; the blocks keep their probabilities where `keep_probs(block)` says.
     The fused kernel is timed last, in bf16 where it builds (the build happens here, once per
-    machine: fused_attention)."""
+    machine: fused_attention); in bf16 where it does not, its entry is inf."""
     b, h, hk, s, d = shape
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(b, h, s, d, generator=gen).to(dtype).requires_grad_()
@@ -435,11 +435,14 @@ def time_attention(
             if n < s or n == BLOCK
         },
     }
-    if fused_attention.supports(q, k, v) and fused_attention.kernel() is not None:
+    # In bf16 every rank lists the fused kernel, so the ranks' timings line up for their
+    # all-reduce; where it does not build it stays untimed (inf: never the pick, on any rank).
+    fused = fused_attention.supports(q, k, v)
+    if fused and fused_attention.kernel() is not None:
         impls[FUSED] = functools.partial(fused_attention.fused_causal, q, k, v)
     for fn in impls.values():
         fn().backward(grad)  # the first call warms the allocator and the BLAS's kernels
-    best = dict.fromkeys(impls, float("inf"))
+    best = dict.fromkeys([*impls, *([FUSED] if fused else [])], float("inf"))
     start, rounds = time.perf_counter(), 0
     while rounds < reps or (rounds < MAX_ROUNDS and time.perf_counter() - start < MIN_TIMING_S):
         for name, fn in impls.items():

@@ -769,8 +769,12 @@ def choose_attention(w: Worker, model) -> str:
 
     m = w.cfg.model
     resumed = w.resumed.get("attention")
-    # The fused kernel kept only where it builds here (a resumed run may have moved to another host).
-    fused_here = resumed != attention.FUSED or attention.fused_attention.kernel() is not None
+    # The fused kernel is kept only where it builds on every rank (a resumed run may have moved to
+    # other hosts), which the ranks agree on: a rank that kept it while another timed afresh would
+    # leave the other's all-reduce waiting.
+    fused_here = resumed != attention.FUSED or not sum(
+        _allreduce_sum([float(attention.fused_attention.kernel() is None)])
+    )
     kept = (
         fused_here
         and m.attention == "auto"
@@ -792,7 +796,8 @@ def choose_attention(w: Worker, model) -> str:
     if kept:
         why = f" (auto: kept from the checkpoint at step {w.resumed.get('step')})"
     elif not fused_here:
-        why += f"; the checkpoint's fused kernel is unavailable here ({attention.fused_attention.why_unavailable()})"
+        here = attention.fused_attention.why_unavailable()
+        why += f"; the checkpoint's fused kernel does not build on every rank{f' ({here})' if here else ''}"
     block = attention.block_of(chosen)
     probs = "" if block is None else f"; probabilities {'kept' if keep_probs(block) else 'recomputed'} for the backward"
     span = "; within each document" if w.cfg.data.attention_span == "document" else ""

@@ -1,5 +1,5 @@
-// model.attention=fused: causal self-attention for CPU training as one kernel per (batch, key/value
-// head), built at first use by raytrain_cpu/fused_attention.py (torch.utils.cpp_extension).
+// model.attention=fused: causal self-attention for CPU training as one kernel per (batch, head),
+// built at first use by raytrain_cpu/fused_attention.py (torch.utils.cpp_extension).
 //
 // Why: the causal blocks (raytrain_cpu/attention.py) run each block of queries as batched GEMMs
 // over all heads, and every step between them (scores, mask, softmax, its backward, the gradient
@@ -13,12 +13,14 @@
 // log-sum-exp of each row, which is all the backward keeps besides q, k and v (no probabilities).
 // Backward, two passes per head (flash attention 2's arithmetic without its atomics):
 //   1. per block of queries: P again from the log-sum-exp, dP = dO V^T, delta = rowsum(P * dP),
-//      dS = P * (dP - delta), dQ = scale * dS K;
-//   2. per block of keys, against every query that sees it: P^T and dP^T from K Q^T and V dO^T,
-//      dV += P^T dO, dK += scale * dS^T Q (fp32 sums over the group's query heads).
-// Pass 2 computes the scores again (seven GEMMs where a kept-P backward needs four) so that every
-// GEMM operand is a plain row-major tile or a B packed once per head: nothing is transposed a tile
-// at a time. Scores and softmax are fp32, P and dS enter the GEMMs in bf16.
+//      dS = P * (dP - delta), dQ = scale * dS K; each 64 x 64 tile of P and dS (bf16) is packed
+//      into a store per block of keys, as the B operand pass 2 needs;
+//   2. per block of keys, over every query that sees it: dV^T += dO^T P, dK^T += scale * Q^T dS
+//      (fp32; under grouped queries each head sums its own and a last loop adds up the group's).
+// Five GEMMs, the fewest without keeping probabilities between forward and backward: every A
+// operand is a plain row-major matrix (q, dO and their transposes, made once a head), every B
+// packed once a head or once a tile. Scores and softmax are fp32, P and dS enter the GEMMs in
+// bf16. Scratch a thread while it runs: the stores, about seq^2 bytes (8.7 MB at seq 2,048).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -171,17 +173,24 @@ std::vector<at::Tensor> fused_forward(const at::Tensor& q, const at::Tensor& k, 
   bf16* O = out.data_ptr<bf16>();
   float* L = lse.data_ptr<float>();
   const int64_t Sp = d.Sp, D = d.D, nb = Sp / BLK;
-  at::parallel_for(0, d.B * d.Hk, 1, [&](int64_t t0, int64_t t1) {
+  // A task a (batch, query head), so grouped-query models have as many as heads to share out
+  // (Llama-3-8B: 32 at micro batch 1, not 8); a thread packs k and v once for consecutive heads
+  // of one group.
+  at::parallel_for(0, d.B * d.H, 1, [&](int64_t t0, int64_t t1) {
     Packer pk;
     std::vector<bf16> kc(Sp * D), vc(Sp * D), kt(Sp * D), vp(Sp * D), tmp(D * BLK), p(BLK * Sp);
     std::vector<float> s(BLK * Sp), acc(BLK * D);
+    int64_t packed = -1;  // the (batch, kv head) packed in kt and vp
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / d.Hk, hk = t % d.Hk;
-      rows_padded(K.at(b, hk), K.ss, d.S, Sp, D, kc.data());
-      rows_padded(V.at(b, hk), V.ss, d.S, Sp, D, vc.data());
-      pack_blocks_transposed(pk, kc.data(), Sp, D, kt.data(), tmp.data());
-      pack_rows(pk, vc.data(), Sp, D, vp.data());
-      for (int64_t h = hk * d.groups; h < (hk + 1) * d.groups; ++h) {
+      const int64_t b = t / d.H, h = t % d.H, hk = h / d.groups;
+      if (b * d.Hk + hk != packed) {
+        packed = b * d.Hk + hk;
+        rows_padded(K.at(b, hk), K.ss, d.S, Sp, D, kc.data());
+        rows_padded(V.at(b, hk), V.ss, d.S, Sp, D, vc.data());
+        pack_blocks_transposed(pk, kc.data(), Sp, D, kt.data(), tmp.data());
+        pack_rows(pk, vc.data(), Sp, D, vp.data());
+      }
+      {
         const bf16* qh = Q.at(b, h);
         for (int64_t i = 0; i < nb; ++i) {
           const int64_t q0 = i * BLK, rows = std::min(BLK, d.S - q0), e = (i + 1) * BLK;
@@ -254,22 +263,34 @@ std::vector<at::Tensor> fused_backward(const at::Tensor& grad_out, const at::Ten
   bf16 *DQ = dq.data_ptr<bf16>(), *DK = dk.data_ptr<bf16>(), *DV = dv.data_ptr<bf16>();
   const int64_t Sp = d.Sp, D = d.D, nb = Sp / BLK, S = d.S;
   const int64_t stored = key_block_offset(nb, Sp);  // the causal blocks' elements
-  at::parallel_for(0, d.B * d.Hk, 1, [&](int64_t t0, int64_t t1) {
+  // A task a (batch, kv head) and its group's query heads, summing their dK^T and dV^T (fp32) as
+  // it goes; where that leaves threads idle (grouped queries at a small batch: Llama-3-8B has 8 kv
+  // heads) a task a (batch, query head) instead, each head's sums in a slot of its own, which a
+  // last loop adds up per group (at one thread 0.92x the other way, at Llama-3-8B's shape).
+  const bool per_head = d.groups > 1 && d.B * d.Hk < at::get_num_threads();
+  const int64_t heads = per_head ? 1 : d.groups;  // query heads a task
+  std::vector<float> part(per_head ? d.B * d.H * 2 * D * Sp : 0);
+  at::parallel_for(0, d.B * d.H / heads, 1, [&](int64_t t0, int64_t t1) {
     Packer pk;
     std::vector<bf16> kc(Sp * D), vc(Sp * D), kt(Sp * D), vt(Sp * D), kp(Sp * D), tmp(D * BLK);
     std::vector<bf16> qT(D * Sp), gT(D * Sp), pb(BLK * Sp), dsb(BLK * Sp);
     std::vector<bf16> p_store(stored), ds_store(stored);
-    std::vector<float> s(BLK * Sp), dp(BLK * Sp), acc(BLK * D), lse_p(Sp), dkT(D * Sp), dvT(D * Sp);
+    std::vector<float> s(BLK * Sp), dp(BLK * Sp), acc(BLK * D), lse_p(Sp), own(per_head ? 0 : 2 * D * Sp);
+    int64_t packed = -1;  // the (batch, kv head) packed in kt, vt and kp
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / d.Hk, hk = t % d.Hk;
-      rows_padded(K.at(b, hk), K.ss, S, Sp, D, kc.data());
-      rows_padded(V.at(b, hk), V.ss, S, Sp, D, vc.data());
-      pack_blocks_transposed(pk, kc.data(), Sp, D, kt.data(), tmp.data());
-      pack_blocks_transposed(pk, vc.data(), Sp, D, vt.data(), tmp.data());
-      pack_rows(pk, kc.data(), Sp, D, kp.data());
-      std::fill(dkT.begin(), dkT.end(), 0.0f);
-      std::fill(dvT.begin(), dvT.end(), 0.0f);
-      for (int64_t h = hk * d.groups; h < (hk + 1) * d.groups; ++h) {
+      const int64_t b = t * heads / d.H, h0 = t * heads % d.H, hk = h0 / d.groups;
+      if (b * d.Hk + hk != packed) {
+        packed = b * d.Hk + hk;
+        rows_padded(K.at(b, hk), K.ss, S, Sp, D, kc.data());
+        rows_padded(V.at(b, hk), V.ss, S, Sp, D, vc.data());
+        pack_blocks_transposed(pk, kc.data(), Sp, D, kt.data(), tmp.data());
+        pack_blocks_transposed(pk, vc.data(), Sp, D, vt.data(), tmp.data());
+        pack_rows(pk, kc.data(), Sp, D, kp.data());
+      }
+      float* dkT = per_head ? part.data() + t * 2 * D * Sp : own.data();
+      float* dvT = dkT + D * Sp;
+      std::fill(dkT, dkT + 2 * D * Sp, 0.0f);
+      for (int64_t h = h0; h < h0 + heads; ++h) {
         const bf16 *qh = Q.at(b, h), *gh = G.at(b, h);  // read in place: A operands take strided rows
         std::copy(L + (b * d.H + h) * S, L + (b * d.H + h + 1) * S, lse_p.begin());
         // pass 1, a block of queries at a time against its keys: P from the log-sum-exp, dP,
@@ -321,15 +342,31 @@ std::vector<at::Tensor> fused_backward(const at::Tensor& grad_out, const at::Ten
         transpose_rows(gh, G.ss, S, Sp, D, gT.data());
         for (int64_t j = 0; j < nb; ++j) {
           const int64_t k0 = j * BLK, w = Sp - k0, at_ = key_block_offset(j, Sp);
-          pk.gemm(D, BLK, w, gT.data() + k0, Sp, p_store.data() + at_, dvT.data() + k0, Sp, true);
-          pk.gemm(D, BLK, w, qT.data() + k0, Sp, ds_store.data() + at_, dkT.data() + k0, Sp, true);
+          pk.gemm(D, BLK, w, gT.data() + k0, Sp, p_store.data() + at_, dvT + k0, Sp, true);
+          pk.gemm(D, BLK, w, qT.data() + k0, Sp, ds_store.data() + at_, dkT + k0, Sp, true);
         }
       }
-      store_transposed(dkT.data(), S, Sp, D, d.scale, DK + (b * S * d.Hk + hk) * D, d.Hk * D);
-      store_transposed(dvT.data(), S, Sp, D, 1.0f, DV + (b * S * d.Hk + hk) * D, d.Hk * D);
+      if (!per_head) {
+        store_transposed(dkT, S, Sp, D, d.scale, DK + (b * S * d.Hk + hk) * D, d.Hk * D);
+        store_transposed(dvT, S, Sp, D, 1.0f, DV + (b * S * d.Hk + hk) * D, d.Hk * D);
+      }
     }
     at::native::cpublas::brgemm_release(pk.vnni);
   });
+  if (per_head) {
+    at::parallel_for(0, d.B * d.Hk, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        float* sum = part.data() + t * d.groups * 2 * D * Sp;  // the group's first head's slot
+        for (int64_t g = 1; g < d.groups; ++g) {
+          const float* other = sum + g * 2 * D * Sp;
+          at::vec::map2([](Vec a, Vec b) { return a + b; }, sum, sum, other, 2 * D * Sp);
+        }
+        const int64_t b = t / d.Hk, hk = t % d.Hk;
+        store_transposed(sum, S, Sp, D, d.scale, DK + (b * S * d.Hk + hk) * D, d.Hk * D);
+        store_transposed(sum + D * Sp, S, Sp, D, 1.0f, DV + (b * S * d.Hk + hk) * D, d.Hk * D);
+      }
+    });
+  }
   return {dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)};
 }
 
