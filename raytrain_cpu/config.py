@@ -221,6 +221,11 @@ class ModelConfig:
             "model.attention",
             f"got {self.attention!r}; choose one of auto, sdpa, fused, causal_blocks, causal_blocks_<queries a block>.",
         )
+        _require(
+            not (self.attention == FUSED and self.dtype == "fp32"),
+            "model.attention",
+            "fused computes in bf16 only; with model.dtype=fp32 choose auto, sdpa or causal_blocks.",
+        )
         _choice(self.attention_probs, "model.attention_probs", ("auto", "keep", "recompute"))
         # A hub id stays as it is; a local directory (what model.check_model_path treats as one) goes absolute.
         if not self.is_tiny and Path(self.name_or_path).expanduser().exists():

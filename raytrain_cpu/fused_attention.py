@@ -97,7 +97,7 @@ def _fused_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
 def _fused_bwd(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = kernel().backward(_rows(grad_out), _rows(q), _rows(k), _rows(v), lse, scale)
+    dq, dk, dv = kernel().backward(_rows(grad_out), _rows(q), _rows(k), _rows(v), lse.contiguous(), scale)
     return dq, dk, dv
 
 

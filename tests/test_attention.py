@@ -448,6 +448,8 @@ def test_auto_times_the_fused_kernel_in_bf16_and_an_explicit_fused_needs_bf16():
     with pytest.raises(RuntimeError, match="model.attention=fused: it computes bf16 only"):
         _tiny_llama("fused")  # an fp32 model
     assert load_config(None, ["model.attention=fused"]).model.attention == "fused"
+    with pytest.raises(ConfigError, match="fused computes in bf16 only"):
+        load_config(None, ["model.attention=fused", "model.dtype=fp32"])
 
 
 def test_a_resumed_auto_run_keeps_the_fused_kernel_and_times_afresh_where_it_does_not_build(monkeypatch):
