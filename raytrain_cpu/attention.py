@@ -442,7 +442,9 @@ def time_attention(
         impls[FUSED] = functools.partial(fused_attention.fused_causal, q, k, v)
     for fn in impls.values():
         fn().backward(grad)  # the first call warms the allocator and the BLAS's kernels
-    best = dict.fromkeys([*impls, *([FUSED] if fused else [])], float("inf"))
+    best = dict.fromkeys(impls, float("inf"))
+    if fused:
+        best.setdefault(FUSED, float("inf"))
     start, rounds = time.perf_counter(), 0
     while rounds < reps or (rounds < MAX_ROUNDS and time.perf_counter() - start < MIN_TIMING_S):
         for name, fn in impls.items():
@@ -487,8 +489,8 @@ def choose(
     if setting == "sdpa" or shape is None or dropout > 0 or not model._can_set_attn_implementation():
         return "sdpa", {}
     timings: dict[str, float] = {}
+    dtype = next(iter(model.parameters())).dtype
     if setting == "auto":
-        dtype = next(iter(model.parameters())).dtype
         local = time_attention(shape, dtype, keep_probs=keep_probs)
         # Every rank must run the same code: one rank's choice from its own noisy timings could differ.
         timings = dict(zip(local, agree(list(local.values())), strict=True))
@@ -496,7 +498,6 @@ def choose(
         if setting == "sdpa":
             return "sdpa", timings
     if setting == FUSED:
-        dtype = next(iter(model.parameters())).dtype
         if dtype != torch.bfloat16 or fused_attention.kernel() is None:
             why = "it computes bf16 only" if dtype != torch.bfloat16 else fused_attention.why_unavailable()
             raise RuntimeError(f"model.attention={FUSED}: {why}. Set model.attention=auto (or causal_blocks).")

@@ -30,8 +30,10 @@ SOURCE = Path(__file__).parent / "csrc" / "fused_attention.cpp"
 def _capability() -> tuple[str, list[str]]:
     """The ATen vector width the kernel compiles for on this CPU, and its flags (ATen's own
     CPU_CAPABILITY builds): AVX-512 where the CPU has it, else AVX2, else plain C++."""
+    from raytrain_cpu import cpu
+
     try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
+        flags = set(cpu.parse_cpuinfo(Path("/proc/cpuinfo").read_text())[0].get("flags", "").split())
     except OSError:
         flags = set()
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
@@ -45,7 +47,7 @@ def _capability() -> tuple[str, list[str]]:
 @functools.cache
 def _build():
     """(the loaded extension, '') or (None, why it is unavailable)."""
-    compiler = os.environ.get("CXX") or "c++"
+    compiler = os.environ.get("CXX") or "c++"  # cpp_extension's choice (inductor's, cpu.cpp_compiler, is g++)
     if not shutil.which(compiler) or not shutil.which("ninja"):
         return None, f"needs a C++ compiler ({compiler}) and ninja on PATH"
     cap, flags = _capability()

@@ -30,7 +30,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 // fbgemm's vectorized transposes, exported by libtorch_cpu (ATen's own utils::transpose calls
@@ -275,7 +274,7 @@ std::vector<at::Tensor> fused_backward(const at::Tensor& grad_out, const at::Ten
     std::vector<bf16> kc(Sp * D), vc(Sp * D), kt(Sp * D), vt(Sp * D), kp(Sp * D), tmp(D * BLK);
     std::vector<bf16> qT(D * Sp), gT(D * Sp), pb(BLK * Sp), dsb(BLK * Sp);
     std::vector<bf16> p_store(stored), ds_store(stored);
-    std::vector<float> s(BLK * Sp), dp(BLK * Sp), acc(BLK * D), lse_p(Sp), own(per_head ? 0 : 2 * D * Sp);
+    std::vector<float> s(BLK * Sp), dp(BLK * Sp), acc(BLK * D), own(per_head ? 0 : 2 * D * Sp);
     int64_t packed = -1;  // the (batch, kv head) packed in kt, vt and kp
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t * heads / d.H, h0 = t * heads % d.H, hk = h0 / d.groups;
@@ -292,7 +291,7 @@ std::vector<at::Tensor> fused_backward(const at::Tensor& grad_out, const at::Ten
       std::fill(dkT, dkT + 2 * D * Sp, 0.0f);
       for (int64_t h = h0; h < h0 + heads; ++h) {
         const bf16 *qh = Q.at(b, h), *gh = G.at(b, h);  // read in place: A operands take strided rows
-        std::copy(L + (b * d.H + h) * S, L + (b * d.H + h + 1) * S, lse_p.begin());
+        const float* lse_h = L + (b * d.H + h) * S;
         // pass 1, a block of queries at a time against its keys: P from the log-sum-exp, dP,
         // dS = P * (dP - rowsum(P * dP)), dQ = scale * dS K; P and dS kept per key block for pass 2
         for (int64_t i = 0; i < nb; ++i) {
@@ -305,7 +304,7 @@ std::vector<at::Tensor> fused_backward(const at::Tensor& grad_out, const at::Ten
             float* sr = s.data() + r * e;
             float* dr = dp.data() + r * e;
             const int64_t seen = std::min(q0 + r + 1, S);
-            const float l = lse_p[q0 + r];
+            const float l = lse_h[q0 + r];
             Vec dot(0.0f);
             int64_t c = 0;
             for (; c + VL <= seen; c += VL) {
