@@ -29,7 +29,8 @@ SOURCE = Path(__file__).parent / "csrc" / "fused_attention.cpp"
 
 def _capability() -> tuple[str, list[str]]:
     """The ATen vector width the kernel compiles for on this CPU, and its flags (ATen's own
-    CPU_CAPABILITY builds): AVX-512 where the CPU has it, else AVX2, else plain C++."""
+    CPU_CAPABILITY builds): AVX-512 where the CPU has it (with AVX512-BF16's conversions where it
+    has those too: Cooper Lake on, so every AMX host), else AVX2, else plain C++."""
     from raytrain_cpu import cpu
 
     try:
@@ -37,8 +38,11 @@ def _capability() -> tuple[str, list[str]]:
     except OSError:
         flags = set()
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return "avx512", ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512", "-mavx512f", "-mavx512bw",
-                          "-mavx512vl", "-mavx512dq", "-mfma"]  # fmt: skip
+        avx512 = ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                  "-mavx512dq", "-mfma"]  # fmt: skip
+        if "avx512_bf16" in flags:  # one instruction rounds 32 floats to bf16, where ATen's takes ~8
+            return "avx512bf16", [*avx512, "-mavx512bf16"]
+        return "avx512", avx512
     if {"avx2", "fma", "f16c"} <= flags:
         return "avx2", ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2", "-mavx2", "-mfma", "-mf16c"]
     return "default", ["-DCPU_CAPABILITY=DEFAULT"]
