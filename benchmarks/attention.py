@@ -1,6 +1,7 @@
 """Causal self-attention alone: SDPA's CPU flash kernel against the causal blocks at each block size.
 
     python benchmarks/attention.py [--shapes 50m,llama3-8b] [--tokens 2048] [--threads 1] [--repeats 3]
+                                   [--variants sdpa,fused,...] [--fused-source OTHER.cpp]
 
 Forward and backward of one layer's attention on bf16 q, k, v and the output's gradient laid out
 as Hugging Face's Llama hands them over (transposed views of the projections' output), as one
@@ -11,11 +12,14 @@ block size, keeping the probabilities for the backward (model.attention_probs) a
 change. Each variant runs in a fresh spawned process, interleaved `--repeats` times; the
 median step time after a warm-up, and the useful rate: the causal half's GEMM FLOPs
 (6·b·h·s²·d for forward and backward) per second, to set against the bench's GEMM peak. Writes
-benchmarks/results/<machine>/attention.json (and .md), or to --json.
+benchmarks/results/<machine>/attention.json (and .md), or to --json. `--fused-source` adds the
+variant "fused <file>": the fused kernel built from another source (say an earlier revision's,
+`git show REV:raytrain_cpu/csrc/fused_attention.cpp > old.cpp`), side by side with this one.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from statistics import median
 from typing import Any
 
@@ -48,8 +52,11 @@ def child(_: int, spec: dict[str, Any], out) -> None:
 
         def attend() -> torch.Tensor:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != hk)
-    elif spec["variant"] == "fused":
+    elif spec["variant"].startswith("fused"):
         from raytrain_cpu import fused_attention
+
+        if spec["variant"] != "fused":  # --fused-source: the kernel() this process builds and loads
+            fused_attention.SOURCE = Path(spec["fused_source"])
 
         def attend() -> torch.Tensor:
             return fused_attention.fused_causal(q, k, v)
@@ -65,8 +72,20 @@ def child(_: int, spec: dict[str, Any], out) -> None:
 
 
 def main() -> None:
-    args = kernel_bench_parser(__doc__, list(SHAPES), steps=10, repeats=3).parse_args()
-    rows = interleaved_runs(child, args, VARIANTS)
+    ap = kernel_bench_parser(__doc__, list(SHAPES), steps=10, repeats=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (sdpa first)")
+    ap.add_argument("--fused-source", type=Path, help="another fused_attention.cpp to run as a variant")
+    args = ap.parse_args()
+    variants = tuple(args.variants.split(","))
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or variants[0] != "sdpa":
+        ap.error(f"--variants: {', '.join(unknown) or variants[0]}: give a subset of {', '.join(VARIANTS)}, sdpa first")
+    if args.fused_source:
+        if not args.fused_source.is_file():
+            ap.error(f"--fused-source {args.fused_source}: no such file")
+        args.fused_source = str(args.fused_source.resolve())
+        variants += (f"fused {Path(args.fused_source).name}",)
+    rows = interleaved_runs(child, args, variants, {"fused_source": args.fused_source})
     table = [
         {
             "shape": attention_shape_label(shape, h, hk, s, d, args.tokens),

@@ -1171,14 +1171,16 @@ def kernel_bench_parser(doc: str, shapes: list[str], steps: int, repeats: int) -
     return ap
 
 
-def interleaved_runs(child: Callable, args: argparse.Namespace, variants: tuple[str, ...]) -> list[dict]:
+def interleaved_runs(
+    child: Callable, args: argparse.Namespace, variants: tuple[str, ...], extra: dict[str, Any] | None = None
+) -> list[dict]:
     """child(0, spec, queue) once per shape, repeat and variant of `args` (kernel_bench_parser's),
     each in a fresh spawned process (its allocator and caches start clean) with the allocator
     settings a training worker gets (cpu.preload_env: which tensors come back as fresh, faulted
     pages depends on them), the variants interleaved so that the host's drift falls on all of
-    them; spec holds the shape, variant, tokens, threads and steps; the rows are the spec, the
-    repeat and the result."""
-    spec = {"tokens": args.tokens, "threads": args.threads, "steps": args.steps}
+    them; spec holds the shape, variant, tokens, threads and steps (and `extra`); the rows are the
+    spec, the repeat and the result."""
+    spec = {"tokens": args.tokens, "threads": args.threads, "steps": args.steps} | (extra or {})
     env = cpu.preload_env()
     rows = []
     for shape in args.shapes.split(","):
