@@ -747,6 +747,15 @@ class TrainConfig:
     directory gets profile/rank<r>.json (a trace for Perfetto or chrome://tracing) and
     profile/rank<r>.md (time by operator kind, then the top operators). The profiler slows
     that step, which the run's tokens/s then includes."""
+    mfu_probe_every: int = 0
+    """Time the model's training GEMMs (forward, input and weight gradients, as `bench train`'s
+    peak) after every this many optimizer steps (every rank at once, outside the step's clock:
+    a few tenths of a second each on the ~50M model), and read MFU against the rate timed next
+    to each step instead of at start-up. A shared host's GEMM rate drifts (2x
+    within minutes on a 2-vCPU cloud VM), and MFU against a rate timed minutes away follows the
+    host, not the run: the console's MFU reads the latest timing, summary.json's step-time
+    breakdown the timed steps' rates weighted by their time. `bench train` sets 1. 0: the
+    start-up timings only."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every"):
@@ -759,6 +768,7 @@ class TrainConfig:
             "checkpoint_every",
             "early_stop_patience",
             "profile_step",
+            "mfu_probe_every",
         ):
             _require(getattr(self, name) >= 0, f"train.{name}", "must be >= 0.")
         _require(self.lr > 0, "train.lr", f"got {self.lr}; must be > 0.")

@@ -424,7 +424,10 @@ def choose_dtype(
 
 
 def time_peak_flops(
-    gemms: Sequence[Gemm], dtype: str, agree: Callable[[list[float]], list[float]] | None = None
+    gemms: Sequence[Gemm],
+    dtype: str,
+    agree: Callable[[list[float]], list[float]] | None = None,
+    whole_mix: bool = False,
 ) -> float:
     """The per-worker GEMM rate MFU is logged against, timed again once the worker is set up.
 
@@ -434,11 +437,17 @@ def time_peak_flops(
     train`'s GEMM peak), and the logged MFU read 120-147%. Its bf16/fp32 ratio, both timed in
     the same conditions, still decides the dtype; MFU's denominator is the faster of the two
     timings of the chosen dtype (train.time_mfu_peak). `agree` averages it over ranks, as
-    choose_dtype's does."""
+    choose_dtype's does.
+
+    `whole_mix` times the training mix instead of the forward subset: forward, input and weight
+    gradients at the micro batch's tokens, as `bench train`'s peak does (the weight gradients
+    run at about half the forward's rate), for train.mfu_probe_every; shapes whose operands
+    exceed 512 MB are left out, as in the subset."""
     import torch
 
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    rate = gemm_probe(probe_gemms(gemms), torch_dtype, min_time_s=0.02)["flops_per_s"]
+    mix = [g for g in gemms if 4 * (g.m * g.k + g.k * g.n + g.m * g.n) <= 512e6] if whole_mix else probe_gemms(gemms)
+    rate = gemm_probe(mix, torch_dtype, min_time_s=0.02)["flops_per_s"]
     return agree([rate])[0] if agree is not None else rate
 
 
@@ -990,6 +999,8 @@ class StepClock:
         self._pending = dict.fromkeys(PHASES, 0.0)
         self._t0 = 0.0
         self._comm0 = 0.0
+        self._last_wall: float | None = None  # the last step's seconds, None while warming up
+        self._peaks: list[tuple[float, float]] = []  # (a timed step's seconds, the GEMM rate after it)
 
     def start_step(self) -> None:
         self._pending = dict.fromkeys(PHASES, 0.0)
@@ -1006,17 +1017,30 @@ class StepClock:
         for k, v in self._pending.items():
             self.totals[k] += v
         self.comm_s += (self.comm.seconds if self.comm else 0.0) - self._comm0
-        self.wall_s += time.perf_counter() - self._t0
+        self._last_wall = time.perf_counter() - self._t0
+        self.wall_s += self._last_wall
         self.steps += 1
 
+    def peak(self, flops_per_s: float) -> None:
+        """The GEMM rate timed right after the last step (train.mfu_probe_every); a warm-up step's is left out."""
+        if self._last_wall is not None:
+            self._peaks.append((self._last_wall, flops_per_s))
+            self._last_wall = None
+
     def summary(self) -> dict[str, Any]:
-        """Mean seconds per optimizer step by phase, and the step's wall time."""
+        """Mean seconds per optimizer step by phase, the step's wall time, and (with peak()
+        timings) the GEMM rate next to the steps."""
         n = max(self.steps, 1)
         out: dict[str, Any] = {f"{k}_s": v / n for k, v in self.totals.items()}
         out["comm_s"] = self.comm_s / n if self.comm else None
         out["step_wall_s"] = self.wall_s / n
         out["other_s"] = out["step_wall_s"] - sum(out[f"{k}_s"] for k in PHASES)
         out["steps"] = self.steps
+        # MFU's denominator next to the steps: each timed step's rate weighted by its seconds,
+        # so MFU = the steps' FLOPs over what the GEMMs could have done in their time.
+        seconds = sum(t for t, _ in self._peaks)
+        out["peak_flops_per_s"] = sum(t * r for t, r in self._peaks) / seconds if self._peaks else None
+        out["peak_timings"] = len(self._peaks)
         return out
 
 

@@ -688,14 +688,9 @@ def time_mfu_peak(w: Worker, cpu_setup: dict[str, Any]) -> None:
     start-up (the logged MFU then read 120-147%), and the second timing while the host ran at
     half speed for a while (429 GFLOP/s against the start-up probe's 782 and `bench train`'s
     780: the console's MFU read 46-73% in a run whose MFU was 0.39)."""
-    from raytrain_cpu import cpu
-
     d = cpu_setup["dtype"]
-    gemms = cpu.gemms_for_model(w.loop_config["model_dir"], w.cfg.train.micro_batch_size * w.cfg.data.seq_len)
     d["start_probe_flops_per_s"] = d["peak_flops_per_s"]
-    d["retimed_flops_per_s"] = cpu.time_peak_flops(
-        gemms, d["dtype"], agree=lambda v: [x / w.world for x in _allreduce_sum(v)]
-    )
+    d["retimed_flops_per_s"] = _time_gemm_mix(w, d["dtype"])
     d["peak_flops_per_s"] = max(d["start_probe_flops_per_s"], d["retimed_flops_per_s"])
     w.loop_config["peak_flops"] = d["peak_flops_per_s"]
     w.log(
@@ -703,6 +698,26 @@ def time_mfu_peak(w: Worker, cpu_setup: dict[str, Any]) -> None:
         f"model's shapes (the faster of two timings: {d['start_probe_flops_per_s'] / 1e9:.1f} at start-up, "
         f"{d['retimed_flops_per_s'] / 1e9:.1f} once set up)"
     )
+
+
+def _time_gemm_mix(w: Worker, dtype: str, whole_mix: bool = False) -> float:
+    """The model's GEMMs per worker (cpu.time_peak_flops), every rank at once, the ranks' mean."""
+    from raytrain_cpu import cpu
+
+    gemms = cpu.gemms_for_model(w.loop_config["model_dir"], w.cfg.train.micro_batch_size * w.cfg.data.seq_len)
+    return cpu.time_peak_flops(
+        gemms, dtype, agree=lambda v: [x / w.world for x in _allreduce_sum(v)], whole_mix=whole_mix
+    )
+
+
+def retime_mfu_peak(w: Worker, dtype: str, clock) -> None:
+    """train.mfu_probe_every: the GEMM rate again, right after a step and outside its clock, so
+    MFU reads against the host's rate at the time (the console's from the next line on; the
+    step-time breakdown's weighs each timed step by the timing after it). The whole training
+    mix, as `bench train`'s peak: the weight gradients' half rate is part of what a step can reach."""
+    rate = _time_gemm_mix(w, dtype, whole_mix=True)
+    w.loop_config["peak_flops"] = rate
+    clock.peak(rate)
 
 
 @dataclass
@@ -1760,6 +1775,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             train_step(w, st, engine, batches, guard, clock, block_log)
         guard.after_step(st.step, engine, scheduler)
         clock.end_step()
+        if t.mfu_probe_every and st.step % t.mfu_probe_every == 0:
+            retime_mfu_peak(w, cpu_setup["dtype"]["dtype"], clock)
         release_free_pages(w, st, free_pages)
         if st.step % t.log_every == 0 or st.step == t.max_steps or guard.stop_reason:
             log_step(w, st, engine, scheduler, guard, sink, progress, cfg.lora.enabled)

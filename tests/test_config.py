@@ -158,6 +158,7 @@ def test_round_trip_through_plain_dict():
         (["train.global_batch_size=12"], "train.global_batch_size", "multiple"),
         (["deepspeed.zero_stage=4"], "deepspeed.zero_stage", "1, 2, 3"),
         (["train.profile_step=300"], "train.profile_step", "1..max_steps"),
+        (["train.mfu_probe_every=-1"], "train.mfu_probe_every", ">= 0"),
         (["model.compile_scope=graph"], "model.compile_scope", "layers"),
         (["model.compile=1"], "model.compile", "true, false or auto"),
         (["model.compile=fast"], "model.compile", "true, false or auto"),

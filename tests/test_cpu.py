@@ -340,6 +340,23 @@ def test_step_clock_skips_the_warmup_steps_and_sums_phases():
     assert one.summary()["steps"] == 1 and one.summary()["forward_s"] == 1.0
 
 
+def test_step_clock_weighs_each_gemm_timing_by_its_steps_seconds(monkeypatch):
+    """train.mfu_probe_every: MFU's denominator is the rate timed after each timed step, weighted
+    by that step's seconds; a warm-up step's timing, and a second timing after one step, are left out."""
+    now = [0.0]
+    monkeypatch.setattr(cpu.time, "perf_counter", lambda: now[0])
+    clock = cpu.StepClock(warmup=1)
+    for seconds, rate in ((9.0, 1e12), (1.0, 100e9), (3.0, 200e9)):
+        clock.start_step()
+        now[0] += seconds
+        clock.end_step()
+        clock.peak(rate)
+    clock.peak(5e12)  # no step since the last timing
+    s = clock.summary()
+    assert s["peak_timings"] == 2 and s["peak_flops_per_s"] == pytest.approx((1.0 * 100e9 + 3.0 * 200e9) / 4.0)
+    assert cpu.StepClock().summary()["peak_flops_per_s"] is None  # never timed, not zero
+
+
 def test_comm_timer_counts_nested_calls_once():
     timer = cpu.CommTimer()
     inner = timer._timed(lambda: time.sleep(0.01))
