@@ -710,14 +710,16 @@ def _time_gemm_mix(w: Worker, dtype: str, whole_mix: bool = False) -> float:
     )
 
 
-def retime_mfu_peak(w: Worker, dtype: str, clock) -> None:
-    """train.mfu_probe_every: the GEMM rate again, right after a step and outside its clock, so
-    MFU reads against the host's rate at the time (the console's from the next line on; the
-    step-time breakdown's weighs each timed step by the timing after it). The whole training
-    mix, as `bench train`'s peak: the weight gradients' half rate is part of what a step can reach."""
+def retime_mfu_peak(w: Worker, st: Loop, dtype: str, clock) -> None:
+    """train.mfu_probe_every: the GEMM rate again, right after a step and outside its clock and
+    the console's tokens/s, so MFU reads against the host's rate at the time (the console's from
+    this step's line on; the step-time breakdown's weighs each timed step by the timing after
+    it). The whole training mix, timed as `bench train`'s peak is."""
+    t0 = time.perf_counter()
     rate = _time_gemm_mix(w, dtype, whole_mix=True)
     w.loop_config["peak_flops"] = rate
     clock.peak(rate)
+    st.window_t += time.perf_counter() - t0
 
 
 @dataclass
@@ -1776,7 +1778,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         guard.after_step(st.step, engine, scheduler)
         clock.end_step()
         if t.mfu_probe_every and st.step % t.mfu_probe_every == 0:
-            retime_mfu_peak(w, cpu_setup["dtype"]["dtype"], clock)
+            retime_mfu_peak(w, st, cpu_setup["dtype"]["dtype"], clock)
         release_free_pages(w, st, free_pages)
         if st.step % t.log_every == 0 or st.step == t.max_steps or guard.stop_reason:
             log_step(w, st, engine, scheduler, guard, sink, progress, cfg.lora.enabled)
