@@ -83,29 +83,38 @@ struct Packer {
   }
 };
 
-// (rows of a strided [S x D] matrix) -> contiguous [Sp x D], zero rows past S
-void rows_padded(const bf16* src, int64_t ld, int64_t S, int64_t Sp, int64_t D, bf16* dst) {
-  for (int64_t s = 0; s < S; ++s) std::memcpy(dst + s * D, src + s * ld, D * sizeof(bf16));
-  std::memset(dst + S * D, 0, (Sp - S) * D * sizeof(bf16));
+// x [S x D] (rows `ld` apart) -> its transpose [D x Sp] (rows ld_out apart), plain rows (an A
+// operand, or B without VNNI), zero columns past S
+void transpose_rows(const bf16* x, int64_t ld, int64_t S, int64_t Sp, int64_t D, bf16* out, int64_t ld_out) {
+  transpose(S, D, reinterpret_cast<const uint16_t*>(x), ld, reinterpret_cast<uint16_t*>(out), ld_out);
+  for (int64_t dd = 0; dd < D; ++dd) std::fill(out + dd * ld_out + S, out + dd * ld_out + Sp, bf16(0.0f));
 }
 
-// x [Sp x D] contiguous -> packed as B with K = Sp (rows), per BLK-wide column chunk:
-// out + c * Sp * BLK holds columns [c * BLK, ...) of every row; a row suffix from an even row r
-// starts r * width elements in.
-void pack_rows(const Packer& pk, const bf16* x, int64_t Sp, int64_t D, bf16* out) {
-  for (int64_t c = 0; c < D; c += BLK) pk(x + c, Sp, std::min(BLK, D - c), D, out + c * Sp);
-}
-
-// x [Sp x D] contiguous -> its transpose [D x Sp] packed as B (K = D, N = Sp: every key at
-// once, so one GEMM makes a block's scores against all its keys). VNNI keeps pairs of K (here: of
-// the head dim, adjacent in a row of x) together, so the packed transpose is a transpose of
-// 32-bit words; without VNNI, B is the plain transpose.
-void pack_transposed(const Packer& pk, const bf16* x, int64_t Sp, int64_t D, bf16* out, int64_t ld_out) {
-  if (pk.vnni) {  // 32-bit words moved as floats: bit patterns only, no arithmetic
-    transpose(Sp, D / 2, reinterpret_cast<const float*>(x), D / 2, reinterpret_cast<float*>(out), ld_out);
-  } else {
-    transpose(Sp, D, reinterpret_cast<const uint16_t*>(x), D, reinterpret_cast<uint16_t*>(out), ld_out);
+// x [S x D] (rows `ld` apart, read in place) -> packed as B with K = Sp (rows; zero rows past
+// S), per BLK-wide column chunk: out + c * Sp * BLK holds columns [c * BLK, ...) of every row;
+// a row suffix from an even row r starts r * width elements in. A ragged S goes through
+// `scratch` ([Sp x D]) for its zero rows.
+void pack_rows(const Packer& pk, const bf16* x, int64_t ld, int64_t S, int64_t Sp, int64_t D, bf16* out,
+               bf16* scratch) {
+  if (S < Sp) {
+    for (int64_t s = 0; s < S; ++s) std::memcpy(scratch + s * D, x + s * ld, D * sizeof(bf16));
+    std::memset(scratch + S * D, 0, (Sp - S) * D * sizeof(bf16));
+    x = scratch, ld = D;
   }
+  for (int64_t c = 0; c < D; c += BLK) pk(x + c, Sp, std::min(BLK, D - c), ld, out + c * Sp);
+}
+
+// x [S x D] (rows `ld` apart, read in place) -> its transpose [D x Sp] packed as B (K = D,
+// N = Sp: every key at once, so one GEMM makes a block's scores against all its keys), zero
+// columns past S. VNNI keeps pairs of K (here: of the head dim, adjacent in a row of x)
+// together, so the packed transpose is a transpose of 32-bit words; without VNNI, B is the
+// plain transpose.
+void pack_transposed(const Packer& pk, const bf16* x, int64_t ld, int64_t S, int64_t Sp, int64_t D, bf16* out,
+                     int64_t ld_out) {
+  if (!pk.vnni) return transpose_rows(x, ld, S, Sp, D, out, ld_out);
+  float* words = reinterpret_cast<float*>(out);  // bit patterns only, no arithmetic
+  transpose(S, D / 2, reinterpret_cast<const float*>(x), ld / 2, words, ld_out);
+  for (int64_t r = 0; r < D / 2; ++r) std::fill(words + r * ld_out + S, words + r * ld_out + Sp, 0.0f);
 }
 
 // C [M x D] (+)= A [M x K] @ rows [K x D] packed by pack_rows, from row `r0` (even)
@@ -218,17 +227,15 @@ std::vector<at::Tensor> fused_forward(const at::Tensor& q, const at::Tensor& k, 
   // of one group.
   at::parallel_for(0, d.B * d.H, 1, [&](int64_t t0, int64_t t1) {
     Packer pk;
-    std::vector<bf16> kc(Sp * D), vc(Sp * D), kt(ldt * D), vp(Sp * D), p(BLK * Sp);
+    std::vector<bf16> kt(ldt * D), vp(Sp * D), p(BLK * Sp), scratch(d.S < Sp ? Sp * D : 0);
     std::vector<float> s(BLK * Sp), acc(BLK * D), inv(BLK);
     int64_t packed = -1;  // the (batch, kv head) packed in kt and vp
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / d.H, h = t % d.H, hk = h / d.groups;
       if (b * d.Hk + hk != packed) {
         packed = b * d.Hk + hk;
-        rows_padded(K.at(b, hk), K.ss, d.S, Sp, D, kc.data());
-        rows_padded(V.at(b, hk), V.ss, d.S, Sp, D, vc.data());
-        pack_transposed(pk, kc.data(), Sp, D, kt.data(), ldt);
-        pack_rows(pk, vc.data(), Sp, D, vp.data());
+        pack_transposed(pk, K.at(b, hk), K.ss, d.S, Sp, D, kt.data(), ldt);
+        pack_rows(pk, V.at(b, hk), V.ss, d.S, Sp, D, vp.data(), scratch.data());
       }
       {
         const bf16* qh = Q.at(b, h);
@@ -271,13 +278,6 @@ std::vector<at::Tensor> fused_forward(const at::Tensor& q, const at::Tensor& k, 
 // j holds the queries that see it, [j * BLK, Sp), packed as a B operand ([queries x BLK keys]).
 int64_t key_block_offset(int64_t j, int64_t Sp) { return j * Sp * BLK - BLK * BLK * j * (j - 1) / 2; }
 
-// x [S x D] (rows `ld` apart) -> its transpose [D x Sp] (rows ld_out apart), plain rows (an A
-// operand), zero columns past S
-void transpose_rows(const bf16* x, int64_t ld, int64_t S, int64_t Sp, int64_t D, bf16* out, int64_t ld_out) {
-  transpose(S, D, reinterpret_cast<const uint16_t*>(x), ld, reinterpret_cast<uint16_t*>(out), ld_out);
-  for (int64_t dd = 0; dd < D; ++dd) std::fill(out + dd * ld_out + S, out + dd * ld_out + Sp, bf16(0.0f));
-}
-
 // out (B, S, heads, D) bf16 rows of one head from acc^T [D x S] fp32 (rows ld_acc apart), times
 // `mul`, through a BLK x D tile
 void store_transposed(const float* acc, int64_t ld_acc, int64_t S, int64_t D, float mul, bf16* out, int64_t ld_out) {
@@ -314,7 +314,7 @@ std::vector<at::Tensor> fused_backward(const at::Tensor& grad_out, const at::Ten
   std::vector<float> part(per_head ? d.B * d.H * 2 * D * ldt : 0);
   at::parallel_for(0, d.B * d.H / heads, 1, [&](int64_t t0, int64_t t1) {
     Packer pk;
-    std::vector<bf16> kc(Sp * D), vc(Sp * D), kt(ldt * D), vt(ldt * D), kp(Sp * D);
+    std::vector<bf16> kt(ldt * D), vt(ldt * D), kp(Sp * D), scratch(S < Sp ? Sp * D : 0);
     std::vector<bf16> qT(D * ldt), gT(D * ldt), pb(BLK * Sp), dsb(BLK * Sp);
     std::vector<bf16> p_store(stored), ds_store(stored);
     std::vector<float> s(BLK * Sp), dp(BLK * Sp), acc(BLK * D), own(per_head ? 0 : 2 * D * ldt);
@@ -323,11 +323,9 @@ std::vector<at::Tensor> fused_backward(const at::Tensor& grad_out, const at::Ten
       const int64_t b = t * heads / d.H, h0 = t * heads % d.H, hk = h0 / d.groups;
       if (b * d.Hk + hk != packed) {
         packed = b * d.Hk + hk;
-        rows_padded(K.at(b, hk), K.ss, S, Sp, D, kc.data());
-        rows_padded(V.at(b, hk), V.ss, S, Sp, D, vc.data());
-        pack_transposed(pk, kc.data(), Sp, D, kt.data(), ldt);
-        pack_transposed(pk, vc.data(), Sp, D, vt.data(), ldt);
-        pack_rows(pk, kc.data(), Sp, D, kp.data());
+        pack_transposed(pk, K.at(b, hk), K.ss, S, Sp, D, kt.data(), ldt);
+        pack_transposed(pk, V.at(b, hk), V.ss, S, Sp, D, vt.data(), ldt);
+        pack_rows(pk, K.at(b, hk), K.ss, S, Sp, D, kp.data(), scratch.data());
       }
       float* dkT = per_head ? part.data() + t * 2 * D * ldt : own.data();
       float* dvT = dkT + D * ldt;
