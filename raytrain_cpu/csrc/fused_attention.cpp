@@ -167,9 +167,15 @@ inline void store_bf16(bf16* out, int64_t n, F f) {
 inline Vec load(const float* p, int64_t i, int64_t c) { return c == VL ? Vec::loadu(p + i) : Vec::loadu(p + i, c); }
 
 // exp(x * scale - sub) for elements [i, i + c) of x; zeros past c (a partial load's zeros would
-// give exp(-sub))
+// give exp(-sub)). On AVX-512 ATen's cubic exp (fexp_u20, meant for 16-bit results): P goes to
+// bf16 anyway, and the forward's sum and the backward's P use the same one, so the errors
+// against fp64 stayed the same to four digits (elsewhere ATen falls back to std::exp for it).
 inline Vec exp_at(const float* x, int64_t i, int64_t c, float scale, float sub) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const Vec e = (load(x, i, c) * Vec(scale) - Vec(sub)).fexp_u20();
+#else
   const Vec e = (load(x, i, c) * Vec(scale) - Vec(sub)).exp_u20();
+#endif
   return c == VL ? e : Vec::set(Vec(0.0f), e, c);
 }
 
