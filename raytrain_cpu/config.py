@@ -751,11 +751,11 @@ class TrainConfig:
     """Time the model's training GEMMs (forward, input and weight gradients, as `bench train`'s
     peak, 0.2 s a shape: about 5 s on the ~50M model) after every this many optimizer steps
     (every rank at once, outside the step's clock and the logged tokens/s), and read MFU
-    against the rate timed next to each step instead of at start-up. A shared host's GEMM rate drifts (2x
-    within minutes on a 2-vCPU cloud VM), and MFU against a rate timed minutes away follows the
-    host, not the run: the console's MFU reads the latest timing, summary.json's step-time
-    breakdown the timed steps' rates weighted by their time. `bench train` sets 1. 0: the
-    start-up timings only."""
+    against the rate timed next to each step instead of at start-up. A shared host's GEMM
+    rate drifts (2x within minutes on a 2-vCPU cloud VM), and MFU against a rate timed minutes
+    away follows the host, not the run: the console's MFU reads the latest timing,
+    summary.json's step-time breakdown the timed steps' rates weighted by their time. `bench
+    train` sets 1. 0: the start-up timings only."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every"):

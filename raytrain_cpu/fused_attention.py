@@ -30,7 +30,8 @@ SOURCE = Path(__file__).parent / "csrc" / "fused_attention.cpp"
 def _capability() -> tuple[str, list[str]]:
     """The ATen vector width the kernel compiles for on this CPU, and its flags (ATen's own
     CPU_CAPABILITY builds): AVX-512 where the CPU has it (with AVX512-BF16's conversions where it
-    has those too: Cooper Lake on, so every AMX host), else AVX2, else plain C++."""
+    has those too: Intel's Cooper Lake on, every AMX host, AMD's Zen 4 on), else AVX2, else
+    plain C++."""
     from raytrain_cpu import cpu
 
     try:
