@@ -33,13 +33,13 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
         "train.lr=1e-2",
         "run.num_to_keep=2",
         "train.profile_step=3",
-        "train.mfu_probe_every=2",
         "model.attention=auto",  # the default, which the suite's FAST settings pin
         "model.dtype=auto",  # likewise: the worker settles it, and a resume must still match (it once did not)
     ]
     cfg = make_config(*overrides, "train.max_steps=12")
     sigterm = signal.getsignal(signal.SIGTERM)
-    first = run(make_config(*overrides, "train.max_steps=6"))
+    # the first leg only times its GEMMs (train.mfu_probe_every), once: ~7 s a timing at 0.2 s a shape
+    first = run(make_config(*overrides, "train.max_steps=6", "train.mfu_probe_every=6"))
     assert signal.getsignal(signal.SIGTERM) is sigterm  # the run's own handler goes with it
 
     # ---- the first leg: loss falls, outputs written, both ranks' shards in the checkpoint
@@ -64,8 +64,8 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
     ):
         assert key in summary, key
     assert summary == {**summary, "steps": 6, "world_size": 2, "resumed_from_step": None}
-    # train.mfu_probe_every=2: GEMM timings after steps 2, 4 and 6; step 2's is a warm-up step's
-    assert summary["step_breakdown"]["peak_timings"] == 2 and summary["step_breakdown"]["peak_flops_per_s"] > 0
+    # the GEMMs timed after step 6 (tests/test_cpu.py checks the weighting over several)
+    assert summary["step_breakdown"]["peak_timings"] == 1 and summary["step_breakdown"]["peak_flops_per_s"] > 0
     assert summary["eval_perplexity"] == pytest.approx(np.exp(summary["eval_loss"]))
     assert first["checkpoint_path"] == str(run_dir / "checkpoint_000006")
     ds_files = sorted(p.name for p in (run_dir / "checkpoint_000006" / "ds").iterdir())
