@@ -359,13 +359,20 @@ def gemm_probe(gemms: Sequence[Gemm], dtype, min_time_s: float = 0.2) -> dict[st
     }
 
 
-def probe_gemms(gemms: Sequence[Gemm], max_tokens: int = 1024, max_bytes: float = 512e6) -> list[Gemm]:
+PROBE_MAX_BYTES = 512e6  # a probed GEMM's fp32 operands at most (an 8B model's vocabulary head would take GBs)
+
+
+def fp32_operand_bytes(m: int, k: int, n: int) -> float:
+    return 4.0 * (m * k + k * n + m * n)
+
+
+def probe_gemms(gemms: Sequence[Gemm], max_tokens: int = 1024, max_bytes: float = PROBE_MAX_BYTES) -> list[Gemm]:
     """A cheap subset for the start-up dtype probe: forward shapes, token dimension capped, and
     none whose fp32 operands exceed `max_bytes` (an 8B model's vocabulary head would take GBs)."""
     out = []
     for g in gemms:
         m = min(g.m, max_tokens)
-        if g.name.startswith("fwd") and 4 * (m * g.k + g.k * g.n + m * g.n) <= max_bytes:
+        if g.name.startswith("fwd") and fp32_operand_bytes(m, g.k, g.n) <= max_bytes:
             out.append(Gemm(g.name, m, g.k, g.n, g.count))
     return out
 
@@ -449,7 +456,7 @@ def time_peak_flops(
 
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     if whole_mix:
-        mix = [g for g in gemms if 4 * (g.m * g.k + g.k * g.n + g.m * g.n) <= 512e6]
+        mix = [g for g in gemms if fp32_operand_bytes(g.m, g.k, g.n) <= PROBE_MAX_BYTES]
         rate = max(gemm_probe(mix, torch_dtype, min_time_s=0.2)["flops_per_s"] for _ in range(2))
     else:
         rate = gemm_probe(probe_gemms(gemms), torch_dtype, min_time_s=0.02)["flops_per_s"]
