@@ -374,8 +374,9 @@ def suite_train(r: Runner, args) -> dict[str, Any]:
         f"{dtype} GEMM peak": (g_before[dtype]["flops_per_s_per_worker"] + g_after[dtype]["flops_per_s_per_worker"]) / 2
         for dtype in ("bfloat16", "float32")
     }
-    if row["in_step_peak_flops_per_worker"]:
-        peaks[f"{row['dtype']} GEMM mix timed after each step (in the workers)"] = row["in_step_peak_flops_per_worker"]
+    in_steps = row["in_step_peak_flops_per_worker"]
+    if in_steps:
+        peaks[f"{row['dtype']} GEMM mix timed after each step (in the workers)"] = in_steps
     mfu_rows = [
         {
             "against": against,
@@ -394,6 +395,10 @@ def suite_train(r: Runner, args) -> dict[str, Any]:
     return {
         "params": params,
         "flops_per_token": fpt,
+        # MFU against the rate the workers timed next to their steps (None where they timed none)
+        "mfu_in_steps": mfu_of(row["tokens_per_s"], params, spec["seq_len"], in_steps, row["workers"])
+        if in_steps
+        else None,
         "gemm_before": g_before,
         "gemm_after": g_after,
         "run": row,

@@ -204,6 +204,15 @@ def _numa_map(root: str) -> dict[int, list[int]]:
     return {n: c for n, c in nodes.items() if c}
 
 
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """Every flag the first CPU in `cpuinfo` lists (empty when unreadable): what a build for
+    this CPU needs, beyond the ISA_FLAGS CpuFeatures records."""
+    try:
+        return set(parse_cpuinfo(Path(cpuinfo).read_text())[0].get("flags", "").split())
+    except OSError:
+        return set()
+
+
 def cpu_features(
     cpuinfo: str = "/proc/cpuinfo",
     cpu_root: str = "/sys/devices/system/cpu",

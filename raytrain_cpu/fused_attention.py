@@ -34,10 +34,7 @@ def _capability() -> tuple[str, list[str]]:
     plain C++."""
     from raytrain_cpu import cpu
 
-    try:
-        flags = set(cpu.parse_cpuinfo(Path("/proc/cpuinfo").read_text())[0].get("flags", "").split())
-    except OSError:
-        flags = set()
+    flags = cpu.cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
         avx512 = ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
                   "-mavx512dq", "-mfma"]  # fmt: skip

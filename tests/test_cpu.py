@@ -54,6 +54,13 @@ def test_missing_topology_counts_every_vcpu_as_a_core():
     assert (f.physical_cores, f.vcpus, f.threads_per_core, f.best_isa) == (2, 2, 1, "avx2")
 
 
+def test_cpu_flags_reads_every_flag_of_the_first_cpu(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text(_cpuinfo(1, 2, 1, C7I_FLAGS + " avx512bw f16c"))
+    assert cpu.cpu_flags(str(info)) >= {"amx_bf16", "avx512bw", "f16c"}  # beyond ISA_FLAGS too
+    assert cpu.cpu_flags(str(tmp_path / "missing")) == set()
+
+
 def test_this_machine_reads():
     f = cpu.cpu_features()
     assert f.vcpus >= f.physical_cores >= 1 and f.sockets >= 1 and f.allowed_cpus
