@@ -75,7 +75,7 @@ def main() -> int:
     for r in range(args.rounds):
         for name, (out, inp) in named.items():
             for kind, g in layer_gemms(tokens, out, inp).items():
-                runs[name][kind].append(g.flops / cpu.time_gemm(g, torch.bfloat16, args.min_time) / 1e9)
+                runs[name][kind].append(g.flops / cpu.time_gemm(g, torch.bfloat16, args.min_time)[0] / 1e9)
             for kind, ms in zip(TRANSPOSES, transpose_ms(tokens, out, transpose, args.min_time), strict=True):
                 runs[name][kind].append(ms)
         print(f"[gemm_layouts] round {r + 1} of {args.rounds} done", flush=True)

@@ -323,28 +323,35 @@ def _operands(g: Gemm, dtype):
     return torch.randn(g.m, g.k, dtype=dtype), torch.randn(g.k, g.n, dtype=dtype)
 
 
-def best_seconds(fn: Callable[[], object], min_time_s: float = 0.2, warmup: int = 2) -> float:
-    """Seconds per call of `fn`: the best of timed batches over at least `min_time_s` (noise
-    only ever adds time), after `warmup` calls."""
+def time_calls(fn: Callable[[], object], min_time_s: float = 0.2, warmup: int = 2) -> tuple[float, float]:
+    """(best, mean) seconds per call of `fn` over timed batches of ~50 ms for at least
+    `min_time_s`, after `warmup` calls: the best batch (noise only ever adds time) and every
+    timed call's mean (the rate the host gave over those seconds)."""
     for _ in range(warmup):
         fn()
-    best, spent, reps = float("inf"), 0.0, 1
+    best, spent, reps, calls = float("inf"), 0.0, 1, 0
     while spent < min_time_s:
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
         dt = time.perf_counter() - t0
-        best, spent = min(best, dt / reps), spent + dt
+        best, spent, calls = min(best, dt / reps), spent + dt, calls + reps
         reps = max(1, min(reps * 2, int(0.05 / max(best, 1e-9))))  # batches of ~50 ms
-    return best
+    return best, spent / calls
 
 
-def time_gemm(g: Gemm, dtype, min_time_s: float = 0.2, warmup: int = 2) -> float:
-    """Seconds per call of one GEMM, its operands laid out as autograd has them (best_seconds)."""
+def best_seconds(fn: Callable[[], object], min_time_s: float = 0.2, warmup: int = 2) -> float:
+    """Seconds per call of `fn`: the best of timed batches (time_calls)."""
+    return time_calls(fn, min_time_s, warmup)[0]
+
+
+def time_gemm(g: Gemm, dtype, min_time_s: float = 0.2, warmup: int = 2) -> tuple[float, float]:
+    """(best, mean) seconds per call of one GEMM (time_calls), its operands laid out as autograd
+    has them."""
     import torch
 
     a, b = _operands(g, dtype)
-    return best_seconds(lambda: torch.mm(a, b), min_time_s, warmup)
+    return time_calls(lambda: torch.mm(a, b), min_time_s, warmup)
 
 
 def gemm_probe(gemms: Sequence[Gemm], dtype, min_time_s: float = 0.2) -> dict[str, Any]:
@@ -352,17 +359,20 @@ def gemm_probe(gemms: Sequence[Gemm], dtype, min_time_s: float = 0.2) -> dict[st
 
     `flops_per_s` weights each shape by how often the model runs it (total FLOPs over
     total time): the rate a step made only of these GEMMs would reach, which is the
-    denominator MFU needs. `best_flops_per_s` is the fastest single shape.
+    denominator MFU needs. `best_flops_per_s` is the fastest single shape. Both from each
+    shape's best batch; `mean_flops_per_s` is the mix's rate from every timed call instead.
     """
-    rows, total_flops, total_time = [], 0.0, 0.0
+    rows, total_flops, total_time, total_mean = [], 0.0, 0.0, 0.0
     for g in gemms:
-        t = time_gemm(g, dtype, min_time_s)
+        t, mean = time_gemm(g, dtype, min_time_s)
         rows.append({"name": g.name, "m": g.m, "k": g.k, "n": g.n, "count": g.count, "gflops": g.flops / t / 1e9})
         total_flops += g.flops * g.count
         total_time += t * g.count
+        total_mean += mean * g.count
     return {
         "dtype": str(dtype).replace("torch.", ""),
         "flops_per_s": total_flops / total_time if total_time else 0.0,
+        "mean_flops_per_s": total_flops / total_mean if total_mean else 0.0,
         "best_flops_per_s": max((r["gflops"] for r in rows), default=0.0) * 1e9,
         "shapes": rows,
     }
@@ -443,7 +453,6 @@ def time_peak_flops(
     gemms: Sequence[Gemm],
     dtype: str,
     agree: Callable[[list[float]], list[float]] | None = None,
-    whole_mix: bool = False,
 ) -> float:
     """The per-worker GEMM rate MFU is logged against, timed again once the worker is set up.
 
@@ -453,23 +462,38 @@ def time_peak_flops(
     train`'s GEMM peak), and the logged MFU read 120-147%. Its bf16/fp32 ratio, both timed in
     the same conditions, still decides the dtype; MFU's denominator is the faster of the two
     timings of the chosen dtype (train.time_mfu_peak). `agree` averages it over ranks, as
-    choose_dtype's does.
-
-    `whole_mix` times the training mix the way `bench train`'s peak does, for
-    train.mfu_probe_every: forward, input and weight gradients at the micro batch's tokens (the
-    weight gradients run at about half the forward's rate), 0.2 s a shape, the better of two
-    rounds (shapes whose operands exceed 512 MB left out, as in the subset). At 0.02 s a shape
-    the rate read lower and scattered (386-872 GFLOP/s against 860-904, alternating in the
-    same two processes, the ~50M model on the AMX host), which would flatter MFU."""
+    choose_dtype's does."""
     import torch
 
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    if whole_mix:
-        mix = [g for g in gemms if fp32_operand_bytes(g.m, g.k, g.n) <= PROBE_MAX_BYTES]
-        rate = max(gemm_probe(mix, torch_dtype, min_time_s=0.2)["flops_per_s"] for _ in range(2))
-    else:
-        rate = gemm_probe(probe_gemms(gemms), torch_dtype, min_time_s=0.02)["flops_per_s"]
+    rate = gemm_probe(probe_gemms(gemms), torch_dtype, min_time_s=0.02)["flops_per_s"]
     return agree([rate])[0] if agree is not None else rate
+
+
+def time_training_mix(
+    gemms: Sequence[Gemm], dtype: str, agree: Callable[[list[float]], list[float]] | None = None
+) -> tuple[float, float]:
+    """(peak, mean) FLOP/s of the whole training mix, for train.mfu_probe_every, timed the way
+    `bench train`'s peak is: forward, input and weight gradients at the micro batch's tokens (the
+    weight gradients run at about half the forward's rate), 0.2 s a shape, two rounds (shapes
+    whose operands exceed 512 MB left out, as in the start-up subset). At 0.02 s a shape the rate
+    read lower and scattered (386-872 GFLOP/s against 860-904, alternating in the same two
+    processes, the ~50M model on the AMX host), which would flatter MFU.
+
+    `peak` is the better round, each shape at its best ~50 ms batch. `mean` is the rate over
+    every timed call of both rounds: what the host gave on average. They differ where the host
+    slows the cores in spells: the 2-vCPU AMX VM ran one bf16 GEMM at 1x or 2-2.7x its best time
+    in spells of ~30 and ~100 ms (all operations slowed together, the GEMMs most), and the best
+    batches time only the fast spells while a step runs through both. `agree` averages both
+    over ranks."""
+    import torch
+
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    mix = [g for g in gemms if fp32_operand_bytes(g.m, g.k, g.n) <= PROBE_MAX_BYTES]
+    rounds = [gemm_probe(mix, torch_dtype, min_time_s=0.2) for _ in range(2)]
+    peak = max(r["flops_per_s"] for r in rounds)
+    mean = len(rounds) / sum(1.0 / r["mean_flops_per_s"] for r in rounds)  # equal FLOPs a round
+    return tuple(agree([peak, mean])) if agree is not None else (peak, mean)
 
 
 @functools.lru_cache(maxsize=8)
@@ -1021,7 +1045,7 @@ class StepClock:
         self._t0 = 0.0
         self._comm0 = 0.0
         self._last_wall: float | None = None  # the last step's seconds, None while warming up
-        self._peaks: list[tuple[float, float]] = []  # (a timed step's seconds, the GEMM rate after it)
+        self._peaks: list[tuple[float, float, float]] = []  # (a timed step's seconds, the GEMM rates after it)
 
     def start_step(self) -> None:
         self._pending = dict.fromkeys(PHASES, 0.0)
@@ -1042,10 +1066,11 @@ class StepClock:
         self.wall_s += self._last_wall
         self.steps += 1
 
-    def peak(self, flops_per_s: float) -> None:
-        """The GEMM rate timed right after the last step (train.mfu_probe_every); a warm-up step's is left out."""
+    def peak(self, flops_per_s: float, mean_flops_per_s: float) -> None:
+        """The GEMM rates timed right after the last step (train.mfu_probe_every; peak and mean,
+        cpu.time_training_mix); a warm-up step's are left out."""
         if self._last_wall is not None:
-            self._peaks.append((self._last_wall, flops_per_s))
+            self._peaks.append((self._last_wall, flops_per_s, mean_flops_per_s))
             self._last_wall = None
 
     def summary(self) -> dict[str, Any]:
@@ -1059,8 +1084,9 @@ class StepClock:
         out["steps"] = self.steps
         # MFU's denominator next to the steps: each timed step's rate weighted by its seconds,
         # so MFU = the steps' FLOPs over what the GEMMs could have done in their time.
-        seconds = sum(t for t, _ in self._peaks)
-        out["peak_flops_per_s"] = sum(t * r for t, r in self._peaks) / seconds if self._peaks else None
+        seconds = sum(t for t, _, _ in self._peaks)
+        for key, i in (("peak_flops_per_s", 1), ("mean_gemm_flops_per_s", 2)):
+            out[key] = sum(p[0] * p[i] for p in self._peaks) / seconds if self._peaks else None
         out["peak_timings"] = len(self._peaks)
         return out
 

@@ -656,7 +656,7 @@ def setup_cpu(w: Worker) -> dict[str, Any]:
         ctx.get_local_rank(),
         ctx.get_local_world_size(),
         w.cfg.scaling.pin_cores,
-        agree=lambda v: [x / w.world for x in _allreduce_sum(v)],  # every rank takes the same decision
+        agree=_rank_mean(w),
         resumed_dtype=w.resumed.get("dtype"),
     )
     w.cfg.model.dtype = setup["dtype"]["dtype"]  # the DeepSpeed config, load dtype and manifests follow
@@ -688,9 +688,11 @@ def time_mfu_peak(w: Worker, cpu_setup: dict[str, Any]) -> None:
     start-up (the logged MFU then read 120-147%), and the second timing while the host ran at
     half speed for a while (429 GFLOP/s against the start-up probe's 782 and `bench train`'s
     780: the console's MFU read 46-73% in a run whose MFU was 0.39)."""
+    from raytrain_cpu import cpu
+
     d = cpu_setup["dtype"]
     d["start_probe_flops_per_s"] = d["peak_flops_per_s"]
-    d["retimed_flops_per_s"] = _time_gemm_mix(w, d["dtype"])
+    d["retimed_flops_per_s"] = cpu.time_peak_flops(_model_gemms(w), d["dtype"], agree=_rank_mean(w))
     d["peak_flops_per_s"] = max(d["start_probe_flops_per_s"], d["retimed_flops_per_s"])
     w.loop_config["peak_flops"] = d["peak_flops_per_s"]
     w.log(
@@ -700,25 +702,31 @@ def time_mfu_peak(w: Worker, cpu_setup: dict[str, Any]) -> None:
     )
 
 
-def _time_gemm_mix(w: Worker, dtype: str, whole_mix: bool = False) -> float:
-    """The model's GEMMs per worker (cpu.time_peak_flops), every rank at once, the ranks' mean."""
+def _model_gemms(w: Worker) -> list:
+    """The model's GEMMs at one micro batch's tokens (cpu.gemms_for_model)."""
     from raytrain_cpu import cpu
 
-    gemms = cpu.gemms_for_model(w.loop_config["model_dir"], w.cfg.train.micro_batch_size * w.cfg.data.seq_len)
-    return cpu.time_peak_flops(
-        gemms, dtype, agree=lambda v: [x / w.world for x in _allreduce_sum(v)], whole_mix=whole_mix
-    )
+    return cpu.gemms_for_model(w.loop_config["model_dir"], w.cfg.train.micro_batch_size * w.cfg.data.seq_len)
+
+
+def _rank_mean(w: Worker) -> Callable[[list[float]], list[float]]:
+    """Each value's mean over the ranks (an all-reduce: every rank calls it at once), so every
+    rank takes the same decision or logs the same rate."""
+    return lambda values: [x / w.world for x in _allreduce_sum(values)]
 
 
 def retime_mfu_peak(w: Worker, st: Loop, dtype: str, clock) -> None:
     """train.mfu_probe_every: the GEMM rate again, right after a step and outside its clock and
     the console's tokens/s, so MFU reads against the host's rate at the time (the console's from
     this step's line on; the step-time breakdown's weighs each timed step by the timing after
-    it). The whole training mix, timed as `bench train`'s peak is."""
+    it). The whole training mix, timed as `bench train`'s peak is; the summary keeps its mean
+    rate too (cpu.time_training_mix says why)."""
+    from raytrain_cpu import cpu
+
     t0 = time.perf_counter()
-    rate = _time_gemm_mix(w, dtype, whole_mix=True)
-    w.loop_config["peak_flops"] = rate
-    clock.peak(rate)
+    peak, mean = cpu.time_training_mix(_model_gemms(w), dtype, agree=_rank_mean(w))
+    w.loop_config["peak_flops"] = peak
+    clock.peak(peak, mean)
     st.window_t += time.perf_counter() - t0
 
 
@@ -805,7 +813,7 @@ def choose_attention(w: Worker, model) -> str:
         resumed if kept else m.attention,
         w.cfg.train.micro_batch_size,
         w.cfg.data.seq_len,
-        lambda v: [x / w.world for x in _allreduce_sum(v)],
+        _rank_mean(w),
         keep_probs,
     )
     measured = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items())

@@ -357,11 +357,40 @@ def test_step_clock_weighs_each_gemm_timing_by_its_steps_seconds(monkeypatch):
         clock.start_step()
         now[0] += seconds
         clock.end_step()
-        clock.peak(rate)
-    clock.peak(5e12)  # no step since the last timing
+        clock.peak(rate, rate / 2)
+    clock.peak(5e12, 5e12)  # no step since the last timing
     s = clock.summary()
     assert s["peak_timings"] == 2 and s["peak_flops_per_s"] == pytest.approx((1.0 * 100e9 + 3.0 * 200e9) / 4.0)
-    assert cpu.StepClock().summary()["peak_flops_per_s"] is None  # never timed, not zero
+    assert s["mean_gemm_flops_per_s"] == pytest.approx(s["peak_flops_per_s"] / 2)
+    never = cpu.StepClock().summary()
+    assert never["peak_flops_per_s"] is None and never["mean_gemm_flops_per_s"] is None  # never timed, not zero
+
+
+def test_time_calls_keeps_the_best_batch_and_every_calls_mean(monkeypatch):
+    """cpu.time_calls on a host that alternates fast and slow spells: the best batch reads the
+    fast spell, the mean the host's average (what cpu.time_training_mix reports as `mean`)."""
+    now, calls = [0.0], [0]
+
+    def fn():
+        calls[0] += 1
+        now[0] += 0.01 if (calls[0] // 8) % 2 else 0.02  # spells of 8 calls: 10 ms or 20 ms
+
+    monkeypatch.setattr(cpu.time, "perf_counter", lambda: now[0])
+    best, mean = cpu.time_calls(fn, min_time_s=1.0, warmup=0)
+    assert best == pytest.approx(0.01) and 0.012 < mean < 0.018
+
+
+def test_training_mix_times_peak_and_mean_and_agrees_both():
+    gemms = cpu.llama_gemms(64, 176, 4, 2, 2048, 2, tokens=64)[:2]  # forward and input gradient
+    seen = []
+
+    def agree(values):
+        seen.append(values)
+        return [3.0e9, 2.0e9]
+
+    assert cpu.time_training_mix(gemms, "fp32", agree) == (3.0e9, 2.0e9)
+    peak, mean = seen[0]
+    assert peak >= mean > 0
 
 
 def test_comm_timer_counts_nested_calls_once():

@@ -65,7 +65,8 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
         assert key in summary, key
     assert summary == {**summary, "steps": 6, "world_size": 2, "resumed_from_step": None}
     # the GEMMs timed after step 6 (tests/test_cpu.py checks the weighting over several)
-    assert summary["step_breakdown"]["peak_timings"] == 1 and summary["step_breakdown"]["peak_flops_per_s"] > 0
+    bd = summary["step_breakdown"]
+    assert bd["peak_timings"] == 1 and bd["peak_flops_per_s"] >= bd["mean_gemm_flops_per_s"] > 0
     assert summary["eval_perplexity"] == pytest.approx(np.exp(summary["eval_loss"]))
     assert first["checkpoint_path"] == str(run_dir / "checkpoint_000006")
     ds_files = sorted(p.name for p in (run_dir / "checkpoint_000006" / "ds").iterdir())
