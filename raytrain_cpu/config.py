@@ -754,7 +754,9 @@ class TrainConfig:
     against the rate timed next to each step instead of at start-up. A shared host's GEMM
     rate drifts (2x within minutes on a 2-vCPU cloud VM), and MFU against a rate timed minutes
     away follows the host, not the run: the console's MFU reads the latest timing,
-    summary.json's step-time breakdown the timed steps' rates weighted by their time. `bench
+    summary.json's step-time breakdown the timed steps' rates weighted by their time, both the
+    best batches' (`peak_flops_per_s`) and every timed call's mean (`mean_gemm_flops_per_s`:
+    a host that slows in spells of ~100 ms gives the steps its average, not its best). `bench
     train` sets 1. 0: the start-up timings only."""
 
     def __post_init__(self) -> None:

@@ -373,3 +373,25 @@ def test_gemm_layouts_times_each_gemm_of_a_linear_layer_at_tiny_size(tmp_path):
             r["weight grad dy^T @ x GFLOP/s"] / r["forward x @ W^T GFLOP/s"]
         )
     assert out.with_suffix(".md").read_text().count("\n| ") == 1 + len(rows)  # the header, then each row
+
+
+def test_host_spells_times_each_vcpu_alone_and_all_at_once(tmp_path):
+    """benchmarks/host_spells.py at the tiny model's GEMM: a row per vCPU in each phase, every
+    operation's best and slow share, the GEMM's spells and how the others slowed with it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "host_spells.py"
+    out = tmp_path / "hs.json"
+    argv = [sys.executable, str(script), "--size", "tiny", "--seconds", "0.3", "--json", str(out)]
+    subprocess.run(argv, check=True, timeout=300, capture_output=True)
+    tables = json.loads(out.read_text())["tables"]
+    vcpus = len(os.sched_getaffinity(0))
+    assert [len(rows) for rows in tables.values()] == ([vcpus, vcpus] if vcpus > 1 else [1])
+    for rows in tables.values():
+        for r in rows:
+            assert r["rounds"] > 0 and r["bf16 GEMM best ms"] > 0 and r["GEMM mean / best"] >= 1.0
+            assert 0.0 <= r["P(Python loop slow | GEMM slow)"] <= 1.0
+            assert r["GEMM slow spells"] + r["GEMM fast spells"] >= 1
