@@ -584,6 +584,7 @@ OPTIONS_VARIANTS: dict[str, list[str]] = {
     "unfused norm": ["model.fused_norm=false"],
     "unfused rotary": ["model.fused_rotary=false"],
     "fused MLP": ["model.fused_mlp=true"],
+    "autograd weight gradients": ["model.weight_grad_kernel=false"],
     "micro batch 4": ["train.micro_batch_size=4"],  # the 50m bench's until 2026-11-27
     "compile": ["model.compile=true"],  # the 50m model's default in bf16 since model.compile=auto (2026-12-01)
     "uncompiled": ["model.compile=false"],
@@ -612,7 +613,8 @@ def suite_options(r: Runner, args) -> dict[str, Any]:
     place of the kept ones, SDPA's and the causal blocks' attention in place of the start-up
     timing's pick, the blocks' probabilities recomputed in the backward instead of kept
     (model.attention_probs), Hugging Face's loss, norms and rotary embedding in place of the
-    fused ones, the fused MLP activation, micro batch 4 in place of 8 (twice the ZeRO-3
+    fused ones, the fused MLP activation, autograd's weight gradients in place of
+    model.weight_grad_kernel's, micro batch 4 in place of 8 (twice the ZeRO-3
     gathers and hooks per token), compile per layer and of the whole model, no compile (in
     bf16 the 50m model compiles its layers by default: model.compile=auto), ZeRO-2 and ZeRO-1
     (no parameter gathers: for a model that fits whole on every rank, see `plan`), PyTorch's
@@ -880,6 +882,11 @@ def _reference_worker(
         from raytrain_cpu import loss as fused_loss
 
         fused_loss.install(model)
+    if master:  # the trainers' weight gradients (model.weight_grad_kernel=auto): bf16 weights only
+        from raytrain_cpu import linear
+
+        if linear.wanted("auto", dtype, sum(p.numel() for p in params))[0]:
+            linear.install(model)
     if not compile:  # the trainers' norms and rotary embeddings, under autocast too; inductor fuses its own
         from raytrain_cpu import norm, rotary
 
@@ -1147,7 +1154,8 @@ def _reference_report(zero3: list[dict], refs: list[dict], tokens: str, cores: i
             "reference: one process, no DeepSpeed, no Ray; the same LlamaForCausalLM (attention: "
             + ", ".join(f"{r['precision']} {r.get('attention', 'sdpa')}" for r in refs)
             + ", as the trainers' model.attention=auto picks it, SDPA under autocast; the trainers' fused "
-            "loss (model.fused_loss) except under autocast), "
+            "loss (model.fused_loss) except under autocast, and bf16_master its weight gradients "
+            "(model.weight_grad_kernel=auto)), "
             f"{tokens} random tokens per step in one micro batch, {cores} threads, "
             "AdamW(fused=True) with the project's lr, betas, eps and weight-decay groups, gradient clipping "
             f"at {refs[0]['grad_clip']}; the first {cpu.WARMUP_STEPS} steps excluded, as in the training runs.",

@@ -114,6 +114,7 @@ EXECUTION_SETTINGS = frozenset(
         "model.fused_norm",
         "model.fused_rotary",
         "model.fused_mlp",
+        "model.weight_grad_kernel",
         "model.compile_cache_dir",
         "data.cache_dir",
         "data.tokenize_actors",

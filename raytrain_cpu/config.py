@@ -186,6 +186,14 @@ class ModelConfig:
     it cost 0.97-0.98x on the 50M bench model and 0.89x on the embedded default (the recompute
     and a Python autograd call per layer); turn it on where activations limit an uncompiled
     run. Llama-style MLPs with SiLU; compiled models keep Hugging Face's."""
+    weight_grad_kernel: bool | str = "auto"
+    """Run each bf16 linear layer's weight gradient on a kernel of our own (raytrain_cpu.linear,
+    csrc/weight_grad.cpp): autograd's runs at about half the forward's rate on AMX, the kernel
+    1.18-1.58x faster than it at the ~50M bench model's shapes (benchmarks/weight_grad.py). true,
+    false or 'auto': on AMX (oneDNN's AMX micro-kernels) for models of at least 20M parameters
+    (COMPILE_AUTO_MIN_PARAMS: the first use builds the kernel, about 30 s on 2 cores, which a tiny
+    model would not win back). It needs a C++ compiler and ninja; where it does not build the
+    run keeps autograd's."""
     compile: bool | str = "auto"
     """torch.compile with inductor (model.compile_scope): true, false or 'auto', which compiles
     where it has paid: a model of at least 20M parameters (COMPILE_AUTO_MIN_PARAMS), trained in
@@ -208,13 +216,15 @@ class ModelConfig:
         _require(bool(self.name_or_path), "model.name_or_path", "must not be empty; use 'tiny'.")
         _choice(self.dtype, "model.dtype", ("auto", "bf16", "fp32"))
         _choice(self.compile_scope, "model.compile_scope", ("layers", "model"))
-        if isinstance(self.compile, str) and self.compile.lower() in ("true", "false"):
-            self.compile = self.compile.lower() == "true"
-        _require(
-            isinstance(self.compile, bool) or self.compile == "auto",
-            "model.compile",
-            f"got {self.compile!r}; choose true, false or auto.",
-        )
+        for key in ("compile", "weight_grad_kernel"):
+            value = getattr(self, key)
+            if isinstance(value, str) and value.lower() in ("true", "false"):
+                setattr(self, key, value := value.lower() == "true")
+            _require(
+                isinstance(value, bool) or value == "auto",
+                f"model.{key}",
+                f"got {value!r}; choose true, false or auto.",
+            )
         _require(
             self.attention in ("auto", "sdpa", FUSED)
             or (causal_blocks_size(self.attention) is not None and not self.attention.startswith("raytrain_")),

@@ -345,16 +345,24 @@ def best_seconds(fn: Callable[[], object], min_time_s: float = 0.2, warmup: int 
     return time_calls(fn, min_time_s, warmup)[0]
 
 
-def time_gemm(g: Gemm, dtype, min_time_s: float = 0.2, warmup: int = 2) -> tuple[float, float]:
+def time_gemm(
+    g: Gemm, dtype, min_time_s: float = 0.2, warmup: int = 2, weight_grad: Callable | None = None
+) -> tuple[float, float]:
     """(best, mean) seconds per call of one GEMM (time_calls), its operands laid out as autograd
-    has them."""
+    has them; a weight gradient by `weight_grad(dy, x)` instead where the model runs one
+    (model.weight_grad_kernel: raytrain_cpu.linear.weight_grad)."""
     import torch
 
+    if weight_grad is not None and g.name.startswith("wgrad"):
+        dy, x = torch.randn(g.k, g.m, dtype=dtype), torch.randn(g.k, g.n, dtype=dtype)
+        return time_calls(lambda: weight_grad(dy, x), min_time_s, warmup)
     a, b = _operands(g, dtype)
     return time_calls(lambda: torch.mm(a, b), min_time_s, warmup)
 
 
-def gemm_probe(gemms: Sequence[Gemm], dtype, min_time_s: float = 0.2) -> dict[str, Any]:
+def gemm_probe(
+    gemms: Sequence[Gemm], dtype, min_time_s: float = 0.2, weight_grad: Callable | None = None
+) -> dict[str, Any]:
     """FLOP/s of a GEMM mix on this process's threads.
 
     `flops_per_s` weights each shape by how often the model runs it (total FLOPs over
@@ -364,7 +372,7 @@ def gemm_probe(gemms: Sequence[Gemm], dtype, min_time_s: float = 0.2) -> dict[st
     """
     rows, total_flops, total_time, total_mean = [], 0.0, 0.0, 0.0
     for g in gemms:
-        t, mean = time_gemm(g, dtype, min_time_s)
+        t, mean = time_gemm(g, dtype, min_time_s, weight_grad=weight_grad)
         rows.append({"name": g.name, "m": g.m, "k": g.k, "n": g.n, "count": g.count, "gflops": g.flops / t / 1e9})
         total_flops += g.flops * g.count
         total_time += t * g.count
@@ -471,7 +479,10 @@ def time_peak_flops(
 
 
 def time_training_mix(
-    gemms: Sequence[Gemm], dtype: str, agree: Callable[[list[float]], list[float]] | None = None
+    gemms: Sequence[Gemm],
+    dtype: str,
+    agree: Callable[[list[float]], list[float]] | None = None,
+    weight_grad: Callable | None = None,
 ) -> tuple[float, float]:
     """(peak, mean) FLOP/s of the whole training mix, for train.mfu_probe_every, timed the way
     `bench train`'s peak is: forward, input and weight gradients at the micro batch's tokens (the
@@ -485,12 +496,12 @@ def time_training_mix(
     slows the cores in spells: the 2-vCPU AMX VM ran one bf16 GEMM at 1x or 2-2.7x its best time
     in spells of ~30 and ~100 ms (all operations slowed together, the GEMMs most), and the best
     batches time only the fast spells while a step runs through both. `agree` averages both
-    over ranks."""
+    over ranks. `weight_grad`: the weight gradients as the model runs them (time_gemm)."""
     import torch
 
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     mix = [g for g in gemms if fp32_operand_bytes(g.m, g.k, g.n) <= PROBE_MAX_BYTES]
-    rounds = [gemm_probe(mix, torch_dtype, min_time_s=0.2) for _ in range(2)]
+    rounds = [gemm_probe(mix, torch_dtype, min_time_s=0.2, weight_grad=weight_grad) for _ in range(2)]
     peak = max(r["flops_per_s"] for r in rounds)
     mean = len(rounds) / sum(1.0 / r["mean_flops_per_s"] for r in rounds)  # equal FLOPs a round
     return tuple(agree([peak, mean])) if agree is not None else (peak, mean)

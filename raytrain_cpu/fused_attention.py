@@ -47,22 +47,28 @@ def _capability() -> tuple[str, list[str]]:
 
 
 @functools.cache
-def _build():
-    """(the loaded extension, '') or (None, why it is unavailable)."""
+def build_kernel(name: str, source: Path):
+    """One of the project's C++ kernels (`source`) built for this CPU and loaded: (the extension,
+    '') or (None, why it is unavailable). Cached per process."""
     compiler = os.environ.get("CXX") or "c++"  # cpp_extension's choice (inductor's, cpu.cpp_compiler, is g++)
     if not shutil.which(compiler) or not shutil.which("ninja"):
         return None, f"needs a C++ compiler ({compiler}) and ninja on PATH"
     cap, flags = _capability()
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:10]
+    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode()).hexdigest()[:10]
     try:
         from torch.utils.cpp_extension import load
 
         # The name carries the source, torch and CPU capability: a changed kernel, another torch or
         # another CPU type sharing the cache directory builds afresh instead of loading a stale .so.
-        ext = load(f"raytrain_fused_attention_{cap}_{digest}", [str(SOURCE)], extra_cflags=["-O3", *flags])
-    except Exception as e:  # a build error: the run goes on with the other attentions
+        ext = load(f"{name}_{cap}_{digest}", [str(source)], extra_cflags=["-O3", *flags])
+    except Exception as e:  # a build error: the run goes on without the kernel
         return None, f"its build failed: {str(e).strip().splitlines()[-1][:200]}"
     return ext, ""
+
+
+def _build():
+    """(the loaded extension, '') or (None, why it is unavailable)."""
+    return build_kernel("raytrain_fused_attention", SOURCE)
 
 
 def kernel():

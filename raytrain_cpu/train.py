@@ -352,6 +352,7 @@ class Worker:
     # A mixture's source names, in the stream's order, where the fused loss reports each row's
     # loss (the training loss by source: loss/<name>); () otherwise.
     loss_sources: tuple[str, ...] = ()
+    weight_grad_kernel: bool = False  # model.weight_grad_kernel in use (the MFU probe times its weight gradients)
     fused_loss: bool = False  # the fused output layer and loss are installed (raytrain_cpu.loss)
     reference: Any = None  # DPO's reference (a dpo.Reference), set once the engine exists
     # train.dpo_precompute_reference's pass: {"blocks", "computed", "seconds"} (summary.json)
@@ -724,7 +725,10 @@ def retime_mfu_peak(w: Worker, st: Loop, dtype: str, clock) -> None:
     from raytrain_cpu import cpu
 
     t0 = time.perf_counter()
-    peak, mean = cpu.time_training_mix(_model_gemms(w), dtype, agree=_rank_mean(w))
+    kernel = None
+    if w.weight_grad_kernel:  # the mix as the model runs it
+        from raytrain_cpu.linear import weight_grad as kernel
+    peak, mean = cpu.time_training_mix(_model_gemms(w), dtype, agree=_rank_mean(w), weight_grad=kernel)
     w.loop_config["peak_flops"] = peak
     clock.peak(peak, mean)
     st.window_t += time.perf_counter() - t0
@@ -773,6 +777,7 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
     attn = choose_attention(w, model)  # after the peak: its timing's tensors are not the loading's
     install_fused_loss(w, model)  # after LoRA: an adapted output layer keeps Hugging Face's loss
     install_fused_layer_ops(w, model)
+    w.weight_grad_kernel = install_weight_grad_kernel(w, model)
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     load_s = time.perf_counter() - t0
@@ -871,6 +876,21 @@ def install_fused_layer_ops(w: Worker, model, log: Callable[[str], None] | None 
             continue
         n = install(model)
         log(f"[model] {what}: {n} fused {kind}" if n else f"[model] {what}: Hugging Face's (no Llama-style {kind})")
+
+
+def install_weight_grad_kernel(w: Worker, model) -> bool:
+    """model.weight_grad_kernel: the bf16 linear layers' weight gradients on raytrain_cpu.linear's
+    kernel (linear.wanted: 'auto' on AMX for models of 20M parameters or more). Whether it is in use."""
+    from raytrain_cpu import linear
+
+    on, why = linear.wanted(w.cfg.model.weight_grad_kernel, w.cfg.model.dtype, w.loop_config["n_params"]["total"])
+    if not on:
+        if why:
+            w.log(f"[model] weight gradients: autograd's ({why})")
+        return False
+    n = linear.install(model)
+    w.log(f"[model] weight gradients: the kernel on {n} bf16 linear layers (model.weight_grad_kernel)")
+    return n > 0
 
 
 def build_engine(w: Worker, model, ds_config: dict[str, Any]):
@@ -1683,6 +1703,7 @@ def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu
         "reference_pass": w.reference_pass,
         "attention": loaded.attention,
         "compiled": w.cfg.model.compile is True,  # model.compile=auto as this run resolved it
+        "weight_grad_kernel": w.weight_grad_kernel,  # model.weight_grad_kernel as this run resolved it
         "train_wall_s": st.wall(),
         "guard_events_this_attempt": guard.counts,
         "skipped_steps": engine.skipped_steps,  # DeepSpeed's count, kept across resumes

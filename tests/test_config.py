@@ -162,6 +162,7 @@ def test_round_trip_through_plain_dict():
         (["model.compile_scope=graph"], "model.compile_scope", "layers"),
         (["model.compile=1"], "model.compile", "true, false or auto"),
         (["model.compile=fast"], "model.compile", "true, false or auto"),
+        (["model.weight_grad_kernel=always"], "model.weight_grad_kernel", "true, false or auto"),
         (["deepspeed.config_file=/nope.json"], "deepspeed.config_file", "does not exist"),
         (["run.name=a/b"], "run.name", "plain directory"),
         (["run.storage_path=s3://bucket/runs"], "run.storage_path", "is a URL"),

@@ -35,6 +35,7 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
         "train.profile_step=3",
         "model.attention=auto",  # the default, which the suite's FAST settings pin
         "model.dtype=auto",  # likewise: the worker settles it, and a resume must still match (it once did not)
+        "model.weight_grad_kernel=true",  # auto leaves it off below 20M parameters
     ]
     cfg = make_config(*overrides, "train.max_steps=12")
     sigterm = signal.getsignal(signal.SIGTERM)
@@ -64,6 +65,11 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
     ):
         assert key in summary, key
     assert summary == {**summary, "steps": 6, "world_size": 2, "resumed_from_step": None}
+    # bf16 (model.dtype=auto's pick where bf16 GEMMs are faster) trains on the kernel where it builds
+    from raytrain_cpu import linear
+
+    bf16 = summary["cpu"]["dtype"]["dtype"] == "bf16"
+    assert summary["weight_grad_kernel"] == (bf16 and linear.kernel() is not None)
     # the GEMMs timed after step 6 (tests/test_cpu.py checks the weighting over several)
     bd = summary["step_breakdown"]
     assert bd["peak_timings"] == 1 and bd["peak_flops_per_s"] >= bd["mean_gemm_flops_per_s"] > 0

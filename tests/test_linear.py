@@ -1,0 +1,86 @@
+"""model.weight_grad_kernel (raytrain_cpu.linear): the kernel's weight gradient against fp32 at
+ragged sizes, the same forward and input-gradient bits as autograd's linear, compiled too, and
+installed only on bf16 linear layers that train."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from raytrain_cpu import linear
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel():
+    if linear.kernel() is None:
+        pytest.skip(f"the weight-gradient kernel is unavailable here: {linear.why_unavailable()}")
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref).abs().max() / ref.abs().max())
+
+
+# Full chunks of 512 tokens and ragged ones (odd counts too: VNNI pairs rows), output rows off
+# the 64-row block, widths off the micro-kernel's 16/32.
+@pytest.mark.parametrize(("tokens", "out", "inp"), [(1024, 128, 64), (513, 130, 96), (7, 3, 5), (600, 64, 176)])
+def test_weight_grad_matches_fp32_at_ragged_sizes(tokens, out, inp):
+    g = torch.Generator().manual_seed(tokens)
+    dy = torch.randn(tokens, out, generator=g).to(torch.bfloat16)
+    x = torch.randn(tokens, inp, generator=g).to(torch.bfloat16)
+    got = linear.weight_grad(dy, x)
+    assert got.dtype == torch.bfloat16 and got.shape == (out, inp)
+    assert _rel_err(got, dy.float().t() @ x.float()) < 0.01  # bf16 rounding of the result: ~0.003
+
+
+def _pair(bias: bool):
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(96, 130, bias=bias).to(torch.bfloat16)
+    ours = copy.deepcopy(ref)
+    assert linear.install(ours) == 1
+    return ref, ours
+
+
+def _run(module, x, g):
+    x = x.detach().clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    out = module(x)
+    out.backward(g)
+    return out.detach(), x.grad, module.weight.grad, module.bias.grad if module.bias is not None else None
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_same_forward_and_input_gradient_as_autograd_and_its_weight_gradient_within_rounding(bias):
+    ref, ours = _pair(bias)
+    x = torch.randn(3, 171, 96).to(torch.bfloat16)
+    g = torch.randn(3, 171, 130).to(torch.bfloat16)
+    (y_r, dx_r, dw_r, db_r), (y, dx, dw, db) = _run(ref, x, g), _run(ours, x, g)
+    assert torch.equal(y, y_r) and torch.equal(dx, dx_r)
+    assert _rel_err(dw, dw_r.float()) < 0.01
+    assert (db is None) == (db_r is None) and (db is None or _rel_err(db, db_r.float()) < 0.01)
+
+
+def test_compiled_as_eager():
+    _, ours = _pair(True)
+    x = torch.randn(2, 64, 96).to(torch.bfloat16)
+    g = torch.randn(2, 64, 130).to(torch.bfloat16)
+    eager = _run(ours, x, g)
+    compiled = _run(torch.compile(ours), x, g)
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_installed_on_trained_bf16_linears_only():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.model.layers[1].mlp.requires_grad_(False)  # frozen, as LoRA's base layers are
+    assert linear.install(model) == 2 * 7 + 1 - 3  # q, k, v, o, gate, up, down a layer, the head
+    assert linear.install(LlamaForCausalLM(cfg)) == 0  # fp32
+    assert linear.install(model) == 0  # installed already: each forward is replaced once
+    lin = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    linear.install(lin)
+    with torch.no_grad():  # no autograd: the forward still answers
+        assert lin(torch.randn(2, 4).to(torch.bfloat16)).shape == (2, 4)
