@@ -189,7 +189,7 @@ class ModelConfig:
     weight_grad_kernel: bool | str = "auto"
     """Run each bf16 linear layer's weight gradient on a kernel of our own (raytrain_cpu.linear,
     csrc/weight_grad.cpp): autograd's runs at about half the forward's rate on AMX, the kernel
-    1.18-1.58x faster than it at the ~50M bench model's shapes (benchmarks/weight_grad.py). true,
+    1.07-1.55x faster than it at the ~50M bench model's shapes (benchmarks/weight_grad.py). true,
     false or 'auto': on AMX (oneDNN's AMX micro-kernels) for models of at least 20M parameters
     (COMPILE_AUTO_MIN_PARAMS: the first use builds the kernel, about 30 s on 2 cores, which a tiny
     model would not win back). It needs a C++ compiler and ninja; where it does not build the

@@ -1109,7 +1109,10 @@ OP_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("compiled kernels", ("cpp_fused", "compiledfxgraph", "torch-compiled region", "compiledfunction", "inductor")),
     # DeepSpeed's autograd functions around each gathered module: gathers, releases, gradient hand-off.
     ("ZeRO-3 hooks", ("backwardhookfunction", "prebackwardfunction", "postbackwardfunction", "zerostage3")),
-    ("GEMM", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm", "mkldnn")),
+    (
+        "GEMM",
+        ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm", "mkldnn", "raytrain::weight_grad"),
+    ),
     # raytrain_cpu.attention's and fused_attention's operators count with everything they run (their GEMMs, softmax).
     (
         "attention",

@@ -4,7 +4,7 @@ Why: a linear layer's weight gradient dW = dy^T x reduces over the tokens, the s
 of both its operands, and autograd hands oneDNN dy^T as a transposed view: on AMX that GEMM ran
 at about half the forward's rate (benchmarks/gemm_layouts.py), about half of a step's GEMM
 time. raytrain_cpu/csrc/weight_grad.cpp prepares each chunk of 512 tokens once, in cache, and
-runs oneDNN's micro-kernels on it: 1.18-1.58x autograd's at the ~50M bench model's shapes
+runs oneDNN's micro-kernels on it: 1.07-1.55x autograd's at the ~50M bench model's shapes
 (benchmarks/weight_grad.py, one thread, the AMX host).
 
 `install` swaps the forward of every bf16 nn.Linear whose weight trains for one custom

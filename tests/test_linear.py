@@ -84,3 +84,16 @@ def test_installed_on_trained_bf16_linears_only():
     linear.install(lin)
     with torch.no_grad():  # no autograd: the forward still answers
         assert lin(torch.randn(2, 4).to(torch.bfloat16)).shape == (2, 4)
+
+
+def test_the_profile_table_counts_the_kernel_as_gemm():
+    from torch.profiler import profile
+
+    from raytrain_cpu import cpu
+
+    dy, x = torch.randn(2048, 256).to(torch.bfloat16), torch.randn(2048, 256).to(torch.bfloat16)
+    with profile() as prof:
+        linear.weight_grad(dy, x)
+    rows = {r["kind"]: r["seconds"] for r in cpu.op_time_by_kind(prof.events(), 1.0)}
+    own = sum(e.self_cpu_time_total for e in prof.events() if e.name == "raytrain::weight_grad") / 1e6
+    assert own > 0 and rows["GEMM"] >= own - 1e-4  # the table rounds to 0.1 ms

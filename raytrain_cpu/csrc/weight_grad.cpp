@@ -41,8 +41,8 @@ at::Tensor weight_grad(const at::Tensor& dy, const at::Tensor& x) {
   TORCH_CHECK(dy.dim() == 2 && x.dim() == 2 && dy.size(0) == x.size(0), "weight_grad: dy [T x O], x [T x I]");
   TORCH_CHECK(dy.is_contiguous() && x.is_contiguous(), "weight_grad: contiguous operands");
   const int64_t T = dy.size(0), O = dy.size(1), I = x.size(1);
-  auto acc = at::zeros({O, I}, dy.options().dtype(at::kFloat));
-  if (T == 0 || O == 0 || I == 0) return acc.to(at::kBFloat16);
+  if (T == 0 || O == 0 || I == 0) return at::zeros({O, I}, dy.options());
+  auto acc = at::empty({O, I}, dy.options().dtype(at::kFloat));
   const bool vnni = at::native::cpublas::could_pack(at::kBFloat16);
   const int64_t lda = KC + 16;  // off a power of two: the transpose's column walk spreads over cache sets
   std::vector<uint16_t> b(vnni ? KC * I : 0), a(MB * lda);
@@ -69,8 +69,7 @@ at::Tensor weight_grad(const at::Tensor& dy, const at::Tensor& x) {
       transpose16(k, m, dyp + t0 * O + o0, O, a.data(), lda);
       if (kp > k)
         for (int64_t r = 0; r < m; ++r) a[r * lda + k] = 0;
-      // C is zeroed above, so every call accumulates (add): no special first chunk
-      at::native::cpublas::brgemm(m, I, vnni ? kp : k, lda, I, I, true, reinterpret_cast<const at::BFloat16*>(a.data()),
+      at::native::cpublas::brgemm(m, I, vnni ? kp : k, lda, I, I, t0 > 0, reinterpret_cast<const at::BFloat16*>(a.data()),
                                   reinterpret_cast<const at::BFloat16*>(B), C + o0 * I, vnni);
     }
   }
