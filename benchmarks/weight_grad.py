@@ -7,9 +7,10 @@ as their slow dimension; autograd passes oneDNN dy^T as a transposed view and it
 half the forward's rate on AMX (`gemm_layouts.py`), about half of a step's GEMM time.
 model.weight_grad_kernel's kernel (raytrain_cpu/csrc/weight_grad.cpp) prepares each chunk of
 512 tokens once and runs oneDNN's micro-kernels on it; this times it beside the forward
-x @ W^T and autograd's weight gradient, all bf16, one thread, one worker's micro batch. Each figure is the fastest single call over --seconds, in
-every round in turn (a shared host slows in spells: `host_spells.py`; the fastest call is the
-like-for-like rate of each), then the best round. The kernel's output is checked against fp32.
+x @ W^T and autograd's weight gradient, all bf16, one thread, one worker's micro batch. Each
+figure is the fastest single call over --seconds, in every round in turn (a shared host slows
+in spells: `host_spells.py`; the fastest call is the like-for-like rate of each), then the best
+round. The kernel's output is checked against fp32.
 
 Writes benchmarks/results/<machine>/weight_grad.json (and .md), or to --json.
 """
@@ -60,8 +61,7 @@ def main() -> int:
         raise SystemExit(f"error: the weight-gradient kernel is unavailable: {linear.why_unavailable()}")
     torch.set_num_threads(1)
     tokens = SIZES[args.size]["micro_batch"] * SIZES[args.size]["seq_len"]
-    kinds = KINDS
-    ms = {name: {k: [] for k in kinds} for name in shapes(args.size)}
+    ms = {name: {k: [] for k in KINDS} for name in shapes(args.size)}
     errors: dict[str, float] = {}
     for r in range(args.rounds):
         for name, (out, inp) in shapes(args.size).items():
@@ -72,19 +72,19 @@ def main() -> int:
             if r == 0:
                 ref = dy.float().t() @ x.float()
                 errors[name] = float((linear.weight_grad(dy, x).float() - ref).abs().max() / ref.abs().max())
-            for kind, fn in zip(kinds, fns, strict=True):
+            for kind, fn in zip(KINDS, fns, strict=True):
                 ms[name][kind].append(1e3 * fastest_call(fn, args.seconds))
         print(f"[weight_grad] round {r + 1} of {args.rounds} done", flush=True)
     rows = []
     for name, got in ms.items():
         best = {k: min(v) for k, v in got.items()}
-        fwd = best[kinds[0]]
+        fwd = best[KINDS[0]]
         rows.append(
             {
                 "shape (out x in)": name,
                 **{f"{k} ms": v for k, v in best.items()},
-                **{f"{k} / forward rate": fwd / best[k] for k in kinds[1:]},
-                "kernel / autograd": best[kinds[1]] / best[kinds[2]],
+                **{f"{k} / forward rate": fwd / best[k] for k in KINDS[1:]},
+                "kernel / autograd": best[KINDS[1]] / best[KINDS[2]],
                 "kernel max error / max |dW|": errors[name],
             }
         )
