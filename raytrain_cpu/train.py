@@ -883,7 +883,8 @@ def install_weight_grad_kernel(w: Worker, model) -> bool:
     kernel (linear.wanted: 'auto' on AMX for models of 20M parameters or more). Whether it is in use."""
     from raytrain_cpu import linear
 
-    on, why = linear.wanted(w.cfg.model.weight_grad_kernel, w.cfg.model.dtype, w.loop_config["n_params"]["total"])
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: the whole size
+    on, why = linear.wanted(w.cfg.model.weight_grad_kernel, w.cfg.model.dtype, n_params)
     if not on:
         if why:
             w.log(f"[model] weight gradients: autograd's ({why})")
