@@ -25,17 +25,20 @@ import torch.nn.functional as F
 SOURCE = Path(__file__).parent / "csrc" / "weight_grad.cpp"
 
 
-def kernel():
-    """The built kernel module, or None (why_unavailable() says why)."""
+def _build():
+    """(the loaded extension, '') or (None, why it is unavailable): fused_attention.build_kernel."""
     from raytrain_cpu.fused_attention import build_kernel
 
-    return build_kernel("raytrain_weight_grad", SOURCE)[0]
+    return build_kernel("raytrain_weight_grad", SOURCE)
+
+
+def kernel():
+    """The built kernel module, or None (why_unavailable() says why)."""
+    return _build()[0]
 
 
 def why_unavailable() -> str:
-    from raytrain_cpu.fused_attention import build_kernel
-
-    return build_kernel("raytrain_weight_grad", SOURCE)[1]
+    return _build()[1]
 
 
 @torch.library.custom_op("raytrain::weight_grad", mutates_args=())
