@@ -54,12 +54,14 @@ def build_kernel(name: str, source: Path):
     if not shutil.which(compiler) or not shutil.which("ninja"):
         return None, f"needs a C++ compiler ({compiler}) and ninja on PATH"
     cap, flags = _capability()
-    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode()).hexdigest()[:10]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the sources include
+    digest = hashlib.sha256(source.read_bytes() + headers + torch.__version__.encode()).hexdigest()[:10]
     try:
         from torch.utils.cpp_extension import load
 
-        # The name carries the source, torch and CPU capability: a changed kernel, another torch or
-        # another CPU type sharing the cache directory builds afresh instead of loading a stale .so.
+        # The name carries the source (with its headers), torch and CPU capability: a changed
+        # kernel, another torch or another CPU type sharing the cache directory builds afresh
+        # instead of loading a stale .so.
         ext = load(f"{name}_{cap}_{digest}", [str(source)], extra_cflags=["-O3", *flags])
     except Exception as e:  # a build error: the run goes on without the kernel
         return None, f"its build failed: {str(e).strip().splitlines()[-1][:200]}"

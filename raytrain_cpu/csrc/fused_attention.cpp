@@ -33,28 +33,13 @@
 #include <cstring>
 #include <vector>
 
-// fbgemm's vectorized transposes, exported by libtorch_cpu (ATen's own utils::transpose calls
-// them; its header would need fbgemm's headers, which torch's wheel does not ship).
-namespace fbgemm {
-template <typename T>
-void transpose_simd(int64_t M, int64_t N, const T* src, int64_t ld_src, T* dst, int64_t ld_dst);
-}  // namespace fbgemm
+#include "transpose.h"
 
 namespace {
 
 using bf16 = at::BFloat16;
+using raytrain::transpose;
 
-// src [M x N] (ld_src) -> dst [N x M] (ld_dst), for 16- and 32-bit elements: fbgemm's AVX2 /
-// AVX-512 code where the kernel is built for them, else a loop.
-template <typename T>
-void transpose(int64_t M, int64_t N, const T* src, int64_t ld_src, T* dst, int64_t ld_dst) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  fbgemm::transpose_simd<T>(M, N, src, ld_src, dst, ld_dst);
-#else
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j) dst[j * ld_dst + i] = src[i * ld_src + j];
-#endif
-}
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t BLK = 64;  // queries and keys a block; N of every operand cpublas::pack packs
 

@@ -16,23 +16,14 @@
 #include <algorithm>
 #include <vector>
 
-namespace fbgemm {
-template <typename T>
-void transpose_simd(int64_t M, int64_t N, const T* src, int64_t ld_src, T* dst, int64_t ld_dst);
-}  // namespace fbgemm
+#include "transpose.h"
 
 namespace {
 
-void transpose16(int64_t M, int64_t N, const uint16_t* src, int64_t ld_src, uint16_t* dst, int64_t ld_dst) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  fbgemm::transpose_simd<uint16_t>(M, N, src, ld_src, dst, ld_dst);
-#else
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j) dst[j * ld_dst + i] = src[i * ld_src + j];
-#endif
-}
-
-constexpr int64_t KC = 512;  // tokens a chunk: x's chunk (KC x I bf16) stays in L2 at I = 512-1,408
+// Tokens a chunk: x's chunk (KC x I bf16) stays in L2 at I = 512-1,408. 1,024 or 2,048 tokens a
+// chunk (fewer passes over the fp32 dW) ran slower, even with N split into blocks of 256-512, and
+// splitting N at 512 tokens gained nothing (2026-12-02, the 2-vCPU AMX host).
+constexpr int64_t KC = 512;
 constexpr int64_t MB = 64;   // output rows a block: the transposed dy block is MB x KC
 
 // dW [O x I] = dy^T x for contiguous bf16 dy [T x O] and x [T x I], any sizes; fp32 accumulation.
@@ -66,7 +57,7 @@ at::Tensor weight_grad(const at::Tensor& dy, const at::Tensor& x) {
     }
     for (int64_t o0 = 0; o0 < O; o0 += MB) {
       const int64_t m = std::min(MB, O - o0);
-      transpose16(k, m, dyp + t0 * O + o0, O, a.data(), lda);
+      raytrain::transpose<uint16_t>(k, m, dyp + t0 * O + o0, O, a.data(), lda);
       if (kp > k)
         for (int64_t r = 0; r < m; ++r) a[r * lda + k] = 0;
       at::native::cpublas::brgemm(m, I, vnni ? kp : k, lda, I, I, t0 > 0, reinterpret_cast<const at::BFloat16*>(a.data()),
