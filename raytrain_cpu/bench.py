@@ -253,10 +253,11 @@ def gemm_rows(g: dict[str, Any]) -> list[dict[str, Any]]:
 class Runner:
     """Runs raytrain_cpu.main.run with bench overrides; one Ray for all runs, one data cache."""
 
-    def __init__(self, size: str, workdir: Path, extra: list[str]):
+    def __init__(self, size: str, workdir: Path, extra: list[str], keep_checkpoints: bool = False):
         self.size, self.spec = size, SIZES[size]
         self.workdir = workdir
         self.extra = extra
+        self.keep_checkpoints = keep_checkpoints
         self.stamp = time.strftime("%H%M%S")
 
     def base(self) -> list[str]:
@@ -293,6 +294,8 @@ class Runner:
         print(f"[bench] {name}: {' '.join(overrides) or 'defaults'}", flush=True)
         t0 = time.perf_counter()
         s = run(cfg)
+        if not self.keep_checkpoints:
+            drop_checkpoints(Path(s["run_dir"]))
         bd = s["step_breakdown"]
         params = n_params(self.spec["model"])
         row = {
@@ -334,6 +337,16 @@ class Runner:
         }
         print(f"[bench] {name}: {row['tokens_per_s']:.0f} tokens/s, step {row['step_s']:.2f}s", flush=True)
         return row
+
+
+def drop_checkpoints(run_dir: Path) -> None:
+    """Removes a bench run's checkpoints, which no bench resumes: the final save holds the
+    weights with their fp32 copies and AdamW moments (~0.8 GB at 50m), and a suite of repeated
+    variants in one workdir would fill a small disk. Its summary, metrics and base model stay."""
+    import shutil
+
+    for ckpt in run_dir.glob("checkpoint_*"):
+        shutil.rmtree(ckpt, ignore_errors=True)
 
 
 def _train_peak_rss_gb(run_dir: str) -> float | None:
@@ -1562,10 +1575,15 @@ def main(argv: list[str] | None = None) -> int:
         "bf16_master) and/or compile",
     )
     ap.add_argument("--workdir", default="/tmp/raytrain_bench", help="runs, data cache and model files")
+    ap.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep each training run's checkpoints under --workdir (by default removed once the run is read)",
+    )
     ap.add_argument("--json", default=None, help="result file (default benchmarks/results/<machine>/<suite>.json)")
     ap.add_argument("overrides", nargs="*", help="extra key=value config overrides for every training run")
     args = ap.parse_intermixed_args(argv)  # overrides may follow the options
-    runner = Runner(args.size, Path(args.workdir), args.overrides)
+    runner = Runner(args.size, Path(args.workdir), args.overrides, args.keep_checkpoints)
     feats = cpu.cpu_features()
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     try:

@@ -329,6 +329,23 @@ def test_good_arguments_reach_the_suite_and_its_result_file(tmp_path, capsys, no
     assert bench.chosen_variants(args) == {"compile", "ZeRO-2"}
 
 
+def test_training_runs_leave_their_summary_and_drop_their_checkpoints(tmp_path, monkeypatch):
+    """No bench resumes a run: its checkpoints go (a 50m one holds ~0.8 GB), unless --keep-checkpoints."""
+    run = tmp_path / "runs" / "bench-train-1"
+    for part in ("checkpoint_000004/ds", "checkpoint_000008/rng", "base_model"):
+        (run / part).mkdir(parents=True)
+        (run / part / "f.bin").write_bytes(b"x")
+    (run / "summary.json").write_text("{}")
+    bench.drop_checkpoints(run)
+    assert sorted(p.name for p in run.iterdir()) == ["base_model", "summary.json"]
+
+    kept = []
+    monkeypatch.setattr(bench, "SUITES", {"train": lambda runner, args: kept.append(runner.keep_checkpoints) or {}})
+    for flag in ([], ["--keep-checkpoints"]):
+        assert bench.main(["train", "--size", "tiny", *flag, "--json", str(tmp_path / "t.json")]) == 0
+    assert kept == [False, True]
+
+
 def test_variant_names_are_the_suites_own():
     assert bench.variant_names("options")[0] == "defaults" and "micro batch 4" in bench.variant_names("options")
     assert bench.variant_names("lora") == list(bench.LORA_VARIANTS)
