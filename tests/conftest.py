@@ -53,6 +53,15 @@ def _run_rank_and_exit(rank: int, rank_fn, *args) -> None:
     os._exit(0)
 
 
+def forward_backward(module, x, g) -> list:
+    """module(x), then its backward from g: [the output, x's gradient, each parameter's gradient]."""
+    x = x.detach().clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    out = module(x)
+    out.backward(g)
+    return [out.detach(), x.grad, *(p.grad for p in module.parameters())]
+
+
 def spawn_ranks(rank_fn, nprocs: int, *args) -> None:
     """rank_fn(rank, *args) in `nprocs` spawned processes (never forked: the suite's pytest holds
     a Ray driver); raises if one fails."""

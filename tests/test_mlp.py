@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from conftest import forward_backward
 
 from raytrain_cpu import mlp
 from raytrain_cpu.bench import saved_tensor_bytes
@@ -25,21 +26,13 @@ def _mlp_pair(dtype: torch.dtype):
     return hf, ours
 
 
-def _run(module, x, g):
-    x = x.detach().clone().requires_grad_()
-    module.zero_grad(set_to_none=True)
-    out = module(x)
-    out.backward(g)
-    return [out.detach(), x.grad, *(p.grad for p in module.parameters())]
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_same_output_and_gradient_bits(dtype):
     hf, ours = _mlp_pair(dtype)
     gen = torch.Generator().manual_seed(1)
     x = (2 * torch.randn(3, 40, 32, generator=gen)).to(dtype)
     g = torch.randn(3, 40, 32, generator=gen).to(dtype)
-    for a, b in zip(_run(hf, x, g), _run(ours, x, g), strict=True):
+    for a, b in zip(forward_backward(hf, x, g), forward_backward(ours, x, g), strict=True):
         assert a.dtype == b.dtype == dtype and torch.equal(a, b)
 
 
