@@ -24,8 +24,7 @@ import tempfile
 import time
 from statistics import median
 
-from raytrain_cpu.bench import SIZES, VOCAB, _portable_args, bench_model_config, package_versions, write_results
-from raytrain_cpu.cpu import cpu_features
+from raytrain_cpu.bench import SIZES, VOCAB, bench_model_config, report_script
 
 
 def build(size: str, cache_dir: str):
@@ -102,19 +101,17 @@ def main() -> int:
         "per-pair speed-ups": ", ".join(f"{r:.2f}" for r in ratios),
         "warm-up s (2 steps; compiled: the compile)": ", ".join(f"{k} {v:.1f}" for k, v in warmup.items()),
     }
-    result = {
-        "command": "python benchmarks/compile_alternating.py " + " ".join(_portable_args(None, args.json)),
-        "machine": cpu_features().describe(),
-        "versions": package_versions(),
-        "runs": times,
-        "tables": {"per-layer compile against uncompiled, alternating steps in one process": [row]},
-        "notes": [
+    report_script(
+        "compile_alternating",
+        args.json,
+        runs=times,
+        tables={"per-layer compile against uncompiled, alternating steps in one process": [row]},
+        notes=[
             "uncompiled: the trainers' fused norms and rotary embeddings (model.fused_norm, model.fused_rotary); "
             "compiled: Hugging Face's, which inductor fuses; both the fused loss and causal blocks of 128 queries.",
             "one process, no DeepSpeed or Ray: the compute of one worker's micro batch.",
         ],
-    }
-    print(write_results("compile_alternating", result, args.json).with_suffix(".md").read_text())
+    )
     return 0
 
 

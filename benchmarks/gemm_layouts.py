@@ -22,7 +22,7 @@ import argparse
 from statistics import median
 
 from raytrain_cpu import cpu
-from raytrain_cpu.bench import SIZES, VOCAB, _portable_args, package_versions, write_results
+from raytrain_cpu.bench import SIZES, VOCAB, report_script
 
 GEMMS = ("forward x @ W^T", "input grad dy @ W", "weight grad dy^T @ x", "weight grad, dy^T contiguous")
 TRANSPOSES = ("dy^T copy, eager", "dy^T copy, compiled")
@@ -95,20 +95,18 @@ def main() -> int:
                 "compiled dy^T copy + its GEMM, ms": mid[TRANSPOSES[1]] + 1e3 * gflop / mid[GEMMS[3]],
             }
         )
-    result = {
-        "command": "python benchmarks/gemm_layouts.py " + " ".join(_portable_args(None, args.json)),
-        "machine": cpu.cpu_features().describe(),
-        "versions": package_versions(),
-        "runs": runs,
-        "tables": {f"bf16, {tokens} tokens, {args.threads} thread(s), medians of {args.rounds} rounds": rows},
-        "notes": [
+    report_script(
+        "gemm_layouts",
+        args.json,
+        runs=runs,
+        tables={f"bf16, {tokens} tokens, {args.threads} thread(s), medians of {args.rounds} rounds": rows},
+        notes=[
             "GFLOP/s: 2 x tokens x out x in per call, the best of timed batches (cpu.time_gemm); 'dy^T contiguous': the weight "
             "gradient's GEMM alone, its operand transposed beforehand (untimed).",
             "dy^T copy: what making that operand contiguous costs, eagerly and compiled by inductor; the last two "
             "columns: the weight gradient as autograd runs it against that copy (compiled) plus the contiguous GEMM.",
         ],
-    }
-    print(write_results("gemm_layouts", result, args.json).with_suffix(".md").read_text())
+    )
     return 0
 
 

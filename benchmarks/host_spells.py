@@ -29,7 +29,7 @@ import time
 from statistics import median
 
 from raytrain_cpu import cpu
-from raytrain_cpu.bench import SIZES, _portable_args, package_versions, write_results
+from raytrain_cpu.bench import SIZES, report_script
 
 OPS = ("bf16 GEMM", "fp32 exp", "Python loop")
 SLOW = 1.4  # a call over this many times its operation's best is slow
@@ -132,20 +132,18 @@ def main() -> int:
     tables = {"each vCPU alone": [r for c in vcpus for r in run_phase([c], args.seconds, args.size)]}
     if len(vcpus) > 1:
         tables["every vCPU at once"] = run_phase(vcpus, args.seconds, args.size)
-    result = {
-        "command": "python benchmarks/host_spells.py " + " ".join(_portable_args(None, args.json)),
-        "machine": feats.describe(),
-        "versions": package_versions(),
-        "tables": tables,
-        "notes": [
+    report_script(
+        "host_spells",
+        args.json,
+        tables=tables,
+        notes=[
             f"A call is slow when it took over {SLOW}x its operation's best in that process; a spell is a run of "
             "slow (or fast) GEMM calls, timed from the first call's start to the last's end.",
             "GEMM mean / best: what a timing that keeps the best batch over-reads the host's average by.",
             "P(op slow | GEMM slow) well above P(op slow): the spells slow every operation at once (the vCPU's, "
             "not one unit's); alone and at once alike: not the two processes contending with each other.",
         ],
-    }
-    print(write_results("host_spells", result, args.json).with_suffix(".md").read_text())
+    )
     return 0
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from raytrain_cpu import cpu, fused_attention
-from raytrain_cpu.bench import SIZES, _portable_args, package_versions, write_results
+from raytrain_cpu import fused_attention
+from raytrain_cpu.bench import SIZES, report_script
 
 KINDS = ["forward x @ W^T", "weight grad, autograd (oneDNN)", "weight grad, kernel"]
 
@@ -88,19 +88,17 @@ def main() -> int:
                 "kernel max error / max |dW|": errors[name],
             }
         )
-    result = {
-        "command": "python benchmarks/weight_grad.py " + " ".join(_portable_args(None, args.json)),
-        "machine": cpu.cpu_features().describe(),
-        "versions": package_versions(),
-        "kernel_capability": fused_attention._capability()[0],
-        "ms": ms,
-        "tables": {f"bf16, {tokens} tokens, one thread, fastest call of each round's best": rows},
-        "notes": [
+    report_script(
+        "weight_grad",
+        args.json,
+        kernel_capability=fused_attention._capability()[0],
+        ms=ms,
+        tables={f"bf16, {tokens} tokens, one thread, fastest call of each round's best": rows},
+        notes=[
             "'/ forward rate': the forward's time over the variant's, the same FLOPs (1.0 = the forward's rate).",
             "errors: the kernel's against fp32, bf16 rounding included.",
         ],
-    }
-    print(write_results("weight_grad", result, args.json).with_suffix(".md").read_text())
+    )
     return 0
 
 

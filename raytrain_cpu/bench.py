@@ -156,6 +156,18 @@ def results_file(stem: str, feats: cpu.CpuFeatures | None = None) -> Path:
     return RESULTS / (feats or cpu.cpu_features()).slug / f"{stem}.json"
 
 
+def report_script(script: str, json_path: str | None, **fields: Any) -> None:
+    """Writes and prints the result of benchmarks/<script>.py (write_results, named after the
+    script): its command line as run, this machine, the package versions, then `fields`."""
+    result = {
+        "command": f"python benchmarks/{script}.py " + " ".join(_portable_args(None, json_path)),
+        "machine": cpu.cpu_features().describe(),
+        "versions": package_versions(),
+        **fields,
+    }
+    print(write_results(script, result, json_path).with_suffix(".md").read_text())
+
+
 def write_results(suite: str, result: dict[str, Any], json_path: str | None, workdir: Path | None = None) -> Path:
     """<suite>.json plus <suite>.md (the tables) in this machine's folder of benchmarks/results
     (`cpu.CpuFeatures.slug`: model and best matrix ISA), or at --json.
