@@ -19,6 +19,12 @@ both. A drain for preemption cannot be refused or undone: the node takes no new 
 
 It holds no Ray connection while it waits (Ray may restart meanwhile); only a notice makes it
 connect, find its node and drain it, then it exits. One watcher a machine (a lock file).
+
+IMDS failing (throttled, restarting, a token request refused) never ends the watch: an ended
+watcher leaves its node to be reclaimed with no drain, which Ray counts as a failure. Each failed
+request is logged and retried, at the poll interval doubled per failure in a row, up to
+BACKOFF_CAP_S. `--log` names the file it writes (the cluster configs name one in Ray's session
+log directory, so `ray logs raytrain-spot-watch.log --node-ip IP` shows it).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import json
 import socket
 import sys
 import time
+import traceback
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -39,6 +46,12 @@ IMDS = "http://169.254.169.254"  # the instance metadata service, from inside th
 TOKEN_TTL_S = 21600  # IMDSv2 session tokens last up to 6 hours
 LOCK = "/tmp/raytrain-spot-watch.lock"
 EC2_TIME = "%Y-%m-%dT%H:%M:%SZ"  # how IMDS writes a notice's time (UTC), and how the watcher says times
+# The longest wait between IMDS retries: EC2's notice comes about 2 minutes ahead, so a watcher that
+# backs off longer could learn of it too late to checkpoint.
+BACKOFF_CAP_S = 30.0
+# Where say() writes (main's --log); None: stdout. Opened again for each line, so a file under Ray's
+# session_latest follows Ray to a new session when it restarts.
+LOG_FILE: str | None = None
 
 
 class SpotError(Exception):
@@ -133,21 +146,12 @@ def drain(address: str, node_id: str | None, notice: Notice, margin_s: float) ->
 # ----------------------------------------------------------------------------- the watch
 
 
-def watch(imds: str, address: str, node_id: str | None, poll_s: float, margin_s: float) -> Notice:
+def watch(
+    imds: str, address: str, node_id: str | None, poll_s: float, margin_s: float, give_up_s: float | None = None
+) -> Notice:
     """Polls IMDS until a notice comes, drains the node, returns the notice."""
-    token = imds_token(imds)
     say(f"watching {imds} every {poll_s:g} s for a spot interruption notice (drain margin {margin_s:g} s)")
-    while True:
-        try:
-            notice = instance_action(imds, token)
-        except PermissionError:
-            token, notice = imds_token(imds), None
-        except (urllib.error.URLError, OSError) as e:  # IMDS throttles bursts: try again next poll
-            say(f"IMDS did not answer ({e}); trying again")
-            notice = None
-        if notice is not None:
-            break
-        time.sleep(poll_s)
+    notice = wait_for_notice(imds, poll_s, give_up_s)
     while True:
         try:
             drained, deadline_ms = drain(address, node_id, notice, margin_s)
@@ -164,8 +168,59 @@ def watch(imds: str, address: str, node_id: str | None, poll_s: float, margin_s:
     return notice
 
 
+def wait_for_notice(imds: str, poll_s: float, give_up_s: float | None = None) -> Notice:
+    """Polls IMDS every `poll_s` until a notice comes. A failed request (the token's or the
+    notice's) is logged and retried with backoff (backoff_s); only `give_up_s` seconds of failures
+    in a row end the wait (SpotError), and by default nothing does."""
+    token: str | None = None
+    failures, failing_since = 0, 0.0
+    while True:
+        fresh = token is None
+        try:
+            token = token or imds_token(imds)
+            notice = instance_action(imds, token)
+        except PermissionError as e:  # the token expired (they last 6 hours): a new one at once
+            token = None
+            if not fresh:
+                continue
+            failure: Exception = SpotError(f"IMDS refused the token it had just given ({e})")
+        except (SpotError, urllib.error.URLError, OSError, ValueError, KeyError) as e:
+            failure = e  # IMDS throttles bursts and restarts; a garbled answer is one too
+        else:
+            if failures:
+                say(f"IMDS answers again, after {failures} failed request(s)")
+                failures = 0
+            if notice is not None:
+                return notice
+            time.sleep(poll_s)
+            continue
+        failures += 1
+        failing_since = failing_since if failures > 1 else time.monotonic()
+        if give_up_s is not None and time.monotonic() - failing_since >= give_up_s:
+            raise SpotError(f"{failure} (failing for {give_up_s:g} s, --give-up-s)") from failure
+        delay = backoff_s(failures, poll_s)
+        say(f"IMDS request failed ({failures} in a row): {failure}; trying again in {delay:g} s")
+        time.sleep(delay)
+
+
+def backoff_s(failures: int, poll_s: float) -> float:
+    """The wait after `failures` failed IMDS requests in a row: the poll interval, doubled for each
+    failure after the first, at most BACKOFF_CAP_S (or the poll interval, if that is longer)."""
+    return min(poll_s * 2 ** min(failures - 1, 32), max(BACKOFF_CAP_S, poll_s))
+
+
 def say(message: str) -> None:
-    print(f"[raytrain] {time.strftime('%H:%M:%S')} {message}", flush=True)
+    """Logs one line: to LOG_FILE when it can be written (Ray's log directory exists only while Ray
+    runs), else to stdout."""
+    line = f"[raytrain] {time.strftime('%H:%M:%S')} {message}"
+    if LOG_FILE is not None:
+        try:
+            with open(LOG_FILE, "a") as f:
+                f.write(line + "\n")
+            return
+        except OSError:
+            pass
+    print(line, flush=True)
 
 
 def _iso(t: float) -> str:
@@ -190,9 +245,26 @@ def main(argv: list[str] | None = None) -> int:
         help="end the training attempt this many seconds before the notice's time (default 15)",
     )
     ap.add_argument("--lock", default=LOCK, help=f"one watcher per lock file (default {LOCK})")
+    ap.add_argument(
+        "--log",
+        default=None,
+        help="append the log to this file, opened again for each line (default: stdout; stdout too while "
+        "the file cannot be written)",
+    )
+    ap.add_argument(
+        "--give-up-s",
+        type=float,
+        default=None,
+        help="exit (code 2) once IMDS has failed this many seconds in a row (default: never; a watcher that "
+        "exits leaves its node unwatched)",
+    )
     args = ap.parse_args(argv)
     if args.poll_s <= 0 or args.margin_s < 0:
         ap.error("--poll-s must be > 0 and --margin-s >= 0 (a deadline after the reclaim counts it as a failure)")
+    if args.give_up_s is not None and args.give_up_s < 0:
+        ap.error("--give-up-s must be >= 0 (or left out: never give up)")
+    global LOG_FILE
+    LOG_FILE = args.log
     with open(args.lock, "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -200,10 +272,14 @@ def main(argv: list[str] | None = None) -> int:
             say(f"a watcher holds {args.lock} already on {socket.gethostname()}: nothing to do")
             return 0
         try:
-            watch(args.imds, args.address, args.node_id, args.poll_s, args.margin_s)
+            watch(args.imds, args.address, args.node_id, args.poll_s, args.margin_s, args.give_up_s)
         except SpotError as e:
+            say(f"error: {e}")
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except Exception:  # a bug: its traceback where the watcher's log is read, not only stderr
+            say(f"error: the watcher failed:\n{traceback.format_exc()}")
+            raise
     return 0
 
 
