@@ -53,6 +53,7 @@ from typing import Any
 
 from raytrain_cpu import cpu
 from raytrain_cpu.metrics import markdown_table
+from raytrain_cpu.plan import ModelShape, config_head_dim
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -121,8 +122,10 @@ def bench_model_config(shape: dict[str, int], seq_len: int) -> tuple[Any, Any]:
 def n_params(shape: dict[str, int], vocab: int = VOCAB) -> dict[str, int]:
     """Parameter counts of an untied Llama (raytrain_cpu.model.count_parameters, without a file)."""
     d, L = shape["hidden_size"], shape["num_layers"]
-    kv = shape["num_kv_heads"] * (d // shape["num_heads"])
-    per_layer = 2 * d * d + 2 * d * kv + 3 * d * shape["intermediate_size"] + 2 * d
+    heads, kv = shape["num_heads"], shape["num_kv_heads"]
+    # plan.ModelShape's layer: q and o at heads x head_dim (a size's own head_dim, where it names one).
+    dims = ModelShape("", vocab, d, shape["intermediate_size"], L, heads, kv, attention_head_dim=config_head_dim(shape))
+    per_layer = sum(dims.layer_param_numels())
     return {
         "total": 2 * vocab * d + L * per_layer + d,
         "non_embedding": vocab * d + L * per_layer + d,

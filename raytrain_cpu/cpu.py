@@ -283,15 +283,21 @@ def llama_gemms(
     num_layers: int,
     tokens: int,
     training: bool = True,
+    head_dim: int = 0,
 ) -> list[Gemm]:
-    """The weight GEMMs of one Llama micro batch of `tokens` tokens.
+    """The weight GEMMs of one Llama micro batch of `tokens` tokens; `head_dim` the config's own
+    where it names one (Gemma-7B: 256, not hidden // heads = 192), 0 for hidden // heads.
 
     Forward is x[t,in] @ Wᵀ; backward adds the input gradient g[t,out] @ W and the weight
     gradient gᵀ[out,t] @ x[t,in]. Same-shape products are merged into one row with a count.
     """
-    kv = hidden // num_heads * num_kv_heads
+    from raytrain_cpu.plan import ModelShape
+
+    shape = ModelShape("", 0, hidden, intermediate, num_layers, num_heads, num_kv_heads, attention_head_dim=head_dim)
+    q, kv = shape.q_dim, shape.kv_dim
     linears = [  # (in, out, count per model); with kv == hidden the shapes repeat and merge below
-        (hidden, hidden, 2 * num_layers),  # q, o
+        (hidden, q, num_layers),  # q
+        (q, hidden, num_layers),  # o
         (hidden, kv, 2 * num_layers),  # k, v
         (hidden, intermediate, 2 * num_layers),  # gate, up
         (intermediate, hidden, num_layers),  # down
@@ -522,6 +528,7 @@ def gemms_for_model(model_dir: str, tokens: int) -> list[Gemm]:
         vocab=d["vocab_size"],
         num_layers=d["num_layers"],
         tokens=tokens,
+        head_dim=d["head_dim"] or 0,
     )
 
 

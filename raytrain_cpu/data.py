@@ -127,14 +127,20 @@ def _expand_s3(path: str, kind: str, key: str) -> tuple[tuple[str, ...], tuple[s
         if info.type == pafs.FileType.File:
             return (path,), (_object_version(info),)
         sel = pafs.FileSelector(root, recursive=True)
-        found = sorted((f.path, f) for f in fs.get_file_info(sel) if f.type == pafs.FileType.File)
+        # A prefix's objects of this kind only, as a local directory's files (_SUCCESS, README.md,
+        # .crc files beside the data are no source).
+        found = sorted(
+            (f.path, f)
+            for f in fs.get_file_info(sel)
+            if f.type == pafs.FileType.File and f.base_name.endswith(data_suffixes(kind))
+        )
     except OSError as e:  # S3 unreachable, an unknown bucket, credentials refused: AWS's words, one line
         raise DataError(
             f"{key}: cannot list {path!r} ({' '.join(str(e).split())}). Check the bucket's name, this machine's "
             "network and its AWS credentials (the instance role on the cluster; AWS_PROFILE or AWS_ACCESS_KEY_ID)."
         ) from None
     if not found:
-        raise DataError(f"{key}: {path!r} is empty.")
+        raise DataError(f"{key}: {path!r} holds no {'/'.join(data_suffixes(kind))} objects; the source is empty.")
     return tuple(f"s3://{p}" for p, _ in found), tuple(_object_version(f) for _, f in found)
 
 
@@ -708,6 +714,103 @@ def cache_root(cfg: Config) -> Path:
     )
 
 
+# ----------------------------------------------------------------------------- cache versions
+# A key's cache is built in a temporary directory beside the others, renamed to a version of its
+# own (<key>.v-<id>, never written again) and published by pointing the symlink <key>.current at
+# it, which one rename swaps: a reader sees the old version or the new one, whole, never a
+# directory being replaced. A run reads the version prepare() resolved for it, so a --force
+# rebuild (or another job's) never moves its files; an earlier version is never deleted here, as
+# this process cannot know that no run on another node still reads it. A cache written before
+# versions (a plain <key> directory) is read as it is and never replaced: a rebuild publishes a
+# version beside it.
+
+
+def _pointer(root: Path, key: str) -> Path:
+    return root / f"{key}.current"
+
+
+def _pointed(root: Path, key: str) -> str | None:
+    """The version name <key>.current names, None where there is none."""
+    try:
+        return os.readlink(_pointer(root, key))
+    except (FileNotFoundError, NotADirectoryError, OSError):
+        return None
+
+
+def published_cache(root: Path, key: str) -> Path | None:
+    """The directory of key's whole cache: the published version, else a cache written before
+    versions; None where neither holds a meta.json (written last, so its presence means whole)."""
+    name = _pointed(root, key)
+    if name and (root / name / "meta.json").is_file():
+        return root / name
+    legacy = root / key
+    return legacy if not legacy.is_symlink() and (legacy / "meta.json").is_file() else None
+
+
+def _fsync_tree(top: Path) -> None:
+    """Every file and directory under `top` on disk before the rename that publishes it: after a
+    crash (or on another node of a shared filesystem) a published version is whole, not a name
+    over blocks still in a writer's page cache."""
+    for folder, _, files in os.walk(top, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(folder))
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(root: Path, key: str, tmp: Path, *, replace: bool, seen: str | None, log) -> Path:
+    """Makes the whole cache in `tmp` key's published version; returns the version to read.
+
+    Two jobs preparing one key at once end with one cache: without --force (`replace`) the first
+    to publish wins (creating the symlink fails for the second, which drops its own copy, never
+    read, and takes the winner's). A --force rebuild replaces the version it found at its start
+    (`seen`); one another job published meanwhile is as new as its own, so it takes that one."""
+    _fsync_tree(tmp)
+    version = root / f"{key}.v-{uuid.uuid4().hex[:12]}"
+    os.rename(tmp, version)
+    _fsync_dir(root)
+    pointer = _pointer(root, key)
+    if not replace:
+        try:
+            os.symlink(version.name, pointer)
+            _fsync_dir(root)
+            return version
+        except FileExistsError:
+            winner = published_cache(root, key)
+            if winner is not None and winner.name != key:  # a whole version: it is the key's cache
+                shutil.rmtree(version, ignore_errors=True)
+                log(f"[data] another job published {winner} first; using it")
+                return winner
+    elif _pointed(root, key) not in (seen, None) and published_cache(root, key) is not None:
+        winner = published_cache(root, key)
+        shutil.rmtree(version, ignore_errors=True)
+        log(f"[data] another job rebuilt {winner} meanwhile; using it")
+        return winner
+    link = root / f".{key}.link-{uuid.uuid4().hex[:8]}"
+    os.symlink(version.name, link)
+    try:
+        os.replace(link, pointer)  # atomic: readers resolve the old version or this one
+    finally:
+        if link.is_symlink():
+            link.unlink()
+    _fsync_dir(root)
+    earlier = root / seen if seen else root / key
+    if earlier != version and (earlier / "meta.json").is_file():
+        log(f"[data] the earlier cache {earlier} is left in place for any run still reading it; remove it once none is")
+    return version
+
+
 class _BlockWriter:
     """Cuts a token stream into seq_len blocks and writes them as parquet files."""
 
@@ -1062,7 +1165,7 @@ def prepare_evaluation(cfg: Config, *, log=print) -> Path:
         return prepare(cfg, log=log)
     train, evals = source_specs(cfg.data)
     key = cache_key(cfg, train, evals, resolve_tokenizer_path(cfg.model.tokenizer, cfg.model.name_or_path))
-    trained = (cache_root(cfg) / key / "meta.json").is_file()
+    trained = published_cache(cache_root(cfg), key) is not None
     eval_only = evals is not None and not trained
     return _prepare_source(cfg, force=False, log=log, eval_only=eval_only, specs=(train, evals))
 
@@ -1180,10 +1283,12 @@ def _prepare_source(
     train, evals = specs or source_specs(cfg.data)
     eval_only = eval_only and evals is not None
     key = cache_key(cfg, train, evals, tokenizer_path, eval_only)
-    final = cache_root(cfg) / key
-    if (final / "meta.json").is_file() and not force:
-        log(f"[data] using the cached blocks in {final}")
-        return final
+    root = cache_root(cfg)
+    final, seen = root / key, _pointed(root, key)  # seen: the version a --force rebuild replaces
+    found = published_cache(root, key)
+    if found is not None and not force:
+        log(f"[data] using the cached blocks in {found}")
+        return found
     t0 = time.perf_counter()
     if not ray.is_initialized():  # a one-process command (evaluate) whose data are not packed yet
         ray.init(address="local", log_to_driver=False, include_dashboard=False)
@@ -1229,9 +1334,7 @@ def _prepare_source(
             "tokens_per_s": round(stats["tokens"] / wall, 1),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # the cache appears whole or not at all
+        final = _publish(root, key, tmp, replace=force, seen=seen, log=log)  # whole or not at all
     except OSError as e:
         if not out_of_space(e):
             raise

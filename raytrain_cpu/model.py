@@ -17,11 +17,13 @@ import inspect
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from raytrain_cpu.config import Config, ConfigError
 from raytrain_cpu.hub import is_hub_id
+from raytrain_cpu.plan import config_head_dim
 
 
 def tiny_llama_config(cfg: Config, vocab_size: int, eos_token_id: int):
@@ -45,26 +47,92 @@ def tiny_llama_config(cfg: Config, vocab_size: int, eos_token_id: int):
     )
 
 
-def write_tiny_model(cfg: Config, tokenizer, out_dir: Path) -> Path:
+# The config.json keys tiny_llama_config decides: a base_model whose keys differ was built from
+# other model.tiny settings (or another tokenizer's vocabulary).
+TINY_MODEL_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "rms_norm_eps",
+    "rope_parameters",
+    "bos_token_id",
+    "eos_token_id",
+)
+TINY_RECORD = "raytrain_tiny.json"  # the settings a base_model was built from: its config keys and train.seed
+
+
+def _tiny_settings(config, seed: int) -> dict[str, Any]:
+    full = json.loads(config.to_json_string())
+    return {"seed": seed, "config": {k: full.get(k) for k in TINY_MODEL_KEYS}}
+
+
+def tiny_model_differences(out_dir: Path, wanted: dict[str, Any]) -> list[str]:
+    """'key: built → wanted' for each setting a written tiny model differs in. A key its files
+    do not record (a base_model written before the record, or by another transformers) is not
+    compared: only a difference they show counts."""
+    record = out_dir / TINY_RECORD
+    built = json.loads(record.read_text()) if record.is_file() else {"config": _config_json(str(out_dir))}
+    diffs = [
+        f"{k}: {built['config'][k]!r} → {v!r}"
+        for k, v in wanted["config"].items()
+        if k in built["config"] and built["config"][k] != v
+    ]
+    if "seed" in built and built["seed"] != wanted["seed"]:
+        diffs.append(f"train.seed: {built['seed']} → {wanted['seed']}")
+    return diffs
+
+
+def write_tiny_model(cfg: Config, tokenizer, out_dir: Path, log=print) -> Path:
     """Initialises the tiny Llama with train.seed and saves it (safetensors + config + tokenizer).
 
     Written once per run directory and reused on resume, so every attempt starts from the
-    same initial weights.
+    same initial weights. A base_model built from other model.tiny settings (or another seed)
+    is never reused silently: it is rebuilt where no checkpoint of the run was trained from it,
+    and refused, naming the differences, where one was (its weights are what they continued).
     """
     import torch
     from transformers import LlamaForCausalLM
 
     out_dir = Path(out_dir)
-    if (out_dir / "model.safetensors").is_file():
-        return out_dir
     config = tiny_llama_config(cfg, len(tokenizer), tokenizer.eos_token_id)
+    wanted = _tiny_settings(config, cfg.train.seed)
+    if (out_dir / "model.safetensors").is_file():
+        diffs = tiny_model_differences(out_dir, wanted)
+        if not diffs:
+            return out_dir
+        trained = sorted(p.name for p in out_dir.parent.glob("checkpoint_*") if (p / "manifest.json").is_file())
+        if trained:
+            raise ConfigError(
+                f"model.tiny: {out_dir} was built from other settings ({'; '.join(diffs)}) and {trained[-1]} was "
+                "trained from it, so it is kept as it is. Set those back to resume this run, or start a new "
+                "run.name for the new settings."
+            )
+        log(
+            f"[raytrain] {out_dir} was built from other settings ({'; '.join(diffs)}); no checkpoint was trained "
+            "from it: rebuilding it"
+        )
     check_tiny_model_fits(config)
     torch.manual_seed(cfg.train.seed)
     model = LlamaForCausalLM(config)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # an interrupted earlier write's
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(out_dir)
+    (tmp / TINY_RECORD).write_text(json.dumps(wanted, indent=2))
+    if out_dir.exists():  # the old one (nothing trained from it) goes only once the new one is whole
+        old = out_dir.with_name(f"{out_dir.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out_dir)
     return out_dir
 
 
@@ -151,7 +219,42 @@ _SAFETENSORS_DTYPES = {
     "I8": "int8",
     "U8": "uint8",
     "BOOL": "bool",
+    # FP8 checkpoints (DeepSeek-V3 style) and unsigned ints: torch has each, and copy_ converts
+    # them into the parameter's dtype as the other types are.
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
 }
+
+# os.preadv returns at most this many bytes a call on Linux (MAX_RW_COUNT: 2 GiB less a page),
+# whatever the buffer's size; reads loop until the range is whole.
+_MAX_READ = 0x7FFFF000
+
+
+def safetensors_dtype(code: str, path: str, name: str):
+    """The torch dtype of a safetensors dtype code, or a clear refusal naming it (not a KeyError)."""
+    import torch
+
+    if code not in _SAFETENSORS_DTYPES:
+        raise ValueError(
+            f"{path}: tensor {name} is stored as {code!r}, which raytrain_cpu does not load (it reads "
+            f"{', '.join(_SAFETENSORS_DTYPES)}). Convert the checkpoint to bf16 or fp32 first."
+        )
+    return getattr(torch, _SAFETENSORS_DTYPES[code])
+
+
+def pread_exact(fd: int, buf: bytearray | memoryview, offset: int, path: str, name: str) -> None:
+    """Fills `buf` from `offset` of fd. One preadv returns at most 2 GiB less a page (and may
+    return less at any size), so a tensor past that is read in as many calls as it takes; a
+    file that ends first is named as truncated."""
+    view, done = memoryview(buf).cast("B"), 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done : done + _MAX_READ]], offset + done)
+        if got == 0:
+            raise ValueError(f"{path}: {name} is truncated (read {done} of {len(view)} bytes)")
+        done += got
 
 
 # ----------------------------------------------------------------------------- shape and size from the files
@@ -197,6 +300,8 @@ def model_dims(model_dir: str) -> dict[str, int | None]:
         "vocab_size": c.get("vocab_size"),
     }
     dims["num_kv_heads"] = c.get("num_key_value_heads") or dims["num_heads"]
+    # The config's own head_dim where it sets one (Gemma's is not hidden // heads), else hidden // heads.
+    dims["head_dim"] = config_head_dim(c) or (hidden and heads and hidden[1] // heads[1])
     # GPT-2 style configs leave the MLP width unset (n_inner: None) for 4 x hidden.
     dims["intermediate_size"] = c.get("intermediate_size") or c.get("n_inner") or (hidden and 4 * hidden[1])
     return dims
@@ -332,7 +437,7 @@ def _read_own_partitions(model, files: dict[str, str]) -> None:
                 p, meta = params[name], header[name]
                 if tuple(meta["shape"]) != tuple(p.ds_shape):
                     raise ValueError(f"{name}: checkpoint shape {tuple(meta['shape'])} != model {tuple(p.ds_shape)}")
-                dtype = getattr(torch, _SAFETENSORS_DTYPES[meta["dtype"]])
+                dtype = safetensors_dtype(meta["dtype"], path, name)
                 part = p.ds_tensor
                 start = part.ds_numel * dist.get_rank(group=p.ds_process_group)
                 n = max(0, min(start + part.ds_numel, p.ds_numel) - start)  # elements this rank holds
@@ -341,9 +446,7 @@ def _read_own_partitions(model, files: dict[str, str]) -> None:
                     if n == 0:
                         continue
                     buf = bytearray(n * dtype.itemsize)
-                    got = os.preadv(fd, [buf], data_start + meta["data_offsets"][0] + start * dtype.itemsize)
-                    if got != len(buf):
-                        raise ValueError(f"{path}: {name} is truncated (read {got} of {len(buf)} bytes)")
+                    pread_exact(fd, buf, data_start + meta["data_offsets"][0] + start * dtype.itemsize, path, name)
                     part.narrow(0, 0, n).copy_(torch.frombuffer(buf, dtype=dtype))
         finally:
             os.close(fd)

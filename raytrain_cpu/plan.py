@@ -54,10 +54,19 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     tie_word_embeddings: bool = False
+    # A config's own head_dim (Gemma-7B: 256 with hidden 3072 over 16 heads); 0 where it names
+    # none, which means Llama's hidden // heads.
+    attention_head_dim: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.attention_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection (and the input of o_proj): heads x head_dim, which is the
+        hidden size only where head_dim is hidden // heads."""
+        return self.num_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -67,8 +76,8 @@ class ModelShape:
     def layer_param_numels(self, matrices_only: bool = False) -> list[int]:
         """Element counts of one decoder layer's tensors (q, k, v, o, gate, up, down, 2 norms;
         `matrices_only`: without the 1-D norms)."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_dim
-        return [h * h, h * kv, h * kv, h * h, h * i, h * i, i * h, *([] if matrices_only else [h, h])]
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
+        return [h * q, h * kv, h * kv, q * h, h * i, h * i, i * h, *([] if matrices_only else [h, h])]
 
     def param_numels(self, matrices_only: bool = False) -> list[int]:
         """Element counts of every parameter tensor in model order, as DeepSpeed sees them
@@ -84,12 +93,12 @@ class ModelShape:
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """(out, in) of each Linear of a decoder layer, by its Llama module name."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_dim
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
         return {
-            "q_proj": (h, h),
+            "q_proj": (q, h),
             "k_proj": (kv, h),
             "v_proj": (kv, h),
-            "o_proj": (h, h),
+            "o_proj": (h, q),
             "gate_proj": (i, h),
             "up_proj": (i, h),
             "down_proj": (h, i),
@@ -162,8 +171,11 @@ CALIBRATION_CASES: list[tuple[str, int, bool]] = [
 
 
 def shape_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelShape:
-    """A ModelShape from a Hugging Face config.json dict (Llama, Mistral, Qwen2 style keys)."""
+    """A ModelShape from a Hugging Face config.json dict (Llama, Mistral, Qwen2, Gemma style keys).
+    head_dim is the config's own where it names one (Gemma's is not hidden // heads); an
+    unset tie_word_embeddings is the model type's default (Gemma ties, Llama does not)."""
     heads = cfg["num_attention_heads"]
+    tied = cfg.get("tie_word_embeddings")
     return ModelShape(
         name=name or cfg.get("_name_or_path") or cfg.get("model_type", "model"),
         vocab_size=cfg["vocab_size"],
@@ -172,8 +184,27 @@ def shape_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelShape:
         num_layers=cfg["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(_default_tie(cfg.get("model_type")) if tied is None else tied),
+        attention_head_dim=config_head_dim(cfg),
     )
+
+
+def config_head_dim(cfg: dict[str, Any]) -> int:
+    """head_dim as a config.json dict sets it, 0 where it sets none (hidden // heads then): the
+    one rule every shape this project derives (planner, GEMM probe, benchmarks) follows."""
+    value = cfg.get("head_dim")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _default_tie(model_type: str | None) -> bool:
+    """Whether transformers ties a model type's output head to its embeddings when config.json
+    does not say (its config class's default); False for a type it does not know."""
+    try:
+        from transformers import CONFIG_MAPPING
+
+        return bool(CONFIG_MAPPING[model_type]().tie_word_embeddings)
+    except Exception:  # transformers absent, an unknown or missing type: Llama's default
+        return False
 
 
 def shape_of_model_config(config: Any) -> ModelShape:
@@ -182,6 +213,7 @@ def shape_of_model_config(config: Any) -> ModelShape:
     or 4 x hidden)."""
     hidden = config.hidden_size
     keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    keys += ("head_dim", "tie_word_embeddings", "model_type")
     return shape_from_hf_config(
         {k: getattr(config, k, None) for k in keys}
         | {
@@ -286,7 +318,8 @@ def _act_bytes_per_token_layer(s: ModelShape) -> int:
     rotary temporaries and v (2 kv_dim each); the SwiGLU MLP's gate, up, silu(gate) and their
     product (2i each). Checked against autograd's saved tensors (within 10%).
     """
-    return 26 * s.hidden_size + 8 * s.kv_dim + 8 * s.intermediate_size
+    # The q-wide five at q_dim: the hidden size, but for a config with its own head_dim (Gemma).
+    return 16 * s.hidden_size + 10 * s.q_dim + 8 * s.kv_dim + 8 * s.intermediate_size
 
 
 # model.attention_probs=auto: the causal blocks keep their probabilities for the backward (no
@@ -521,7 +554,7 @@ def memory_breakdown(
     tokens = micro_batch * seq_len
     # model.attention=auto times both attentions once, right after the load, on tensors of the
     # run's shape (counted whichever model.attention says: the planner assumes the default).
-    attention_pick = ATTENTION_PICK_FACTOR * b * tokens * shape.hidden_size  # heads x head_dim
+    attention_pick = ATTENTION_PICK_FACTOR * b * tokens * shape.q_dim  # heads x head_dim
     block = attention_block(attention)
     kept = block is not None and keeps_attention_probs(shape, seq_len, activation_checkpointing, attention_probs, block)
     probs = probs_bytes_per_token_layer(shape, seq_len, block, b) if kept else 0.0

@@ -656,3 +656,133 @@ def test_eval_examples_cut_to_seq_len_are_counted_too(ray_session, tmp_path, mak
     assert (meta["truncated_examples"], meta["eval_truncated_examples"]) == (1, 2)
     assert any(line.endswith("(and 2 eval examples)") for line in lines), lines
     assert "eval_truncated_examples" in PREPARED_FIGURES
+
+
+# ----------------------------------------------------------------------------- cache versions (no Ray)
+
+
+@pytest.fixture
+def fake_packing(monkeypatch):
+    """_prepare_source without Ray or tokenization: each _pack call writes one part file naming the
+    thread that packed it; `hold` (a barrier, a delay per thread) makes concurrent builds overlap."""
+    import threading
+
+    import ray
+
+    from raytrain_cpu import data
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 1})
+    state = {"hold": None, "delay": {}}
+
+    def pack(spec, data_cfg, tokenizer, actors, out, eval_out, pad_id):
+        if state["hold"] is not None:
+            state["hold"].wait(timeout=30)
+        time.sleep(state["delay"].get(threading.current_thread().name, 0.0))
+        out.mkdir(parents=True)
+        (out / "part-00000.parquet").write_text(threading.current_thread().name)
+        return {"documents": 1, "tokens": 10, "blocks": 1, "skipped_rows": 0, "dropped_tail_tokens": 0}
+
+    monkeypatch.setattr(data, "_pack", pack)
+    return state
+
+
+def _prepare_in_threads(cfg, n: int, force: bool = False) -> list:
+    import threading
+
+    from raytrain_cpu.data import prepare
+
+    results: list = [None] * n
+
+    def run(i: int) -> None:
+        results[i] = prepare(cfg, force=force, log=lambda m: None)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"job{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def test_two_jobs_preparing_one_key_at_once_end_with_the_same_whole_cache(make_config, tmp_path, fake_packing):
+    """Both build (neither finds a cache), the first to publish wins and the other drops its own
+    copy and reads the winner's: one version, whole, and nothing half-written left."""
+    import threading
+
+    fake_packing["hold"] = threading.Barrier(2)  # both are packing before either publishes
+    cfg = make_config(f"data.cache_dir={tmp_path / 'cache'}")
+    first, second = _prepare_in_threads(cfg, 2)
+    assert first == second and (first / "meta.json").is_file() and (first / "train" / "part-00000.parquet").is_file()
+    names = sorted(p.name for p in (tmp_path / "cache").iterdir() if p.name != "tokenizers")
+    key = json.loads((first / "meta.json").read_text())["key"]
+    assert names == [f"{key}.current", first.name]  # the loser's version is gone, no .tmp left
+
+
+def test_two_forced_rebuilds_at_once_end_with_the_same_cache(make_config, tmp_path, fake_packing):
+    import threading
+
+    from raytrain_cpu.data import prepare, published_cache
+
+    cfg = make_config(f"data.cache_dir={tmp_path / 'cache'}")
+    old = prepare(cfg, log=lambda m: None)
+    fake_packing["hold"] = threading.Barrier(2)
+    fake_packing["delay"] = {"job1": 0.5}  # job0 publishes first; job1 finds its rebuild and takes it
+    first, second = _prepare_in_threads(cfg, 2, force=True)
+    assert first == second != old and published_cache(tmp_path / "cache", old.name.split(".")[0]) == first
+    assert (first / "meta.json").is_file() and (old / "meta.json").is_file()
+
+
+def test_a_forced_rebuild_never_moves_the_cache_a_run_reads(make_config, tmp_path, fake_packing):
+    """--force used to delete the cache directory and rename a new one in its place: a run
+    reading it died with FileNotFoundError. The rebuild is a new version; the old one stays."""
+    from raytrain_cpu.data import prepare, read_meta
+
+    cfg = make_config(f"data.cache_dir={tmp_path / 'cache'}")
+    lines: list[str] = []
+    old = prepare(cfg, log=lines.append)
+    part = old / "train" / "part-00000.parquet"
+    with open(part) as reading:  # a run holding a file open, and one that opens the next later
+        new = prepare(cfg, force=True, log=lines.append)
+        assert reading.read() == "MainThread"
+    assert new != old and part.read_text() == "MainThread" and read_meta(old)["key"] == read_meta(new)["key"]
+    assert any(f"the earlier cache {old} is left in place" in line for line in lines)
+    assert prepare(cfg, log=lines.append) == new  # the published version is the one found next
+
+
+def test_a_cache_written_before_versions_is_read_and_never_replaced(make_config, tmp_path, fake_packing):
+    from raytrain_cpu.data import prepare
+
+    cfg = make_config(f"data.cache_dir={tmp_path / 'cache'}")
+    built = prepare(cfg, log=lambda m: None)
+    legacy = tmp_path / "cache" / json.loads((built / "meta.json").read_text())["key"]
+    built.rename(legacy)  # the layout before versions: the cache at <key> itself, no pointer
+    (tmp_path / "cache" / f"{legacy.name}.current").unlink()
+    assert prepare(cfg, log=lambda m: None) == legacy
+    new = prepare(cfg, force=True, log=lambda m: None)
+    assert new != legacy and (legacy / "meta.json").is_file() and prepare(cfg, log=lambda m: None) == new
+
+
+def test_an_s3_prefix_lists_only_its_sources_files(tmp_path, monkeypatch):
+    """_expand_s3 listed every object under the prefix: a parquet source read README.md, _SUCCESS
+    and Spark's .crc files as parquet. It keeps the kind's suffixes, as a local directory does."""
+    import pyarrow.fs as pafs
+
+    from raytrain_cpu.data import _expand_s3
+
+    bucket = tmp_path / "bucket"
+    (bucket / "set" / "sub").mkdir(parents=True)
+    for name in ("a.parquet", "sub/b.parquet", "README.md", "_SUCCESS", ".a.parquet.crc", "sub/part.parquet.crc"):
+        (bucket / "set" / name).write_bytes(b"x")
+
+    class S3:  # FileSystem.from_uri: the bucket at a local folder
+        from_uri = staticmethod(lambda uri: (pafs.LocalFileSystem(), str(bucket / uri.removeprefix("s3://b/"))))
+
+    monkeypatch.setattr(pafs, "FileSystem", S3)
+    paths, versions = _expand_s3("s3://b/set", "parquet", "data.path")
+    assert [p.removeprefix(f"s3://{bucket}/set/") for p in paths] == ["a.parquet", "sub/b.parquet"]
+    assert len(versions) == 2
+    (bucket / "only").mkdir()
+    (bucket / "only" / "_SUCCESS").write_bytes(b"")
+    with pytest.raises(DataError, match=r"data.path: 's3://b/only' holds no .parquet objects"):
+        _expand_s3("s3://b/only", "parquet", "data.path")
