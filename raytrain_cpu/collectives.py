@@ -164,9 +164,7 @@ def _map_shared(rank: int, size: int) -> torch.Tensor | None:
     dist.broadcast_object_list(made, src=0)
     path, stamp = made[0]
     if rank == 0:
-        with open(path, "wb") as f:
-            f.truncate(size)
-            f.write(stamp.to_bytes(8, "little"))
+        _create_segment(path, size, stamp)
     dist.barrier()
     buf = None
     if os.path.exists(path):  # never create the file on a machine rank 0 is not on
@@ -177,6 +175,19 @@ def _map_shared(rank: int, size: int) -> torch.Tensor | None:
     if rank == 0:
         os.unlink(path)
     return buf if seen.item() else None
+
+
+def _create_segment(path: str, size: int, stamp: int) -> None:
+    """The zeroed segment, `size` bytes, `stamp` in its first 8, readable and writable by this
+    user only (0600): the ranks are this user's processes, and the slots carry the model's
+    weights and gradients, which no other user of the machine should read or write while the
+    file exists. O_EXCL: never a file someone else made at that name; fchmod: whatever the
+    umask says."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(fd, 0o600)
+        f.truncate(size)
+        f.write(stamp.to_bytes(8, "little"))
 
 
 def _slot_bytes(world: int) -> int:

@@ -825,6 +825,26 @@ def ipex_status() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- worker set-up
 
 
+# model.dtype=auto's pick, forced: 'bf16' or 'fp32'. A test and debugging setting, not a
+# config key: a suite run on a bf16 host with fp32 forced (or the reverse) shows a test that
+# holds only for its own host's pick. Read by every worker, so it must be in the workers'
+# environment (a local Ray started from a shell that sets it inherits it).
+FORCE_AUTO_DTYPE = "RAYTRAIN_DTYPE_AUTO"
+
+
+def forced_auto_dtype() -> str | None:
+    """The dtype $RAYTRAIN_DTYPE_AUTO forces model.dtype=auto to ('bf16' or 'fp32'); None when unset."""
+    value = os.environ.get(FORCE_AUTO_DTYPE, "").strip().lower()
+    if not value:
+        return None
+    if value not in ("bf16", "fp32"):
+        raise ValueError(
+            f"{FORCE_AUTO_DTYPE}={os.environ[FORCE_AUTO_DTYPE]!r}: model.dtype=auto can be forced to bf16 or fp32; "
+            f"set one of them or unset {FORCE_AUTO_DTYPE} to let the GEMM probe decide"
+        )
+    return value
+
+
 def setup_worker(
     requested_dtype: str,
     model_dir: str,
@@ -839,11 +859,19 @@ def setup_worker(
     """Places this worker's threads and settles the training dtype; returns the facts for summary.json.
 
     A resumed run keeps its checkpoint's dtype (bf16 and fp32 optimizer states don't load
-    into each other); otherwise `choose_dtype` decides, identically on every rank.
+    into each other); otherwise `choose_dtype` decides, identically on every rank, unless
+    $RAYTRAIN_DTYPE_AUTO forces 'auto' (forced_auto_dtype).
     """
     feats = cpu_features()
     placement = place_threads(threads, local_rank, local_world, pin, feats)
     choice = choose_dtype(requested_dtype, gemms_for_model(model_dir, tokens_per_micro_batch), agree)
+    forced = forced_auto_dtype()
+    if requested_dtype == "auto" and forced:
+        choice |= {
+            "dtype": forced,
+            "reason": f"auto: {forced}, forced by {FORCE_AUTO_DTYPE} (measured: {choice['reason']})",
+        }
+        choice["peak_flops_per_s"] = choice[f"{forced}_flops_per_s"]
     if resumed_dtype and resumed_dtype != choice["dtype"]:
         choice |= {"dtype": resumed_dtype, "reason": f"{resumed_dtype} from the checkpoint being resumed"}
         choice["peak_flops_per_s"] = choice[f"{resumed_dtype}_flops_per_s"]

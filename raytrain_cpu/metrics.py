@@ -178,6 +178,29 @@ def mfu(tokens_per_s: float, n_params: dict[str, int | None], seq_len: int, peak
     return tokens_per_s * fpt / peak_flops
 
 
+@dataclass
+class ThroughputWindow:
+    """A log row's tokens/s and data_wait_frac, over the training steps since the last row and
+    their seconds alone. What runs between steps (an evaluation, a checkpoint's save, the MFU
+    probe, the row's own all-reduces) and the first batch's wait for the data pipeline to start
+    are no part of it: a window that held one read as a slow-down of training that never was.
+    The data waits within the steps are, and data_wait_frac is their share of the steps' time."""
+
+    seconds: float = 0.0  # the steps' own
+    tokens: int = 0
+    wait: float = 0.0  # of `seconds`: waiting for the next batch
+
+    def add_step(self, seconds: float, tokens: int) -> None:
+        self.seconds += seconds
+        self.tokens += tokens
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    def data_wait_frac(self) -> float:
+        return self.wait / max(self.seconds, 1e-9)
+
+
 # ----------------------------------------------------------------------------- progress line
 
 

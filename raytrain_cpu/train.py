@@ -403,13 +403,15 @@ class Loop:
     opt_step_at_resume: int | None = None
     last_ckpt: Path | None = None
     steps_this_attempt: int = 0
-    expected_first: int | None = None  # the stream's first position, checked on the first batch
+    # The checkpoint's record of the blocks its next step trains on (save_checkpoint's
+    # next_blocks), checked against this rank's first batch (check_resumed_stream); then None.
+    expected_blocks: dict[str, Any] | None = None
+    data_changed: bool = False  # the packed blocks changed since that checkpoint (data_key)
     first_batch_wait: float | None = None
     total_wait: float = 0.0
     t_start: float = field(default_factory=time.perf_counter)
-    window_t: float = field(default_factory=time.perf_counter)
-    window_tokens: int = 0
-    window_wait: float = 0.0
+    step_t0: float = 0.0  # when the running step started (run_step), past the first batch's wait
+    window: obs.ThroughputWindow = field(default_factory=obs.ThroughputWindow)  # the log row's tokens/s
     saved_on_notice: bool = False
     growth_nodes: frozenset[str] = frozenset()  # rank 0: the nodes that had room when it last saved for growth
     last: dict[str, Any] = field(default_factory=dict)  # the latest logged row
@@ -724,14 +726,12 @@ def retime_mfu_peak(w: Worker, st: Loop, dtype: str, clock) -> None:
     rate too (cpu.time_training_mix says why)."""
     from raytrain_cpu import cpu
 
-    t0 = time.perf_counter()
     kernel = None
     if w.weight_grad_kernel:  # the mix as the model runs it
         from raytrain_cpu.linear import weight_grad as kernel
     peak, mean = cpu.time_training_mix(_model_gemms(w), dtype, agree=_rank_mean(w), weight_grad=kernel)
     w.loop_config["peak_flops"] = peak
     clock.peak(peak, mean)
-    st.window_t += time.perf_counter() - t0
 
 
 @dataclass
@@ -1233,11 +1233,25 @@ def resume(w: Worker, engine, scheduler) -> Loop:
         st.last_ckpt = Path(restored.path)
         st.opt_step_at_resume = _optimizer_step(engine)
         w.log(f"resumed from {restored.path} at step {st.step} (optimizer at step {st.opt_step_at_resume})")
+        lr_saved = engine.optimizer.param_groups[0]["lr"]  # the checkpoint's schedule's at this step
         for change in apply_optimizer_settings(engine, scheduler, w.cfg.train):
             w.log(f"[resume] {change}")
+        if math.isclose(engine.optimizer.param_groups[0]["lr"], lr_saved, rel_tol=1e-6):  # else named above
+            w.log(f"[resume] {lr_held_line(st.step, lr_saved, w.cfg.train)}")
+        st.expected_blocks = manifest.get("next_blocks")  # checkpoints made before it recorded them: none
+        st.data_changed = manifest.get("data_key") != w.loop_config.get("data_key")
     st.watch = EvalWatch.for_run(w.cfg, manifest)
-    st.expected_first = st.step * w.global_batch + w.rank * w.cfg.train.micro_batch_size  # see data.StreamPlan
     return st
+
+
+def lr_held_line(step: int, lr: float, t) -> str:
+    """What a resume says of a learning rate the config's schedule keeps at the restored step (a
+    changed one, from a changed train.max_steps or schedule setting, apply_optimizer_settings
+    names with both values): every resume names the LR it goes on with."""
+    return (
+        f"the learning rate at step {step}: {lr:.3g}, as in the checkpoint "
+        f"(the {t.schedule} schedule of train.max_steps={t.max_steps})"
+    )
 
 
 def apply_optimizer_settings(engine, scheduler, t) -> list[str]:
@@ -1296,22 +1310,35 @@ def next_batch(w: Worker, st: Loop, batches, clock, block_log) -> dict[str, Any]
     wait = time.perf_counter() - t0
     if st.first_batch_wait is None:
         # The first batch waits for the Ray Data pipeline to start: reported on its own, so
-        # data_wait_frac measures the steady-state stall.
+        # data_wait_frac measures the steady-state stall, and left out of the step's time.
         st.first_batch_wait, wait = wait, 0.0
         st.t_start += st.first_batch_wait
-    st.window_wait += wait
+        st.step_t0 += st.first_batch_wait
+    st.window.wait += wait
     st.total_wait += wait
     clock.add("data_wait", wait)
-    if st.expected_first is not None:  # the stream must start at the first unconsumed block
-        if int(batch["pos"][0]) != st.expected_first:
-            raise RuntimeError(
-                f"rank {w.rank}: data stream starts at position {int(batch['pos'][0])}, expected "
-                f"{st.expected_first} after {st.step} steps; the data cache changed under the run."
-            )
-        st.expected_first = None
+    if st.expected_blocks is not None:  # a resume: the stream must go on with the blocks the checkpoint recorded
+        mismatch = check_resumed_stream(w.rank, st.step, st.expected_blocks, batch["pos"], batch["block_id"])
+        if mismatch and not st.data_changed:
+            raise RuntimeError(mismatch)
+        if mismatch:  # the driver said the blocks changed: a new order from here, as it said
+            w.log("[resume] the first batch is not the one the checkpoint recorded: the changed data's new order")
+        st.expected_blocks = None
     if block_log is not None:
         block_log.write("\n".join(map(str, batch["block_id"].tolist())) + "\n")
     return batch
+
+
+def run_step(w: Worker, st: Loop, engine, scheduler, batches, guard: StabilityGuard, clock, block_log) -> None:
+    """One step as the loop runs it (profiled when train.profile_step asks), its seconds and
+    tokens added to the log window: what runs between steps (evaluations, checkpoints, the MFU
+    probe, the log row) and the first batch's wait for the data pipeline stay out of tokens/s."""
+    st.step_t0 = time.perf_counter()
+    with profiled(w, st.step + 1):
+        train_step(w, st, engine, batches, guard, clock, block_log)
+    guard.after_step(st.step, engine, scheduler)
+    clock.end_step()
+    st.window.add_step(time.perf_counter() - st.step_t0, w.tokens_per_step)
 
 
 def train_step(w: Worker, st: Loop, engine, batches, guard: StabilityGuard, clock, block_log) -> None:
@@ -1352,7 +1379,6 @@ def train_step(w: Worker, st: Loop, engine, batches, guard: StabilityGuard, cloc
         clock.add("optimizer_step", time.perf_counter() - t0)
     st.step += 1
     st.steps_this_attempt += 1
-    st.window_tokens += w.tokens_per_step
 
 
 def step_counts(w: Worker, micro_batches: list[dict[str, Any]]) -> tuple[list[list[float]], list[float] | None]:
@@ -1457,7 +1483,6 @@ def profiled(w: Worker, step: int):
 
 def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink, progress, lora_on: bool) -> None:
     """A metrics row every train.log_every steps (every rank joins the all-reduces; rank 0 writes)."""
-    dt = time.perf_counter() - st.window_t
     grad_norm = engine.get_global_grad_norm()
     mem = obs.process_memory()
     mem_max, peak_max = obs.allreduce_max([mem["rss"], mem["hwm"]])
@@ -1468,9 +1493,9 @@ def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "tokens_seen": st.step * w.tokens_per_step,
         "epoch": w.epochs(st.step),
-        "tokens_per_s": st.window_tokens / dt,
+        "tokens_per_s": st.window.tokens_per_s(),  # over the steps' time: no evaluation or save in it
         "workers": w.world,  # a resume may change it: the report shows when
-        "data_wait_frac": st.window_wait / dt,
+        "data_wait_frac": st.window.data_wait_frac(),
         "time": time.time(),
         "mem_rss_rank0_gib": mem["rss"] / obs.GIB,
         "mem_rss_max_gib": mem_max / obs.GIB,
@@ -1490,7 +1515,7 @@ def log_step(w: Worker, st: Loop, engine, scheduler, guard: StabilityGuard, sink
     if sink is not None:
         sink.write(st.last)
         w.log(progress.line(st.last, progress.update(st.step)))
-    st.window_t, st.window_tokens, st.window_wait = time.perf_counter(), 0, 0.0
+    st.window = obs.ThroughputWindow()
 
 
 def evaluate_and_log(w: Worker, st: Loop, engine, shards: dict[str, Any], sink, sampler: Sampler | None) -> None:
@@ -1620,6 +1645,8 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
         "data": cfg.to_dict()["data"],  # format and template: how export and generate render prompts
         "dpo": w.dpo_settings,  # how `evaluate` scores its pairs
         "data_key": w.loop_config["data_key"],  # the packed blocks trained on (their files' fingerprints)
+        # What the next step trains on, which a resume checks its stream against (check_resumed_stream).
+        "next_blocks": {"position": st.step * w.global_batch, "block_ids": next_block_ids(w, st.step)},
         "eval_watch": st.watch.state(),  # the best so far and the evaluations since: a resume goes on counting
         "time": time.time(),
     }
@@ -1638,6 +1665,65 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
     run_root = Path(ray_storage_path())
     st.last_ckpt = ckpt_io.save_and_report(engine, run_root, st.step, manifest, report, w.rank, w.world, st.last_ckpt)
     cpu.release_free_memory()  # the save's buffers: see build_engine
+
+
+def next_block_ids(w: Worker, step: int) -> list[int]:
+    """The block ids of the global batch after `step` steps (stream positions step x G ... + G),
+    from the data cache's block counts, train.seed and data.shuffle_window as they are now."""
+    from raytrain_cpu.data import mixture_sources, read_meta
+
+    cache = Path(w.loop_config["data_cache"])
+    meta = read_meta(cache)
+    n_blocks = tuple(source_meta["blocks"] for _, _, source_meta in mixture_sources(cache, meta))
+    start = step * w.global_batch
+    positions = np.arange(start, start + w.global_batch, dtype=np.int64)
+    pattern = tuple(meta.get("pattern", (0,)))
+    return stream_block_ids(positions, n_blocks, pattern, w.cfg.train.seed, w.cfg.data.shuffle_window).tolist()
+
+
+def stream_block_ids(
+    positions: np.ndarray, n_blocks: tuple[int, ...], pattern: tuple[int, ...], seed: int, window: int
+) -> np.ndarray:
+    """The block ids at global stream `positions`, as data.StreamPlan.fetch composes them (a
+    mixture's sources by `pattern`, each through seeded epochs of its own, ids counted on from
+    the sources before it); only the ids, no block read."""
+    from raytrain_cpu.data import global_order, mix_positions
+
+    src, src_pos = mix_positions(positions, pattern)
+    first_id = np.cumsum((0, *n_blocks))
+    out = np.empty_like(positions)
+    for s in np.unique(src):
+        sel = src == s
+        epoch, within = np.divmod(src_pos[sel], n_blocks[s])
+        ids = np.empty_like(within)
+        for e in np.unique(epoch):
+            ids[epoch == e] = global_order(n_blocks[s], seed, int(e), window)[within[epoch == e]]
+        out[sel] = first_id[s] + ids
+    return out
+
+
+def check_resumed_stream(rank: int, step: int, recorded: dict[str, Any], pos, block_ids) -> str | None:
+    """Why rank `rank`'s first batch after resuming at `step` is not what the checkpoint recorded
+    for those stream positions (`recorded`: its next_blocks, the global batch after it); None
+    when it is. Its positions must lie in that batch (the global batch cannot change across a
+    resume) and its blocks must be the ones recorded there: a stream planned from another
+    position, seed, shuffle window or set of blocks gives others."""
+    start, ids = int(recorded["position"]), [int(b) for b in recorded["block_ids"]]
+    pos, got = [int(p) for p in pos], [int(b) for b in block_ids]
+    if any(not start <= p < start + len(ids) for p in pos):
+        return (
+            f"rank {rank}: the data stream resumed at positions {pos[0]}-{pos[-1]}, but the checkpoint at step "
+            f"{step} recorded the next step's blocks at positions {start}-{start + len(ids) - 1}: the stream does "
+            "not go on where the checkpoint stopped"
+        )
+    want = [ids[p - start] for p in pos]
+    if got != want:
+        return (
+            f"rank {rank}: the first batch after resuming at step {step} holds blocks {got} at positions "
+            f"{pos[0]}-{pos[-1]}, where the checkpoint recorded {want}: the data stream does not go on where it "
+            "stopped (the packed blocks, train.seed or data.shuffle_window differ from the checkpoint's)"
+        )
+    return None
 
 
 def ray_storage_path() -> str:
@@ -1806,10 +1892,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     if st.watch.stop_reason:  # resumed from the checkpoint an early stop took (a restart after it)
         w.log(f"stopped early at step {st.step}: {st.watch.stop_reason}")
     while st.step < t.max_steps and not st.watch.stop_reason:
-        with profiled(w, st.step + 1):
-            train_step(w, st, engine, batches, guard, clock, block_log)
-        guard.after_step(st.step, engine, scheduler)
-        clock.end_step()
+        run_step(w, st, engine, scheduler, batches, guard, clock, block_log)
         if t.mfu_probe_every and st.step % t.mfu_probe_every == 0:
             retime_mfu_peak(w, st, cpu_setup["dtype"]["dtype"], clock)
         release_free_pages(w, st, free_pages)

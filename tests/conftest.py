@@ -206,6 +206,9 @@ def ray_session():
                     # Ray Train's controller waits this long for a worker group's process groups to
                     # shut down before killing it (30 s by default): a hung peer's restart waits it out.
                     "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "5",
+                    # model.dtype=auto's pick forced for the whole suite (cpu.FORCE_AUTO_DTYPE): the
+                    # workers read it, so it goes to them however Ray starts them.
+                    **{k: os.environ[k] for k in ("RAYTRAIN_DTYPE_AUTO",) if k in os.environ},
                 }
             },
             logging_level="WARNING",

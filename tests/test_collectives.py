@@ -100,3 +100,23 @@ def test_slots_shrink_to_fit_dev_shm(monkeypatch):
     assert collectives._slot_bytes(2) == 4 << 20
     monkeypatch.setattr(os, "statvfs", room(8))
     assert collectives._slot_bytes(4) == 0
+
+
+def test_the_segment_is_this_users_alone(tmp_path):
+    """The segment in /dev/shm carries weights and gradients: 0600 whatever the umask, and never
+    a file that already exists at its name."""
+    import os
+    import stat
+
+    from raytrain_cpu import collectives
+
+    path = tmp_path / "segment"
+    before = os.umask(0)  # the widest: an open() that left the mode to the umask would make 0666
+    try:
+        collectives._create_segment(str(path), 4096, 12345)
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.stat().st_size == 4096 and int.from_bytes(path.read_bytes()[:8], "little") == 12345
+    with pytest.raises(FileExistsError):
+        collectives._create_segment(str(path), 4096, 1)
