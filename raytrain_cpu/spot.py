@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--log",
         default=None,
-        help="append the log to this file, opened again for each line (default: stdout; stdout too while "
+        help="append the log to this file, opened again for each line (default: stdout; stdout also while "
         "the file cannot be written)",
     )
     ap.add_argument(
