@@ -6,16 +6,18 @@ One checkpoint is a directory in the run directory, registered with Ray Train:
       manifest.json      step, world size, data position, config hash, size + sha256 of every file
       ds/zero_pp_rank_{r}_mp_rank_00_model_states.pt        rank r's ZeRO-3 model-state shard
       ds/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt   rank r's fp32 master weights + Adam moments
-      rng/rank{r}.pt     rank r's torch / numpy / python RNG state
+      rng/rank{r}.pt     rank r's torch / numpy / python RNG state, as tensors and plain values
+                         (read with torch.load(weights_only=True): no pickle of ours runs code)
 
 Saving (`save_and_report`; every rank calls it at the same steps):
 
 1. rank 0 empties `<run dir>/.staging/`; barrier.
-2. every rank writes its DeepSpeed shard and RNG state into `.staging/checkpoint_000100/` and
-   hashes its own files (the ranks hash in parallel).
+2. every rank writes its DeepSpeed shard and RNG state into `.staging/checkpoint_000100/`,
+   fsyncs and hashes its own files (the ranks hash in parallel; each node flushes what it wrote).
 3. rank 0 gathers the file lists, checks that every rank's model and optimizer shards and RNG
    file are there with the size their writer saw (which also proves the storage is shared),
-   writes manifest.json last and renames the directory to `checkpoint_000100` (atomic).
+   fsyncs what else DeepSpeed left there and every directory, writes manifest.json last (so it
+   never vouches for a file still in a cache) and renames the directory to `checkpoint_000100`.
 4. rank 0 broadcasts success or its error; every rank then reports the directory to Ray Train
    where it lies (CheckpointUploadMode.NO_UPLOAD: nothing is copied), or raises that error.
 
@@ -24,8 +26,20 @@ reported (the next save clears it), and a renamed but unreported directory is no
 snapshot, so neither Ray nor the driver resumes from it. A rank that fails to write (storage
 full or read-only) raises at once with the reason; Ray then ends the attempt.
 
-Loading (`load_into`) takes the directory Ray hands back, checks it against its manifest, and
-loads it with an explicit DeepSpeed tag: DeepSpeed's `latest` file is never written or read.
+Loading (`load_into`) takes the directory `choose_checkpoint` settled on, checks it against its
+manifest, and loads it with an explicit DeepSpeed tag: DeepSpeed's `latest` file is never written
+or read.
+
+A damaged checkpoint (a file missing, of another size, or not matching its sha256) does not stop
+the run: the driver (sizes, before Ray starts: `newest_verified`) and the workers (each rank's own
+files hashed, one collective to agree: `choose_checkpoint`) step back to the newest checkpoint
+Ray Train recorded that verifies. The damaged one is renamed `checkpoint_000100.damaged-<why>`
+(nothing deleted; Ray Train neither hands it back nor deletes it), one line names it and why, and
+a later save at its step takes a fresh name (`free_checkpoint_name`). When none verifies the run
+fails naming them all.
+
+DeepSpeed's shards are pickles that DeepSpeed itself loads whole (torch.load, weights_only off):
+load checkpoints only from storage you trust (README: "Checkpoints and trust").
 
 Resuming on another number of workers (a lost node, a bigger cluster) keeps the global batch
 (`batch_conflict`): the driver first converts the checkpoint, once, into DeepSpeed's universal
@@ -35,8 +49,11 @@ partitioning), which every rank of the new layout then slices its own partition 
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import glob
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -46,7 +63,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +77,19 @@ FORMAT = 2
 
 class CheckpointError(RuntimeError):
     """A checkpoint that can't be written, or one that is incomplete or unreadable."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files are not what its manifest vouches for (or which has none): a
+    resume steps back past it. `why` is a short word for its new name (missing-file, size,
+    sha256, manifest, missing)."""
+
+    def __init__(self, message: str, path: str | Path = "", why: str = "damaged"):
+        super().__init__(message)
+        self.path, self.why = Path(path), why
+
+    def __reduce__(self):  # whole across Ray (a to_universal task's failure)
+        return type(self), (str(self), str(self.path), self.why)
 
 
 def hashed_settings(config_dict: dict[str, Any]) -> dict[str, Any]:
@@ -262,7 +292,7 @@ def universal_ready(ckpt_dir: str | Path) -> bool:
     return (Path(ckpt_dir) / UNIVERSAL / "zero" / "optimizer_state.pt").is_file()
 
 
-def to_universal(ckpt_dir: str | Path) -> str:
+def to_universal(ckpt_dir: str | Path, verified: bool = False) -> str:
     """Converts checkpoint `ckpt_dir`'s ZeRO shards into DeepSpeed's universal format, once, in
     `<ckpt_dir>/universal/`, so any number of ranks can load it; returns what it did.
 
@@ -270,13 +300,14 @@ def to_universal(ckpt_dir: str | Path) -> str:
     one rank's optimizer shard at a time, so its memory peak is about one shard, not the model;
     then slim_common_state), so what it loads leaves with the process. It writes into
     `universal.partial/` and renames it when done, so an interrupted conversion leaves no
-    directory that looks finished. The checkpoint's own files are only read.
+    directory that looks finished. The checkpoint's own files are only read. `verified`: the
+    workers hashed them all just before (choose_checkpoint), so only their sizes are checked.
     """
     ckpt_dir = Path(ckpt_dir)
     out, partial = ckpt_dir / UNIVERSAL, ckpt_dir / f"{UNIVERSAL}.partial"
     if universal_ready(ckpt_dir):
         return f"{out} (made before)"
-    manifest = verify_checkpoint(ckpt_dir, hash_ranks=True)  # no rank of the new layout hashes the old shards
+    manifest = verify_checkpoint(ckpt_dir, hash_ranks=not verified)  # no rank of the new layout hashes the old shards
     shutil.rmtree(partial, ignore_errors=True)
     need = shard_bytes(manifest)
     free = shutil.disk_usage(ckpt_dir).free
@@ -326,6 +357,11 @@ def _write_json_durably(path: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -398,6 +434,80 @@ def _describe_write_error(e: BaseException, where: Path) -> str:
     return f"{what}{f'; {state}' if state else ''}"
 
 
+# ----------------------------------------------------------------------------- the model a run starts from
+
+
+def model_fingerprint(model_dir: str | Path) -> dict[str, str]:
+    """{file: sha256} of a model directory's config.json (its settings, less the transformers
+    version that wrote them) and of each safetensors file's header (every tensor's name, dtype,
+    shape and byte range): what a resume compares to find a model directory changed in place.
+    The headers, not the weights: they read in a moment at any model size, and a new model of
+    the same architecture still differs in its files' names or metadata more often than not."""
+    d = Path(model_dir)
+    out = {}
+    if (d / "config.json").is_file():
+        settings = json.loads((d / "config.json").read_text())
+        settings.pop("transformers_version", None)
+        out["config.json"] = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    for f in sorted(d.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = fh.read(int.from_bytes(fh.read(8), "little"))
+        out[f.name] = hashlib.sha256(header).hexdigest()[:16]
+    return out
+
+
+def model_identity(name_or_path: str, model_dir: str | Path, revision: str | None) -> dict[str, Any]:
+    """What each manifest records of the model the run started from: the configured name, the
+    hub commit it resolved to (None for a local directory) and the directory's fingerprint."""
+    return {"name_or_path": name_or_path, "revision": revision, "fingerprint": model_fingerprint(model_dir)}
+
+
+def pinned_revision(manifest: dict[str, Any] | None, name_or_path: str) -> str | None:
+    """The hub commit the checkpoint's run started from, when it is of this model; a resume and
+    every restart load exactly it, not whatever the hub's main branch holds by then."""
+    saved = (manifest or {}).get("model") or {}
+    return saved.get("revision") if saved.get("name_or_path") == name_or_path else None
+
+
+def model_changes(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> str | None:
+    """The files that differ between two model_identity fingerprints ('config.json changed;
+    model-00002-of-00002.safetensors is gone'); None when the same or either is unknown (a
+    checkpoint made before manifests recorded it)."""
+    a, b = (saved or {}).get("fingerprint"), (now or {}).get("fingerprint")
+    if not a or not b or a == b:
+        return None
+    changes = [f"{k} changed" for k in sorted(a.keys() & b.keys()) if a[k] != b[k]]
+    changes += [f"{k} is gone" for k in sorted(a.keys() - b.keys())]
+    changes += [f"{k} is new" for k in sorted(b.keys() - a.keys())]
+    return "; ".join(changes)
+
+
+def model_conflict(manifest: dict[str, Any], path: str | Path, model_dir: str, now: dict[str, Any]) -> str | None:
+    """Why the model in `model_dir` (`now`, model_identity) can't go on from checkpoint `path`:
+    its directory changed in place since the run started; None when it did not. A resumed run
+    reads the model's config and tokenizer, and DPO its reference weights, from that directory."""
+    saved = manifest.get("model") or {}
+    if saved.get("name_or_path") != now["name_or_path"] or not (changes := model_changes(saved, now)):
+        return None
+    return (
+        f"model.name_or_path: {model_dir} changed in place since the run started ({Path(path).name}, step "
+        f"{manifest['step']}, was saved from it): {changes}. Put the model directory back as it was, or export the "
+        f"checkpoint (python -m raytrain_cpu.export {path} <dir>) and start a new run.name with model.name_or_path=<dir>."
+    )
+
+
+def check_model_dir(model_dir: str | Path, identity: dict[str, Any] | None) -> None:
+    """Raises CheckpointError naming what changed when `model_dir` no longer matches the
+    model_identity the run recorded at its start: every restart loads it again."""
+    if identity is None:  # the tiny model, built from model.tiny
+        return
+    if changes := model_changes(identity, {"fingerprint": model_fingerprint(model_dir)}):
+        raise CheckpointError(
+            f"model.name_or_path: {model_dir} changed in place since this run started: {changes}. Put it back as "
+            "it was (or start a new run.name from it)."
+        )
+
+
 # ----------------------------------------------------------------------------- RNG state
 
 
@@ -406,6 +516,67 @@ def rng_state() -> dict[str, Any]:
     import torch
 
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def write_rng_state(path: Path, state: dict[str, Any]) -> None:
+    """`state` (rng_state) as tensors and plain values, which torch.load reads with weights_only=True."""
+    import torch
+
+    name, key, pos, has_gauss, cached = state["numpy"]
+    version, internal, gauss_next = state["python"]
+    plain = {
+        "torch": state["torch"],
+        "numpy": {"name": name, "key": torch.from_numpy(key.astype("int64")), "pos": int(pos)},
+        "numpy_gauss": [int(has_gauss), float(cached)],
+        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss_next},
+    }
+    torch.save(plain, path)
+
+
+def read_rng_state(path: Path) -> dict[str, Any]:
+    """rng_state's dict from `path`: written by write_rng_state (torch.load with weights_only=True),
+    or a plain pickle of it, as checkpoints made before that (format 2 too) hold; read by an
+    unpickler that admits only the tensor and numpy-array classes such a file names, so a
+    resume across that upgrade keeps its RNG state and a foreign pickle runs no code."""
+    import numpy as np
+    import torch
+
+    with open(path, "rb") as f:
+        zipped = f.read(4) == b"PK\x03\x04"  # torch.save's zip container
+        f.seek(0)
+        if not zipped:
+            return _RngUnpickler(f).load()
+        plain = torch.load(f, weights_only=True)
+    n = plain["numpy"]
+    py = plain["python"]
+    return {
+        "torch": plain["torch"],
+        "numpy": (n["name"], n["key"].numpy().astype(np.uint32), n["pos"], *plain["numpy_gauss"]),
+        "python": (py["version"], tuple(py["state"].tolist()), py["gauss_next"]),
+    }
+
+
+class _RngUnpickler(pickle.Unpickler):
+    """Reads an RNG file of the older, pickled form: a dict of a torch byte tensor and numpy's and
+    Python's state tuples. Only the classes such a file names are found; a tensor's storage is
+    read by torch.load with weights_only=True."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return lambda b: torch.load(io.BytesIO(b), weights_only=True)
+        allowed = {
+            ("torch._utils", "_rebuild_tensor_v2"),
+            ("collections", "OrderedDict"),
+            ("numpy", "ndarray"),
+            ("numpy", "dtype"),
+            ("numpy._core.multiarray", "_reconstruct"),
+            ("numpy.core.multiarray", "_reconstruct"),
+        }
+        if (module, name) not in allowed:
+            raise CheckpointError(f"an RNG state file names {module}.{name}, which no RNG state holds; not loaded")
+        return super().find_class(module, name)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -458,14 +629,27 @@ def _write_rank(engine, staging: Path, step: int, rank: int) -> dict[str, dict[s
     engine.save_checkpoint(str(staging), tag=DS_TAG, client_state={"step": step}, save_latest=False)
     rng = _rng_file(staging, rank)
     rng.parent.mkdir(parents=True, exist_ok=True)
-    with open(rng, "wb") as f:
-        pickle.dump(rng_state(), f)
+    write_rng_state(rng, rng_state())
     files = {}
     for p in _own_files(engine, staging, rank):
         if not p.is_file():
             raise CheckpointError(f"rank {rank}: DeepSpeed reported success but {p} was not written")
+        _fsync_file(p)  # on this node, which wrote it: another node's fsync does not flush this one's cache
         files[str(p.relative_to(staging))] = {"size": p.stat().st_size, "sha256": _sha256(p), "rank": rank}
     return files
+
+
+def _seal(staging: Path, files: dict[str, Any], manifest: dict[str, Any]) -> None:
+    """Step 3's writes (rank 0): fsyncs what DeepSpeed wrote besides the ranks' own files (its
+    recovery script) and every directory, then writes the manifest last, so it only vouches for
+    files already on the storage."""
+    for p in sorted(staging.rglob("*")):
+        if p.is_file() and str(p.relative_to(staging)) not in files:
+            _fsync_file(p)
+    for d in sorted({p for p in staging.rglob("*") if p.is_dir()}, reverse=True):
+        _fsync_dir(d)
+    _write_json_durably(staging / MANIFEST, {**manifest, "format": FORMAT, "ds_tag": DS_TAG, "files": files})
+    _fsync_dir(staging)
 
 
 def _check_staged(staging: Path, per_rank: list[dict[str, dict[str, Any]]], zero_stage: int) -> dict[str, Any]:
@@ -498,7 +682,7 @@ def write_checkpoint(
     import torch.distributed as dist
 
     ckpt_root = Path(ckpt_root)
-    name = checkpoint_dir_name(step)
+    name = free_checkpoint_name(ckpt_root, step)
     staging, final = ckpt_root / STAGING / name, ckpt_root / name
     intact = f"checkpoint {step} was not reported; {f'{previous} is intact and stays the latest' if previous else 'no earlier checkpoint exists'}"
 
@@ -527,8 +711,7 @@ def write_checkpoint(
     if rank == 0:
         try:
             files = _check_staged(staging, per_rank, engine.zero_optimization_stage())
-            _write_json_durably(staging / MANIFEST, {**manifest, "format": FORMAT, "ds_tag": DS_TAG, "files": files})
-            _fsync_dir(staging)
+            _seal(staging, files, manifest)
             if final.exists():  # written by a crashed attempt but never reported: not Ray's latest
                 shutil.rmtree(final)
             os.replace(staging, final)
@@ -605,6 +788,184 @@ def latest_reported(run_dir: Path) -> Path | None:
     return Path(run_dir) / latest["checkpoint_dir_name"]
 
 
+# ----------------------------------------------------------------------------- damaged checkpoints
+
+DAMAGED = ".damaged-"  # a damaged checkpoint's new name: checkpoint_000100.damaged-sha256
+DAMAGE_NOTE = "DAMAGED.txt"  # inside it: what was found, in full
+
+
+def reported_newest_first(run_dir: Path) -> list[str]:
+    """The checkpoints Ray Train's record lists, the one it hands back first, then newest
+    reported first (under run.best_metric its list is ordered by score, its indices by time)."""
+    record = _snapshot(run_dir)
+    results = record.get("checkpoint_results") or []
+    indices = record.get("checkpoint_report_indices") or list(range(len(results)))
+    names = [r["checkpoint_dir_name"] for _, r in sorted(zip(indices, results, strict=True), key=lambda x: -x[0])]
+    latest = (record.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+    return list(dict.fromkeys(([latest] if latest else []) + names))
+
+
+def _damaged_copy(ckpt_dir: Path) -> Path | None:
+    """Where a checkpoint renamed as damaged lies now, if it was."""
+    return next(iter(sorted(ckpt_dir.parent.glob(f"{glob.escape(ckpt_dir.name)}{DAMAGED}*"))), None)
+
+
+def free_checkpoint_name(ckpt_root: Path, step: int) -> str:
+    """The directory name of the checkpoint at `step`: checkpoint_dir_name(step), or that with -2,
+    -3, ... when a damaged checkpoint had the name. Ray Train may still list the damaged one
+    under it (after a restart inside the run), and deletes whatever lies there once it drops it."""
+    base = name = checkpoint_dir_name(step)
+    n = 1
+    while _damaged_copy(Path(ckpt_root) / name) is not None:
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
+def _missing(ckpt_dir: Path) -> DamagedCheckpoint:
+    copy = _damaged_copy(ckpt_dir)
+    why = f"found damaged before, kept as {copy.name}" if copy else "the directory is gone"
+    return DamagedCheckpoint(f"checkpoint {ckpt_dir} is missing ({why})", ckpt_dir, "missing")
+
+
+def mark_damaged(error: DamagedCheckpoint) -> str:
+    """Renames the damaged checkpoint `error` names to `<name>.damaged-<why>`, with every file
+    kept and a note of what was found, so neither a resume nor Ray Train (which deletes the
+    checkpoints it drops) takes it again; returns what became of it, for the one line that says so."""
+    path = error.path
+    if not path.is_dir():
+        return str(error)
+    target = path.with_name(f"{path.name}{DAMAGED}{error.why}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{DAMAGED}{error.why}-{n}")
+    with contextlib.suppress(OSError):  # the note is a courtesy; the rename is what counts
+        (path / DAMAGE_NOTE).write_text(f"{error}\n")
+    os.rename(path, target)
+    _fsync_dir(path.parent)
+    return f"{error}; kept as {target.name}"
+
+
+def drop_from_record(run_dir: Path, names: Collection[str], latest: str) -> None:
+    """Removes the checkpoints `names` from Ray Train's record of the run and makes `latest` the
+    one it hands back. Before Ray starts, when nothing else writes the file: Ray Train refuses to
+    start on a record that lists a directory no longer there."""
+    record = _snapshot(run_dir)
+    results = record.get("checkpoint_results") or []
+    indices = record.get("checkpoint_report_indices") or list(range(len(results)))
+    kept = [(i, r) for i, r in zip(indices, results, strict=True) if r["checkpoint_dir_name"] not in names]
+    record["checkpoint_results"] = [r for _, r in kept]
+    record["checkpoint_report_indices"] = [i for i, _ in kept]
+    record["latest_checkpoint_result"] = next(
+        (r for _, r in kept if r["checkpoint_dir_name"] == latest), {"checkpoint_dir_name": latest, "metrics": {}}
+    )
+    pending = zip(record.get("pending_training_results") or [], record.get("pending_validation_specs") or [])
+    pending = [(r, v) for r, v in pending if r["checkpoint_dir_name"] not in names]
+    if "pending_training_results" in record:
+        record["pending_training_results"] = [r for r, _ in pending]
+        record["pending_validation_specs"] = [v for _, v in pending]
+    for key in [k for k in record if k.endswith("_checkpoint_dir_names")]:
+        record[key] = [n for n in record[key] if n not in names]
+    snapshot = Path(run_dir) / SNAPSHOT
+    tmp = snapshot.with_name(f".{snapshot.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, snapshot)
+
+
+def _none_verifies(run_dir: Path, errors: list[DamagedCheckpoint]) -> CheckpointError:
+    return CheckpointError(
+        f"none of run {Path(run_dir).name!r}'s checkpoints verifies: {'; '.join(map(str, errors))}. Restore their "
+        "files (from a copy of the run directory), or start a new run.name (python -m raytrain_cpu.export turns a "
+        "whole checkpoint into a model to start from); nothing was renamed or deleted"
+    )
+
+
+def newest_verified(
+    run_dir: Path, log: Callable[[str], None], damaged: dict[str, DamagedCheckpoint] | None = None
+) -> dict[str, Any] | None:
+    """The driver's choice: the manifest (+ "path") of the newest checkpoint in Ray Train's
+    record whose files are all there with their sizes (the workers hash their own), skipping
+    `damaged` (names found so by other checks: to_universal hashes every shard). Those it steps
+    past are renamed (mark_damaged), one line each, and dropped from the record, so Ray Train
+    hands the workers this one. None when the record lists none; CheckpointError when none verifies."""
+    run_dir = Path(run_dir)
+    errors: list[DamagedCheckpoint] = []
+    for name in reported_newest_first(run_dir):
+        path = run_dir / name
+        try:
+            if name in (damaged or {}):
+                raise damaged[name]
+            if not path.is_dir():
+                raise _missing(path)
+            manifest = verify_checkpoint(path)
+        except DamagedCheckpoint as e:
+            errors.append(e)
+            continue
+        for e in errors:
+            log(f"[raytrain] {mark_damaged(e)}; resuming from {name}")
+        if errors:
+            drop_from_record(run_dir, [e.path.name for e in errors], name)
+        return {**manifest, "path": str(path)}
+    if errors:
+        raise _none_verifies(run_dir, errors)
+    return None
+
+
+def _check_own(ckpt_dir: Path, rank: int, world: int) -> dict[str, Any]:
+    """A worker's share of checking a checkpoint: every file's size, and the sha256 of the files
+    this rank loads (saved for another worker count: of old ranks rank, rank + world, ..., unless
+    its universal form, made from hashed shards, is what loads)."""
+    if not ckpt_dir.is_dir():
+        raise _missing(ckpt_dir)
+    saved = read_manifest(ckpt_dir)["world_size"]
+    if saved == world:
+        mine = [rank]
+    else:
+        mine = [] if universal_ready(ckpt_dir) else [r for r in range(saved) if r % world == rank]
+    return verify_checkpoint(ckpt_dir, hash_ranks=mine)
+
+
+def choose_checkpoint(
+    handed: Path | None, rank: int, world: int, log: Callable[[str], None]
+) -> tuple[Path | None, dict[str, Any]]:
+    """The workers' choice, on every attempt: the checkpoint Ray Train handed back (`handed`)
+    when it verifies on every rank, else the newest older one in Ray Train's record that does.
+    Every rank hashes its own files; one gather per checkpoint tried makes all ranks agree. Rank
+    0 renames those stepped past (mark_damaged), one line each. Returns (path, manifest), or
+    (None, {}) when Ray Train handed none; raises CheckpointError when none verifies, or when one
+    fails in another way (a manifest of another format) that stepping back would not mend."""
+    import torch.distributed as dist
+
+    if handed is None:
+        return None, {}
+    run_dir = handed.parent
+    errors: list[DamagedCheckpoint] = []
+    for name in dict.fromkeys([handed.name, *reported_newest_first(run_dir)]):
+        path = run_dir / name
+        manifest: dict[str, Any] = {}
+        try:
+            manifest = _check_own(path, rank, world)
+            verdict: tuple[str, Any] = ("ok", None)
+        except DamagedCheckpoint as e:
+            verdict = ("damaged", e)
+        except CheckpointError as e:
+            verdict = ("error", str(e))
+        verdicts = _all_gather(verdict, world)
+        if fatal := next((v for kind, v in verdicts if kind == "error"), None):
+            raise CheckpointError(fatal)
+        if found := next((v for kind, v in verdicts if kind == "damaged"), None):
+            errors.append(found)
+            continue
+        if rank == 0:
+            for e in errors:
+                log(f"[resume] {mark_damaged(e)}; resuming from {name}")
+        if errors:
+            dist.barrier()  # the renames are done before any rank names its next checkpoint (free_checkpoint_name)
+        return path, manifest
+    raise _none_verifies(run_dir, errors)
+
+
 UNSCORED = sys.float_info.max
 """The `checkpoint_score` of a checkpoint with no evaluation at its step: ranked last. Finite, as
 Ray Train writes its record with pydantic, which turns inf into null."""
@@ -675,7 +1036,7 @@ def best_of(run_dir: str | Path) -> Path:
 def _siblings(ckpt_dir: Path) -> str:
     """'; <run dir> holds checkpoint_000100, ...' for a mistyped checkpoint path, else ''."""
     run_dir = ckpt_dir.parent
-    found = sorted(p.name for p in run_dir.glob("checkpoint_*") if (p / MANIFEST).is_file())
+    found = sorted(p.name for p in run_dir.glob("checkpoint_*") if (p / MANIFEST).is_file() and DAMAGED not in p.name)
     return f"; {run_dir} holds {', '.join(found)}" if found else ""
 
 
@@ -687,16 +1048,22 @@ def shard_bytes(manifest: dict[str, Any]) -> int:
 def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
     path = Path(ckpt_dir) / MANIFEST
     if not path.is_file():
+        if Path(ckpt_dir).is_dir():
+            raise DamagedCheckpoint(
+                f"checkpoint {ckpt_dir} has no {MANIFEST}: it is incomplete or not a raytrain_cpu checkpoint",
+                ckpt_dir,
+                "no-manifest",
+            )
         raise CheckpointError(
             f"checkpoint {ckpt_dir} has no {MANIFEST}: it is incomplete or not a raytrain_cpu checkpoint"
-            + ("" if Path(ckpt_dir).is_dir() else f" (the directory does not exist{_siblings(Path(ckpt_dir))})")
+            f" (the directory does not exist{_siblings(Path(ckpt_dir))})"
         )
     try:
         manifest = json.loads(path.read_text())
     except ValueError as e:
-        raise CheckpointError(f"{path} is unreadable: {e}") from e
+        raise DamagedCheckpoint(f"{path} is unreadable: {e}", ckpt_dir, "manifest") from e
     if not isinstance(manifest, dict):
-        raise CheckpointError(f"{path} holds no JSON object")
+        raise DamagedCheckpoint(f"{path} holds no JSON object", ckpt_dir, "manifest")
     if manifest.get("format") != FORMAT or "files" not in manifest:
         raise CheckpointError(f"{path} has no file list (format {manifest.get('format')}, expected {FORMAT})")
     return manifest
@@ -713,32 +1080,41 @@ def verify_checkpoint(ckpt_dir: str | Path, *, hash_ranks: Collection[int] | boo
     for rel, meta in manifest["files"].items():
         p = ckpt_dir / rel
         if not p.is_file():
-            raise CheckpointError(f"checkpoint {ckpt_dir} is incomplete: {rel} (rank {meta['rank']}) is missing")
+            raise DamagedCheckpoint(
+                f"checkpoint {ckpt_dir} is incomplete: {rel} (rank {meta['rank']}) is missing", ckpt_dir, "missing-file"
+            )
         if p.stat().st_size != meta["size"]:
-            raise CheckpointError(
-                f"checkpoint {ckpt_dir} is damaged: {rel} has {p.stat().st_size} bytes, the manifest says {meta['size']}"
+            raise DamagedCheckpoint(
+                f"checkpoint {ckpt_dir} is damaged: {rel} has {p.stat().st_size} bytes, the manifest says {meta['size']}",
+                ckpt_dir,
+                "size",
             )
         if (hash_ranks is True or meta["rank"] in (hash_ranks or ())) and _sha256(p) != meta["sha256"]:
-            raise CheckpointError(f"checkpoint {ckpt_dir} is damaged: {rel} does not match its sha256")
+            raise DamagedCheckpoint(
+                f"checkpoint {ckpt_dir} is damaged: {rel} does not match its sha256", ckpt_dir, "sha256"
+            )
     return manifest
 
 
 # ----------------------------------------------------------------------------- loading
 
 
-def load_into(engine, ckpt_dir: str | Path, rank: int, world: int, config_dict: dict[str, Any]) -> dict[str, Any]:
+def load_into(
+    engine, ckpt_dir: str | Path, rank: int, world: int, config_dict: dict[str, Any], verified: bool = False
+) -> dict[str, Any]:
     """Restores model, optimizer, LR scheduler and this rank's RNG state; returns the manifest.
 
     Fails loudly (CheckpointError) when the checkpoint is incomplete, damaged, made with settings
     `config_dict` may not change (resume_conflict) or another global batch (batch_conflict), or
     unreadable by DeepSpeed; it never starts from scratch. Saved for another number of workers,
     it loads from its universal form, which the engine must have been built to read
-    (train.deepspeed_config) and the driver to have made (to_universal).
+    (train.deepspeed_config) and the driver to have made (to_universal). `verified`: this rank's
+    files were hashed just before (choose_checkpoint), so only their sizes are checked again.
     """
     ckpt_dir = Path(ckpt_dir)
     # On a new layout no rank loads the old shards: to_universal hashed them all before converting.
     rescaled = read_manifest(ckpt_dir)["world_size"] != world
-    manifest = verify_checkpoint(ckpt_dir, hash_ranks=() if rescaled else [rank])
+    manifest = verify_checkpoint(ckpt_dir, hash_ranks=() if rescaled or verified else [rank])
     conflict = resume_conflict(manifest, ckpt_dir, config_dict) or batch_conflict(
         manifest, ckpt_dir, config_dict, world
     )
@@ -764,8 +1140,7 @@ def load_into(engine, ckpt_dir: str | Path, rank: int, world: int, config_dict: 
         # keeps the seed it started with (train.seed + rank). The data order does not depend on it.
         _unshare_step_counters(engine)
     else:
-        with open(_rng_file(ckpt_dir, rank), "rb") as f:
-            set_rng_state(pickle.load(f))  # our own file, verified against its sha256 above
+        set_rng_state(read_rng_state(_rng_file(ckpt_dir, rank)))
     return manifest
 
 

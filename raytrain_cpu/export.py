@@ -32,6 +32,7 @@ from raytrain_cpu.checkpoint import (
     MANIFEST,
     SNAPSHOT,
     CheckpointError,
+    DamagedCheckpoint,
     best_of,
     cannot_write,
     checkpoint_of,
@@ -62,26 +63,22 @@ def _consolidated(ckpt_dir: Path):
     try:
         return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=DS_TAG, lazy_mode=True)
     except Exception:
-        damaged = _unreadable_shard(ckpt_dir)
-        if damaged is None:  # every file reads: not a damaged file, so not ours to rename
+        damaged = _damaged_file(ckpt_dir)
+        if damaged is None:  # every file matches its manifest: not a damaged file, so not ours to rename
             raise
-        raise CheckpointError(
-            f"checkpoint {ckpt_dir} is damaged: {damaged} can't be read by torch.load; check every file's sha256 "
-            f"with `python -m raytrain_cpu.export {ckpt_dir} OUT_DIR --checksums`, or use an earlier checkpoint"
-        ) from None
+        raise CheckpointError(f"{damaged}: DeepSpeed can't read it; use an earlier checkpoint") from None
 
 
-def _unreadable_shard(ckpt_dir: Path) -> str | None:
-    """The first of the checkpoint's DeepSpeed files torch.load can't open (relative to it), else
-    None. A file damaged in place keeps its size, which is all the manifest check reads by
-    default, and torch's own error names no file (or names it inside an unrelated hint)."""
-    import torch
-
-    for f in sorted((ckpt_dir / DS_TAG).glob("*.pt")):
-        try:  # memory-mapped, as DeepSpeed reads the optimizer shards: opens the file, reads no tensor
-            torch.load(f, map_location="cpu", mmap=True, weights_only=False)
-        except Exception:
-            return str(f.relative_to(ckpt_dir))
+def _damaged_file(ckpt_dir: Path) -> str | None:
+    """What of the checkpoint differs from its manifest (the first file whose sha256 does not
+    match), else None. A file damaged in place keeps its size, which is all the manifest check
+    reads by default, and torch's own error names no file (or names it inside an unrelated hint).
+    Hashed, not opened: our code unpickles none of DeepSpeed's files (DeepSpeed's own loading
+    does, README: "Checkpoints and trust")."""
+    try:
+        verify_checkpoint(ckpt_dir, hash_ranks=True)
+    except DamagedCheckpoint as e:
+        return str(e)
     return None
 
 

@@ -83,17 +83,29 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
-def download_model(repo: str, cache_dir: Path) -> str:
+def download_model(repo: str, cache_dir: Path, revision: str | None = None) -> str:
     """A hub model's config, weights and tokenizer, downloaded once into `cache_dir` (on the
     shared storage, so every worker reads the same files); a later run finds them there, also
-    offline (huggingface_hub falls back to its cache when the hub does not answer). Returns the
-    snapshot's directory."""
+    offline (huggingface_hub falls back to its cache when the hub does not answer). `revision`:
+    a commit to load exactly (a resumed run's, checkpoint.pinned_revision), else the newest.
+    Returns the snapshot's directory, `.../snapshots/<commit>` (snapshot_revision)."""
     from huggingface_hub import snapshot_download
 
     with hub_errors("model.name_or_path", repo):
         return snapshot_download(
-            repo, cache_dir=str(cache_dir), allow_patterns=["*.json", "*.safetensors", "tokenizer*"]
+            repo,
+            revision=revision,
+            cache_dir=str(cache_dir),
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*"],
         )
+
+
+def snapshot_revision(snapshot_dir: str | Path) -> str:
+    """The commit a hub snapshot directory holds: huggingface_hub's cache names each by it."""
+    p = Path(snapshot_dir)
+    if p.parent.name != "snapshots":
+        raise ValueError(f"{snapshot_dir} is not a hub cache snapshot (.../snapshots/<commit>)")
+    return p.name
 
 
 def download_tokenizer(repo: str, cache_dir: Path) -> str:

@@ -182,7 +182,7 @@ def validate_before_ray(cfg: Config) -> None:
     check_ranking(cfg)
 
 
-def check_resume(cfg: Config, world: int | None = None) -> dict[str, Any] | None:
+def check_resume(cfg: Config, world: int | None = None, damaged: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """A run.name that already has a checkpoint resumes from it: its model/data settings and
     global batch must match, else the workers would fail on it after start-up. The worker count
     may change (`world`, else an explicit scaling.num_workers; auto keeps the checkpoint's,
@@ -191,7 +191,7 @@ def check_resume(cfg: Config, world: int | None = None) -> dict[str, Any] | None
     manifest, config.yaml), so it runs before Ray."""
     from raytrain_cpu.checkpoint import batch_conflict, resume_conflict
 
-    latest = newest_checkpoint(cfg.run.run_dir)
+    latest = newest_checkpoint(cfg.run.run_dir, damaged)
     if latest is None:
         return None
     conflict = resume_conflict(latest, latest["path"], cfg.to_dict())
@@ -203,6 +203,23 @@ def check_resume(cfg: Config, world: int | None = None) -> dict[str, Any] | None
         key = "scaling.num_workers" if world != latest["world_size"] else "train.micro_batch_size"
         raise ConfigError(f"{key}: {conflict}")
     return latest
+
+
+def check_model_unchanged(cfg: Config, model_dir: str, latest: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The model the run starts from (checkpoint.model_identity: a hub model's commit, the
+    directory's fingerprint), which each manifest records; a resumed run's must be the one its
+    checkpoint recorded, else a ConfigError names what changed. None for the tiny model, built
+    from model.tiny (which the config hash covers) on every start."""
+    from raytrain_cpu.checkpoint import model_conflict, model_identity
+    from raytrain_cpu.hub import snapshot_revision
+
+    if cfg.model.is_tiny:
+        return None
+    name = cfg.model.name_or_path
+    identity = model_identity(name, model_dir, snapshot_revision(model_dir) if is_hub_id(name) else None)
+    if latest and (conflict := model_conflict(latest, latest["path"], model_dir, identity)):
+        raise ConfigError(conflict)
+    return identity
 
 
 def check_ranking(cfg: Config) -> None:
@@ -243,14 +260,30 @@ def check_ranking(cfg: Config) -> None:
     )
 
 
-def rescale_checkpoint(latest: dict[str, Any], world: int) -> None:
+def rescale_checkpoint(cfg: Config, latest: dict[str, Any], world: int) -> dict[str, Any] | None:
     """A checkpoint saved for another number of workers is converted to DeepSpeed's universal
-    format before the workers start (checkpoint.to_universal). It runs as a Ray task with one
-    CPU: on a cluster that is a worker node, which has the memory for a shard and the shared
-    storage, while the head may have neither to spare."""
+    format before the workers start (checkpoint.to_universal), which hashes every shard: a
+    damaged one is stepped past as newest_checkpoint does, and the next is converted if it needs
+    to be. Returns the checkpoint the run resumes from."""
+    from raytrain_cpu.checkpoint import DamagedCheckpoint
+
+    damaged: dict[str, DamagedCheckpoint] = {}
+    while latest and latest["world_size"] != world:
+        try:
+            convert_checkpoint(latest, world)
+            return latest
+        except DamagedCheckpoint as e:
+            damaged[Path(latest["path"]).name] = e
+            latest = check_resume(cfg, world, damaged)
+    return latest
+
+
+def convert_checkpoint(latest: dict[str, Any], world: int) -> None:
+    """to_universal as a Ray task with one CPU: on a cluster that is a worker node, which has the
+    memory for a shard and the shared storage, while the head may have neither to spare."""
     import ray
 
-    from raytrain_cpu.checkpoint import CheckpointError, to_universal, universal_ready, workers
+    from raytrain_cpu.checkpoint import CheckpointError, DamagedCheckpoint, to_universal, universal_ready, workers
 
     saved = f"{Path(latest['path']).name} holds ZeRO shards for {workers(latest['world_size'])}; this run has {world}"
     if universal_ready(latest["path"]):
@@ -260,7 +293,9 @@ def rescale_checkpoint(latest: dict[str, Any], world: int) -> None:
     try:
         done = ray.get(ray.remote(num_cpus=1, max_retries=0)(to_universal).remote(latest["path"]))
     except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, CheckpointError):  # a full filesystem, a damaged shard: named, nothing lost
+        if isinstance(e.cause, DamagedCheckpoint):  # rescale_checkpoint steps back past it
+            raise e.cause from None
+        if isinstance(e.cause, CheckpointError):  # a full filesystem: named, nothing lost
             raise ConfigError(f"run.name: {e.cause}") from None
         raise
     print(f"[raytrain] universal checkpoint: {done}", flush=True)
@@ -565,22 +600,27 @@ def worker_env(cfg: Config, workers_per_node: int) -> dict[str, str]:
 # ----------------------------------------------------------------------------- checkpoints on disk
 
 
-def newest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
-    """The manifest (+ "path") of the checkpoint Ray Train will hand back on resume, verified.
+def newest_checkpoint(run_dir: Path, damaged: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The manifest (+ "path") of the checkpoint the run resumes from: the newest in Ray Train's
+    record that verifies (checkpoint.newest_verified: a damaged one is renamed, named in one line
+    and dropped from the record, so Ray Train hands the workers this one; `damaged` adds those
+    other checks found so).
 
     Only Ray's snapshot counts: a checkpoint directory it does not list was never reported (a
-    crash between writing and reporting) and is not resumed from. When the snapshot's latest
-    checkpoint is missing, incomplete or unreadable, or the snapshot is missing beside finished
-    checkpoints, this fails loudly instead of starting over.
+    crash between writing and reporting) and is not resumed from. When none of its checkpoints
+    verifies, or the snapshot is missing beside finished checkpoints, this fails loudly instead
+    of starting over.
     """
-    from raytrain_cpu.checkpoint import MANIFEST, SNAPSHOT, CheckpointError, latest_reported, verify_checkpoint
+    from raytrain_cpu.checkpoint import DAMAGED, MANIFEST, SNAPSHOT, CheckpointError, latest_reported, newest_verified
 
     try:
         path = latest_reported(run_dir)
         if path is None:
             # Without Ray's record Ray Train starts the run over and overwrites what is there: a
             # run copied without that file once lost its checkpoints so, silently.
-            found = sorted(p.name for p in Path(run_dir).glob("checkpoint_*") if (p / MANIFEST).is_file())
+            found = sorted(
+                p.name for p in Path(run_dir).glob("checkpoint_*") if (p / MANIFEST).is_file() and DAMAGED not in p.name
+            )
             if found:
                 raise ConfigError(
                     f"run.name: {run_dir} holds {', '.join(found)} but not Ray Train's record of them ({SNAPSHOT}), "
@@ -590,12 +630,9 @@ def newest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
                     f"that stopped while saving its first checkpoint has none recorded: remove {found[-1]} to start over."
                 )
             return None
-        return {**verify_checkpoint(path), "path": str(path)}
+        return newest_verified(run_dir, lambda line: print(line, flush=True), damaged)
     except CheckpointError as e:
-        raise ConfigError(
-            f"run.name: {e}. Ray Train would resume run {run_dir.name!r} from it; restore the files, or start a "
-            "new run.name (python -m raytrain_cpu.export turns an older, complete checkpoint into a model to start from)."
-        ) from None
+        raise ConfigError(f"run.name: {e}.") from None
 
 
 def resume_world(cfg: Config) -> Config:
@@ -970,16 +1007,22 @@ def fetch_from_hub(cfg: Config) -> str:
     """What comes from the hub, before Ray starts: a hub this machine can't reach (or a token
     that may not read the model) stops the job before anything else runs. Returns the model's
     local directory ('tiny' for the tiny model, written later)."""
+    from raytrain_cpu.checkpoint import pinned_revision
     from raytrain_cpu.data import materialize_tokenizer
     from raytrain_cpu.model import check_causal_lm, check_context_length
     from raytrain_cpu.tokenizer import resolve_tokenizer_path
 
     model_dir = cfg.model.name_or_path
     if is_hub_id(model_dir):
+        # A resumed run, and every restart in it, loads the commit its start resolved, not the newest.
+        latest = newest_checkpoint(cfg.run.run_dir)
+        revision = pinned_revision(latest, model_dir)
+        at = f" at commit {revision} (that {Path(latest['path']).name} trained from)" if revision else ""
         print(
-            f"[raytrain] fetching {model_dir} from the hub into {cfg.run.hub_cache} (kept for later runs)", flush=True
+            f"[raytrain] fetching {model_dir}{at} from the hub into {cfg.run.hub_cache} (kept for later runs)",
+            flush=True,
         )
-        model_dir = download_model(model_dir, cfg.run.hub_cache)
+        model_dir = download_model(model_dir, cfg.run.hub_cache, revision)
         # What validate_before_ray checks of a local model, now that this one is local too.
         check_causal_lm(model_dir)
         check_context_length(model_dir, cfg.data.seq_len)
@@ -1172,7 +1215,8 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     # before config.yaml is replaced.
     latest = check_resume(cfg, world)
     if latest and latest["world_size"] != world and not cfg.elastic:  # elastic: the workers convert it
-        rescale_checkpoint(latest, world)
+        latest = rescale_checkpoint(cfg, latest, world)
+    model = check_model_unchanged(cfg, model_dir, latest)
 
     # ---- resolved config and resume position
     cfg_dict = cfg.to_dict()
@@ -1207,6 +1251,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         "train_blocks": meta["blocks"],  # the metrics rows' epoch counts passes over them
         "record_block_ids": cfg.train.record_block_ids,
         "n_params": n_params,
+        "model": model,  # the manifests record it; every attempt checks model_dir still matches it
     }
     os.environ.update(ray_train_env(cfg))  # the driver's: Ray Train hands them to its controller
     trainer = TorchTrainer(
@@ -1403,12 +1448,13 @@ def sigterm_kept() -> Iterator[None]:
 def where_it_resumes(cfg: Config, failed: bool = False) -> str:
     """What a stopped run left and how to go on: the checkpoints Ray Train recorded stay. A
     failed run fails again unless its cause was passing (a lost node), so that comes first."""
-    from raytrain_cpu.checkpoint import CheckpointError, latest_reported
+    from raytrain_cpu.checkpoint import CheckpointError, reported_newest_first
 
-    try:
-        latest = latest_reported(cfg.run.run_dir)
+    try:  # a damaged one the workers stepped past was renamed: the newest still there is what a rerun takes
+        there = [n for n in reported_newest_first(cfg.run.run_dir) if (cfg.run.run_dir / n).is_dir()]
     except CheckpointError as e:
         return f"{e}."
+    latest = cfg.run.run_dir / there[0] if there else None
     again = "Once the cause is fixed (or if it was passing), run the same command" if failed else "Run the same command"
     if latest:
         return f"its latest checkpoint is {latest}. {again} again to resume from it."

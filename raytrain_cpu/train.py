@@ -345,6 +345,7 @@ class Worker:
     # The manifest of the checkpoint this attempt resumes from ({} on a fresh start): what the run
     # settled at its start by measuring (dtype, attention) stays, so a resumed run continues exactly.
     resumed: dict[str, Any] = field(default_factory=dict)
+    resume_from: Path | None = None  # that checkpoint (checkpoint.choose_checkpoint), verified by every rank
     most_workers: int = 0  # an elastic run's scaling.num_workers (cfg holds this attempt's count); 0: fixed
     # This attempt's settings as configured, before the worker settles 'auto' ones (model.dtype):
     # what a resume compares with the checkpoint's, which recorded them so too.
@@ -601,6 +602,8 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     restored = ray.train.get_checkpoint()
     return Worker(
+    # Ray Train's latest, or the newest before it that verifies on every rank (a damaged one is renamed).
+    resume_from, resumed = ckpt_io.choose_checkpoint(Path(restored.path) if restored else None, rank, world, log)
         cfg,
         loop_config,
         rank,
@@ -608,10 +611,11 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
         Path(loop_config["run_dir"]),
         cfg.train.derive_global_batch(world),
         log,
-        _manifest_or_nothing(Path(restored.path)) if restored is not None else {},
+        resumed,
         most,
         cfg.to_dict(),
     )
+        resume_from=resume_from,
 
 
 def universal_checkpoint(w: Worker) -> None:
@@ -620,28 +624,17 @@ def universal_checkpoint(w: Worker) -> None:
     starts on a new count; in an elastic run the count changes inside the run, so rank 0 makes
     it here and the other ranks wait for its directory to appear. Not in a gloo barrier: the
     conversion can outlast run.gloo_timeout_s, and if rank 0 fails Ray Train stops the others."""
-    import ray.train
-
-    path = ray.train.get_checkpoint().path
+    path = w.resume_from
     if ckpt_io.universal_ready(path):
         return
     w.log(
         f"{Path(path).name} holds ZeRO shards for {ckpt_io.workers(w.resumed['world_size'])}; converting it for {w.world}"
     )
     if w.is_main:
-        w.log(f"universal checkpoint: {ckpt_io.to_universal(path)}")
+        w.log(f"universal checkpoint: {ckpt_io.to_universal(path, verified=True)}")
         return
     while not ckpt_io.universal_ready(path):
         time.sleep(1)
-
-
-def _manifest_or_nothing(ckpt_dir: Path) -> dict[str, Any]:
-    """The checkpoint's manifest; {} when it is missing or unreadable, which `resume` then
-    reports with its own message (and its remedy) once the engine exists."""
-    try:
-        return ckpt_io.read_manifest(ckpt_dir)
-    except ckpt_io.CheckpointError:
-        return {}
 
 
 def setup_cpu(w: Worker) -> dict[str, Any]:
@@ -756,6 +749,7 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
 
     cfg, model_dir = w.cfg, w.loop_config["model_dir"]
     init_deepspeed(cfg.deepspeed.shm_collectives, cfg.run.gloo_timeout_s, w.log)
+    ckpt_io.check_model_dir(model_dir, w.loop_config.get("model"))  # as the run found it at its start
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     t0 = time.perf_counter()
     w.log(f"[load] loading {model_dir} into ZeRO-{cfg.deepspeed.zero_stage} shards on {w.world} ranks")
@@ -1219,20 +1213,16 @@ def reuse_reduce_scatter_buffer(on: bool, bucket_elements: int) -> None:
 
 
 def resume(w: Worker, engine, scheduler) -> Loop:
-    """Restores the checkpoint Ray hands back (never DeepSpeed's `latest`), verified first."""
-    import ray.train
-
+    """Restores the checkpoint setup_worker chose (never DeepSpeed's `latest`), verified first."""
     st = Loop()
     manifest: dict[str, Any] = {}
-    restored = ray.train.get_checkpoint()
-    if restored is not None:
-        with restored.as_directory() as d:  # shared storage: the directory itself, not a copy
-            # Verified against its manifest first; incomplete or foreign checkpoints fail loudly.
-            manifest = ckpt_io.load_into(engine, d, w.rank, w.world, w.settings)
+    if w.resume_from is not None:
+        # Hashed by every rank in choose_checkpoint; settings that may not change fail loudly here.
+        manifest = ckpt_io.load_into(engine, w.resume_from, w.rank, w.world, w.settings, verified=True)
         st.step = st.resumed_from = manifest["step"]
-        st.last_ckpt = Path(restored.path)
+        st.last_ckpt = w.resume_from
         st.opt_step_at_resume = _optimizer_step(engine)
-        w.log(f"resumed from {restored.path} at step {st.step} (optimizer at step {st.opt_step_at_resume})")
+        w.log(f"resumed from {w.resume_from} at step {st.step} (optimizer at step {st.opt_step_at_resume})")
         lr_saved = engine.optimizer.param_groups[0]["lr"]  # the checkpoint's schedule's at this step
         for change in apply_optimizer_settings(engine, scheduler, w.cfg.train):
             w.log(f"[resume] {change}")
@@ -1626,7 +1616,7 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
     from raytrain_cpu import cpu
 
     cfg = w.cfg
-    st.watch.checkpointed(ckpt_io.checkpoint_dir_name(st.step), st.step)
+    st.watch.checkpointed(ckpt_io.free_checkpoint_name(Path(ray_storage_path()), st.step), st.step)
     manifest = {
         "step": st.step,
         "reason": reason,
@@ -1647,6 +1637,7 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
         "data_key": w.loop_config["data_key"],  # the packed blocks trained on (their files' fingerprints)
         # What the next step trains on, which a resume checks its stream against (check_resumed_stream).
         "next_blocks": {"position": st.step * w.global_batch, "block_ids": next_block_ids(w, st.step)},
+        "model": w.loop_config.get("model"),  # its hub commit and fingerprint: a resume loads exactly it
         "eval_watch": st.watch.state(),  # the best so far and the evaluations since: a resume goes on counting
         "time": time.time(),
     }
@@ -1930,5 +1921,5 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         w.reference = None  # and full fine-tuning DPO's reference copy (its engine)
         best = st.watch.best_checkpoint  # run.best_metric: the best checkpoint, else the final one
         exported = w.run_dir / best["name"] if best else st.last_ckpt
-        probe = export_probe if exported.name == ckpt_io.checkpoint_dir_name(st.step) else None
+        probe = export_probe if exported.name == ckpt_io.free_checkpoint_name(w.run_dir, st.step) else None
         export_io.export_on_finish(exported, w.run_dir, probe, w.log)

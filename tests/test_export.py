@@ -403,17 +403,31 @@ def test_a_damaged_shard_is_named_by_export_and_evaluate(zero3, tmp_path, capsys
 
     ckpt = _damaged_copy(zero3, tmp_path)
     message = (
-        f"checkpoint {ckpt} is damaged: ds/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt can't be read by "
-        f"torch.load; check every file's sha256 with `python -m raytrain_cpu.export {ckpt} OUT_DIR --checksums`, "
-        "or use an earlier checkpoint"
+        f"checkpoint {ckpt} is damaged: ds/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt does not match its "
+        "sha256: DeepSpeed can't read it; use an earlier checkpoint"
     )
     assert main([str(ckpt), str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"error: {message}"  # after DeepSpeed's progress lines
     assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["damaged"]
     assert evaluate_main([str(ckpt)]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"error: {message}"
-    assert main([str(ckpt), str(tmp_path / "out"), "--checksums"]) == 2  # what the message suggests finds it
+    assert main([str(ckpt), str(tmp_path / "out"), "--checksums"]) == 2  # found before DeepSpeed reads anything
     assert "optim_states.pt does not match its sha256" in _one_error(capsys)
+
+
+def test_our_code_unpickles_only_tensors():
+    """Issue 59 (point 6): the files we write are read with torch.load(weights_only=True) (or
+    JSON); DeepSpeed's own pickles load inside DeepSpeed, and the one our code opens itself (the
+    universal conversion's common state, made by DeepSpeed from our checkpoint) says so where it
+    does. The README asks for checkpoints from trusted storage for DeepSpeed's reading."""
+    root = Path(__file__).parents[1] / "raytrain_cpu"
+    unsafe = [
+        f"{p.name}:{n}"
+        for p in sorted(root.glob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if ("weights_only=False" in line or "pickle.load(" in line) and "DeepSpeed's own pickle" not in line
+    ]
+    assert unsafe == []
 
 
 def test_merge_on_a_run_without_lora_says_it_is_ignored(zero3, tmp_path, capsys):

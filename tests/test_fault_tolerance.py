@@ -30,6 +30,7 @@ import contextlib
 import errno
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -260,19 +261,146 @@ def test_a_conversion_that_cannot_finish_leaves_the_checkpoint_as_it_was(tmp_pat
     assert not (good / f"{ck.UNIVERSAL}.partial").exists()
 
 
-def test_a_worker_reads_what_the_resumed_checkpoint_settled_or_nothing(tmp_path):
-    """setup_worker's read of the manifest (the dtype and attention a resumed run keeps) never
-    fails itself: a missing or unreadable manifest is `resume`'s to report, with its remedy."""
-    from raytrain_cpu.train import _manifest_or_nothing
+def _pretend_ray_listed(run_dir: Path, *names: str) -> None:
+    """Ray Train's record of several reported checkpoints, the last the latest."""
+    results = [{"checkpoint_dir_name": n, "metrics": {}} for n in names]
+    snapshot = {
+        "checkpoint_results": results,
+        "checkpoint_report_indices": list(range(len(names))),
+        "latest_checkpoint_result": results[-1],
+        "validated_checkpoint_dir_names": list(names),
+    }
+    (run_dir / ck.SNAPSHOT).write_text(json.dumps(snapshot))
 
-    assert _manifest_or_nothing(tmp_path) == {}
-    (tmp_path / ck.MANIFEST).write_text("{not json")
-    assert _manifest_or_nothing(tmp_path) == {}
-    (tmp_path / ck.MANIFEST).write_text("[]")
-    assert _manifest_or_nothing(tmp_path) == {}
-    manifest = {"format": ck.FORMAT, "files": {}, "dtype": "bf16", "attention": "sdpa"}
-    (tmp_path / ck.MANIFEST).write_text(json.dumps(manifest))
-    assert _manifest_or_nothing(tmp_path) == manifest
+
+def test_a_damaged_checkpoint_is_stepped_past_kept_and_named_once(tmp_path, process_group, capsys):
+    """Issue 59, point 3b: a shard of the latest checkpoint changed in place (its size kept). The
+    workers (each rank hashing its own files, one gather to agree) resume from the one before,
+    rename the damaged one with every file kept, and say so in one line; a restart Ray Train
+    still hands the old name steps past it again; a save at its step takes a fresh name; the
+    driver drops it from Ray Train's record (which refuses to start on a missing directory).
+    With nothing that verifies the run fails naming them all, renaming nothing."""
+    from raytrain_cpu.main import newest_checkpoint
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    older = ck.write_checkpoint(FakeEngine(), run_dir, 5, _manifest(5), rank=0, world=1)
+    latest = ck.write_checkpoint(FakeEngine(), run_dir, 10, _manifest(10), rank=0, world=1)
+    _pretend_ray_listed(run_dir, older.name, latest.name)
+    shard = latest / "ds" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shard.write_bytes(b"x" + shard.read_bytes()[1:])
+    damaged = _tree(latest)
+
+    # The sizes are right: the driver passes it on; the workers hash and step back.
+    assert newest_checkpoint(run_dir)["path"] == str(latest)
+    lines: list[str] = []
+    path, manifest = ck.choose_checkpoint(latest, 0, 1, lines.append)
+    assert (path, manifest["step"]) == (older, 5)
+    kept = run_dir / f"{latest.name}.damaged-sha256"
+    assert lines == [
+        f"[resume] checkpoint {latest} is damaged: ds/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt does not match "
+        f"its sha256; kept as {kept.name}; resuming from {older.name}"
+    ]
+    assert not latest.exists() and _tree(kept) == {
+        **damaged,
+        ck.DAMAGE_NOTE: f"{lines[0][9:].split('; kept')[0]}\n".encode(),
+    }
+    assert ck.load_into(FakeEngine(), path, 0, 1, CONFIG, verified=True)["step"] == 5
+
+    # A restart inside the run: Ray Train still hands back the old name, now gone.
+    lines.clear()
+    assert ck.choose_checkpoint(latest, 0, 1, lines.append)[0] == older
+    assert lines == [
+        f"[resume] checkpoint {latest} is missing (found damaged before, kept as {kept.name}); resuming from {older.name}"
+    ]
+    # The run reaches step 10 again: Ray Train would delete whatever lies at the old name when it drops it.
+    assert ck.free_checkpoint_name(run_dir, 10) == "checkpoint_000010-2"
+    again = ck.write_checkpoint(FakeEngine(), run_dir, 10, _manifest(10), rank=0, world=1)
+    assert again.name == "checkpoint_000010-2" and kept.is_dir()
+    assert ck.free_checkpoint_name(run_dir, 15) == "checkpoint_000015"
+
+    # The next driver start: the record's stale entry is dropped, said once.
+    capsys.readouterr()
+    assert newest_checkpoint(run_dir)["path"] == str(older)
+    record = json.loads((run_dir / ck.SNAPSHOT).read_text())
+    assert [r["checkpoint_dir_name"] for r in record["checkpoint_results"]] == [older.name]
+    assert record["latest_checkpoint_result"]["checkpoint_dir_name"] == older.name
+    assert record["validated_checkpoint_dir_names"] == [older.name]
+    assert capsys.readouterr().out.splitlines() == [
+        f"[raytrain] checkpoint {latest} is missing (found damaged before, kept as {kept.name}); resuming from {older.name}"
+    ]
+    assert newest_checkpoint(run_dir)["path"] == str(older) and capsys.readouterr().out == ""
+
+    # Nothing verifies: every checkpoint named, nothing renamed, the record untouched.
+    (older / "rng" / "rank0.pt").write_bytes(b"")
+    before = (run_dir / ck.SNAPSHOT).read_text()
+    with pytest.raises(
+        ck.CheckpointError, match=rf"none of run 'run'.s checkpoints verifies: .*{older.name}.*rank0.pt"
+    ):
+        ck.choose_checkpoint(older, 0, 1, lines.append)
+    with pytest.raises(
+        ConfigError, match=r"run.name: none of run 'run'.s checkpoints verifies: .*has 0 bytes.*Restore"
+    ):
+        newest_checkpoint(run_dir)
+    assert older.is_dir() and (run_dir / ck.SNAPSHOT).read_text() == before
+
+
+def test_a_conversion_that_finds_damage_steps_back_on_the_driver(tmp_path, process_group, monkeypatch):
+    """A resume on another worker count converts the checkpoint first, which hashes every shard:
+    a damaged one is stepped past there too, and the one before converted instead."""
+    from raytrain_cpu import main
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    older = ck.write_checkpoint(FakeEngine(), run_dir, 5, _manifest(5), rank=0, world=1)
+    latest = ck.write_checkpoint(FakeEngine(), run_dir, 10, _manifest(10), rank=0, world=1)
+    _pretend_ray_listed(run_dir, older.name, latest.name)
+    converted = []
+
+    def convert(manifest: dict, world: int) -> None:
+        if manifest["step"] == 10:
+            raise ck.DamagedCheckpoint(f"checkpoint {latest} is damaged: a shard does not match", latest, "sha256")
+        converted.append(manifest["step"])
+
+    monkeypatch.setattr(main, "convert_checkpoint", convert)
+    cfg = load_config(None, [f"run.storage_path={tmp_path}", "run.name=run", "train.micro_batch_size=4"])
+    resumed = main.rescale_checkpoint(cfg, main.check_resume(cfg, 2), 2)
+    assert resumed["path"] == str(older) and converted == [5]
+    assert (run_dir / f"{latest.name}.damaged-sha256").is_dir() and not latest.exists()
+
+
+def test_checkpoint_files_are_fsynced_before_the_manifest(tmp_path, process_group, monkeypatch):
+    """Issue 59, point 3a: every file of a checkpoint (the ranks' shards and RNG state, what else
+    DeepSpeed left there) and every directory is flushed to the storage before the manifest that
+    vouches for them is written."""
+    events: list[str] = []
+    fsync, write_json = os.fsync, ck._write_json_durably
+
+    def record_fsync(fd: int) -> None:
+        events.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    def record_manifest(path: Path, obj) -> None:
+        events.append("MANIFEST")
+        write_json(path, obj)
+
+    class WithScript(FakeEngine):  # DeepSpeed copies its zero_to_fp32.py beside the shards
+        def save_checkpoint(self, save_dir: str, tag: str, client_state: dict, save_latest: bool) -> None:
+            super().save_checkpoint(save_dir, tag, client_state, save_latest)
+            Path(save_dir, "zero_to_fp32.py").write_text("# DeepSpeed's script")
+
+    monkeypatch.setattr(ck.os, "fsync", record_fsync)
+    monkeypatch.setattr(ck, "_write_json_durably", record_manifest)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    final = ck.write_checkpoint(WithScript(), run_dir, 3, _manifest(3), rank=0, world=1)
+    staging = run_dir / ck.STAGING / final.name
+    before = {
+        str(Path(p).relative_to(staging)) for p in events[: events.index("MANIFEST")] if p.startswith(str(staging))
+    }
+    written = {str(p.relative_to(final)) for p in final.rglob("*")} - {ck.MANIFEST}
+    assert written == {"ds", "rng", "zero_to_fp32.py", *json.loads((final / ck.MANIFEST).read_text())["files"]}
+    assert written <= before
 
 
 def test_a_snapshot_caught_mid_write_is_read_again_and_a_broken_one_is_named(tmp_path):
@@ -314,6 +442,26 @@ def test_rng_state_round_trip(tmp_path, process_group):
     ck.load_into(FakeEngine(), saved, rank=0, world=1, config_dict=CONFIG)
     again = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1]) and expected[2] == again[2]
+
+    # Issue 59, point 6: tensors and plain values, which torch.load reads with weights_only=True.
+    rng_file = saved / "rng" / "rank0.pt"
+    assert set(torch.load(rng_file, weights_only=True)) == {"torch", "numpy", "numpy_gauss", "python"}
+    # A checkpoint from before (a plain pickle) still resumes exactly; a pickle naming anything else runs nothing.
+    np.random.randn(1), random.gauss(0, 1)  # a cached Gaussian in both states
+    state = ck.rng_state()
+    rng_file.write_bytes(pickle.dumps(state))
+    old = ck.read_rng_state(rng_file)
+    assert torch.equal(old["torch"], state["torch"]) and old["python"] == state["python"]
+    assert old["numpy"][0] == state["numpy"][0] and np.array_equal(old["numpy"][1], state["numpy"][1])
+    assert old["numpy"][2:] == state["numpy"][2:]
+    rng_file.write_bytes(pickle.dumps({"torch": _Foreign()}))
+    with pytest.raises(ck.CheckpointError, match=r"names posix.system, which no RNG state holds; not loaded"):
+        ck.read_rng_state(rng_file)
+
+
+class _Foreign:
+    def __reduce__(self):
+        return (os.system, ("echo should never run",))
 
 
 def test_a_resume_names_the_optimizer_settings_and_the_learning_rate_it_changes():
