@@ -9,6 +9,7 @@ than it, 1-D to 3-D, fp32 and bf16 on disk) read by two real gloo ranks.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -109,3 +110,93 @@ def test_a_tiny_model_too_big_to_build_here_is_refused_first():
     huge = load_config(None, [f"model.tiny.{k}={v}" for k, v in shape.items()])  # ~1T parameters
     with pytest.raises(ConfigError, match=r"model.tiny: the \d+\.\dB-parameter model .*model.name_or_path"):
         check_tiny_model_fits(tiny_llama_config(huge, 2048, 0))
+
+
+# ----------------------------------------------------------------------------- issue 59, point 4: the model a run resumes with
+
+
+def _model_dir(path, *, layers: int = 2, version: str = "5.0.0", shape: tuple[int, int] = (4, 4)):
+    """A model directory: config.json (a small Llama) and one safetensors file."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "llama", "num_hidden_layers": layers, "max_position_embeddings": 4096}
+    (path / "config.json").write_text(json.dumps({**config, "transformers_version": version}))
+    save_file({"a.weight": torch.zeros(shape)}, str(path / "model.safetensors"))
+    return path
+
+
+def _run_with_checkpoint(storage, name: str, model: dict) -> None:
+    """A run directory whose one checkpoint (in Ray Train's record) recorded `model`."""
+    from raytrain_cpu import checkpoint as ck
+
+    ckpt = storage / name / ck.checkpoint_dir_name(10)
+    ckpt.mkdir(parents=True)
+    manifest = {"format": ck.FORMAT, "files": {}, "step": 10, "model": model}
+    (ckpt / ck.MANIFEST).write_text(json.dumps(manifest))
+    (ckpt.parent / ck.SNAPSHOT).write_text(json.dumps({"latest_checkpoint_result": {"checkpoint_dir_name": ckpt.name}}))
+
+
+def test_a_local_model_changed_in_place_is_named_on_resume(tmp_path):
+    """Its config and safetensors headers, hashed when the run starts and recorded in each
+    manifest: a resume (the driver) and every restart (each worker) compare and name the files."""
+    from raytrain_cpu import checkpoint as ck
+    from raytrain_cpu.config import ConfigError, load_config
+    from raytrain_cpu.main import check_model_unchanged, newest_checkpoint
+
+    model = _model_dir(tmp_path / "model")
+    identity = ck.model_identity(str(model), model, None)
+    assert set(identity["fingerprint"]) == {"config.json", "model.safetensors"} and identity["revision"] is None
+    _run_with_checkpoint(tmp_path / "runs", "r", identity)
+    cfg = load_config(None, [f"model.name_or_path={model}", f"run.storage_path={tmp_path / 'runs'}", "run.name=r"])
+    latest = newest_checkpoint(cfg.run.run_dir)
+    assert check_model_unchanged(cfg, str(model), latest) == identity
+    _model_dir(model, version="5.9.9")  # re-saved by a newer transformers: the same model
+    assert check_model_unchanged(cfg, str(model), latest) == identity
+
+    _model_dir(model, layers=3, shape=(4, 8))  # another model put in its place
+    (model / "extra.safetensors").write_bytes((model / "model.safetensors").read_bytes())
+    with pytest.raises(ConfigError) as e:
+        check_model_unchanged(cfg, str(model), latest)
+    assert str(e.value) == (
+        f"model.name_or_path: {model} changed in place since the run started (checkpoint_000010, step 10, was saved "
+        "from it): config.json changed; model.safetensors changed; extra.safetensors is new. Put the model "
+        f"directory back as it was, or export the checkpoint (python -m raytrain_cpu.export {latest['path']} <dir>) "
+        "and start a new run.name with model.name_or_path=<dir>."
+    )
+    with pytest.raises(ck.CheckpointError, match=r"changed in place since this run started: config.json changed;"):
+        ck.check_model_dir(model, identity)  # a worker's check on every restart
+    ck.check_model_dir(model, None)  # the tiny model: built from model.tiny on every start
+
+
+def test_a_hub_model_resumes_at_the_commit_its_checkpoint_recorded(tmp_path, monkeypatch):
+    """The hub id alone does not pin the weights: the run's start records the commit it
+    resolved, and a resume downloads exactly that one (the resolver injected: no network)."""
+    import huggingface_hub
+
+    from raytrain_cpu import checkpoint as ck
+    from raytrain_cpu.config import load_config
+    from raytrain_cpu.hub import snapshot_revision
+    from raytrain_cpu.main import check_model_unchanged, fetch_from_hub, newest_checkpoint
+
+    old, new = "a" * 40, "b" * 40
+    asked = []
+
+    def snapshot_download(repo, revision=None, cache_dir=None, allow_patterns=None):
+        asked.append(revision)
+        return str(_model_dir(Path(cache_dir) / "models--owner--model" / "snapshots" / (revision or new)))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    runs = tmp_path / "runs"
+    overrides = ["model.name_or_path=owner/model", "model.tokenizer=bundled", f"run.storage_path={runs}"]
+    cfg = load_config(None, [*overrides, "run.name=fresh"])
+    model_dir = fetch_from_hub(cfg)  # a new run: the hub's newest commit
+    assert asked == [None] and snapshot_revision(model_dir) == new
+    assert check_model_unchanged(cfg, model_dir, None)["revision"] == new
+
+    started = ck.model_identity("owner/model", _model_dir(tmp_path / "hub" / "snapshots" / old), old)
+    _run_with_checkpoint(runs, "resumed", started)
+    cfg = load_config(None, [*overrides, "run.name=resumed"])
+    model_dir = fetch_from_hub(cfg)
+    assert asked == [None, old] and snapshot_revision(model_dir) == old
+    assert check_model_unchanged(cfg, model_dir, newest_checkpoint(cfg.run.run_dir)) == started
+    with pytest.raises(ValueError, match="not a hub cache snapshot"):
+        snapshot_revision(tmp_path)
