@@ -1635,8 +1635,11 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
         "data": cfg.to_dict()["data"],  # format and template: how export and generate render prompts
         "dpo": w.dpo_settings,  # how `evaluate` scores its pairs
         "data_key": w.loop_config["data_key"],  # the packed blocks trained on (their files' fingerprints)
-        # What the next step trains on, which a resume checks its stream against (check_resumed_stream).
-        "next_blocks": {"position": st.step * w.global_batch, "block_ids": next_block_ids(w, st.step)},
+        # What the next step trains on, which a resume checks its stream against (check_resumed_stream);
+        # rank 0's alone is written.
+        "next_blocks": {"position": st.step * w.global_batch, "block_ids": next_block_ids(w, st.step)}
+        if w.is_main
+        else None,
         "model": w.loop_config.get("model"),  # its hub commit and fingerprint: a resume loads exactly it
         "eval_watch": st.watch.state(),  # the best so far and the evaluations since: a resume goes on counting
         "time": time.time(),
@@ -1677,8 +1680,12 @@ def stream_block_ids(
 ) -> np.ndarray:
     """The block ids at global stream `positions`, as data.StreamPlan.fetch composes them (a
     mixture's sources by `pattern`, each through seeded epochs of its own, ids counted on from
-    the sources before it); only the ids, no block read."""
+    the sources before it); only the ids, no block read. Each epoch's order is made afresh and
+    dropped (global_order's uncached function): at a checkpoint now and then, a large corpus's
+    order (8 bytes a block) is not worth keeping in the training process."""
     from raytrain_cpu.data import global_order, mix_positions
+
+    order = global_order.__wrapped__
 
     src, src_pos = mix_positions(positions, pattern)
     first_id = np.cumsum((0, *n_blocks))
@@ -1688,7 +1695,7 @@ def stream_block_ids(
         epoch, within = np.divmod(src_pos[sel], n_blocks[s])
         ids = np.empty_like(within)
         for e in np.unique(epoch):
-            ids[epoch == e] = global_order(n_blocks[s], seed, int(e), window)[within[epoch == e]]
+            ids[epoch == e] = order(n_blocks[s], seed, int(e), window)[within[epoch == e]]
         out[sel] = first_id[s] + ids
     return out
 
