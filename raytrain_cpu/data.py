@@ -733,7 +733,7 @@ def _pointed(root: Path, key: str) -> str | None:
     """The version name <key>.current names, None where there is none."""
     try:
         return os.readlink(_pointer(root, key))
-    except (FileNotFoundError, NotADirectoryError, OSError):
+    except OSError:  # none (or not a symlink): nothing published
         return None
 
 
@@ -1284,7 +1284,7 @@ def _prepare_source(
     eval_only = eval_only and evals is not None
     key = cache_key(cfg, train, evals, tokenizer_path, eval_only)
     root = cache_root(cfg)
-    final, seen = root / key, _pointed(root, key)  # seen: the version a --force rebuild replaces
+    final, seen = _pointer(root, key), _pointed(root, key)  # seen: the version a --force rebuild replaces
     found = published_cache(root, key)
     if found is not None and not force:
         log(f"[data] using the cached blocks in {found}")
@@ -1670,7 +1670,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="build the cache for a config (no-op when it exists)")
     p.add_argument("--config", default=None, help="YAML config (default: the embedded local default)")
-    p.add_argument("--force", action="store_true", help="rebuild even if the cache exists")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="rebuild even if the cache exists (a new version; the old one stays for runs reading it)",
+    )
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.seq_len=512")
     argv = sys.argv[1:] if argv is None else argv
     # Overrides on both sides of --config, as main takes them (argparse mixes positionals and
