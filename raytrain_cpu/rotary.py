@@ -5,8 +5,9 @@ operators a tensor (a negated half, a concatenation, two products and a sum), an
 backward of them makes two zero-filled copies (the slices' gradients) and sums three gradients:
 about a dozen passes over q and as many over k, per layer, each from memory. Here the forward
 is two products and two in-place half sums, and so is the backward, run over chunks of
-CHUNK_ELEMENTS so that each product is still in the core's cache when the sums read it: one pass
-from memory and one to it. The products and sums are Hugging Face's, rounded in the same order,
+CHUNK_ELEMENTS a thread (norm.chunk_elements: ATen splits each pass over the rank's threads)
+so that each product is still in the core's cache when the sums read it: one pass from memory
+and one to it. The products and sums are Hugging Face's, rounded in the same order,
 so the output and the gradients are the same bits. Alone (q and k of one layer, forward and
 backward, caches flushed between calls, one thread, AMD Zen 4): 1.9x Hugging Face's at the ~50M
 bench model's shape (8.4 against 16.1 ms) and 2.0x at Llama-3-8B's (19.4 against 39.4).
@@ -21,7 +22,7 @@ import sys
 
 import torch
 
-from raytrain_cpu.norm import CHUNK_ELEMENTS
+from raytrain_cpu.norm import chunk_elements
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward: bool) -> torch.Tensor:
@@ -37,7 +38,7 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward: boo
     cos = cos.expand(b, 1, s, d).reshape(b * s, 1, d)
     sin = sin.expand(b, 1, s, d).reshape(b * s, 1, d)
     out = torch.empty_like(rows, memory_format=torch.contiguous_format)
-    n = max(1, CHUNK_ELEMENTS // (h * d))
+    n = max(1, chunk_elements() // (h * d))  # CHUNK_ELEMENTS a thread: each product's share stays in cache
     buf = rows.new_empty(min(n, b * s), h, d)
     for i in range(0, b * s, n):
         o, tmp = out[i : i + n], buf[: min(n, b * s - i)]

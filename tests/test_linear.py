@@ -1,6 +1,7 @@
 """model.weight_grad_kernel (raytrain_cpu.linear): the kernel's weight gradient against fp32 at
-ragged sizes, the same forward and input-gradient bits as autograd's linear, compiled too, and
-installed only on bf16 linear layers that train."""
+ragged sizes and at several threads, the same forward and input-gradient bits as autograd's
+linear, compiled too, installed only on bf16 linear layers that train, and 'auto' deciding by
+a timing at the run's own threads."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from aten_threads import aten_threads
 from conftest import forward_backward
 
 from raytrain_cpu import linear
@@ -33,6 +35,21 @@ def test_weight_grad_matches_fp32_at_ragged_sizes(tokens, out, inp):
     got = linear.weight_grad(dy, x)
     assert got.dtype == torch.bfloat16 and got.shape == (out, inp)
     assert _rel_err(got, dy.float().t() @ x.float()) < 0.01  # bf16 rounding of the result: ~0.003
+
+
+# At 2 and 4 threads: output rows enough for a task a thread per 64-row block (3,000 x 8 blocks
+# at 2), and too few, where each block's columns split among tasks too (130 x 3 blocks: dy's
+# transposes shared; 64 x 1 block; an odd chunk and widths off the 32-column step).
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize(("tokens", "out", "inp"), [(1100, 512, 96), (513, 130, 200), (600, 64, 176), (7, 3, 5)])
+def test_weight_grad_at_several_threads_matches_fp32(threads, tokens, out, inp):
+    g = torch.Generator().manual_seed(tokens)
+    dy = torch.randn(tokens, out, generator=g).to(torch.bfloat16)
+    x = torch.randn(tokens, inp, generator=g).to(torch.bfloat16)
+    with aten_threads(threads):
+        got = linear.weight_grad(dy, x)
+    assert got.shape == (out, inp)
+    assert _rel_err(got, dy.float().t() @ x.float()) < 0.01
 
 
 def _pair(bias: bool):
@@ -90,3 +107,67 @@ def test_the_profile_table_counts_the_kernel_as_gemm():
     rows = {r["kind"]: r["seconds"] for r in cpu.op_time_by_kind(prof.events(), 1.0)}
     own = sum(e.self_cpu_time_total for e in prof.events() if e.name == "raytrain::weight_grad") / 1e6
     assert own > 0 and rows["GEMM"] >= own - 1e-4  # the table rounds to 0.1 ms
+
+
+def _auto(monkeypatch, timings: dict[str, float] | None, amx: bool = True, n_params: int = 50_000_000, **kw):
+    """linear.choose('auto') on a host with or without AMX, the timing replaced by `timings`
+    (None: fails if called); returns (the choice, what reached `agree`)."""
+    from raytrain_cpu import cpu
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"amx_bf16"} if amx else {"avx512f"})
+
+    def timed(shapes, tokens):
+        assert timings is not None, "timed where the gates should have stopped it"
+        assert shapes == {(130, 96): 2} and tokens == 4096
+        return timings
+
+    monkeypatch.setattr(linear, "time_weight_grads", timed)
+    agreed: list[list[float]] = []
+
+    def agree(values):
+        agreed.append(values)
+        return values
+
+    choice = linear.choose(kw.get("setting", "auto"), kw.get("dtype", "bf16"), n_params, {(130, 96): 2}, 4096, agree)
+    return choice, agreed
+
+
+def test_auto_takes_the_kernel_only_where_it_times_faster_by_the_margin_at_the_runs_threads(monkeypatch):
+    with aten_threads(2):
+        won, agreed = _auto(monkeypatch, {"kernel": 0.010, "autograd": 0.012})
+    assert won.on and won.timings == {"kernel": 0.010, "autograd": 0.012} and won.threads == 2
+    assert agreed == [[0.0, 0.010, 0.012]]  # the ranks' mean decides: every rank the same pick
+    tie, _ = _auto(monkeypatch, {"kernel": 0.0097, "autograd": 0.010})
+    assert not tie.on and "taken above 1.05x" in tie.why and tie.timings
+    lost, _ = _auto(monkeypatch, {"kernel": 0.02, "autograd": 0.01})
+    assert not lost.on and "0.50x" in lost.why
+
+
+def test_auto_times_nothing_on_a_small_model_or_in_fp32_and_explicit_settings_are_kept(monkeypatch):
+    small, agreed = _auto(monkeypatch, None, n_params=1_000_000)
+    assert (small.on, small.why, agreed) == (False, "", [])
+    fp32, agreed = _auto(monkeypatch, None, dtype="fp32")
+    assert not fp32.on and agreed == []
+    forced, agreed = _auto(monkeypatch, None, amx=False, setting=True)
+    assert forced.on and agreed == [] and forced.timings == {}
+
+
+def test_a_host_without_amx_still_joins_the_ranks_agreement_and_leaves_it_off(monkeypatch):
+    """A rank past the size and dtype gates calls `agree` even where its host cannot run the
+    kernel: the others' all-reduce would wait for it otherwise; any such rank turns it off."""
+    choice, agreed = _auto(monkeypatch, None, amx=False)
+    assert not choice.on and "no AMX" in choice.why and agreed == [[1.0, 0.0, 0.0]]
+
+
+def test_the_timing_runs_both_at_the_models_shapes_and_finds_the_layers_install_takes():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.model.layers[1].mlp.requires_grad_(False)
+    shapes = linear.linear_shapes(model)
+    assert shapes == {(32, 32): 8, (80, 32): 2, (32, 80): 1, (64, 32): 1}
+    assert sum(shapes.values()) == linear.install(model)
+    with aten_threads(2):
+        timings = linear.time_weight_grads({(80, 32): 2}, 600, reps=1)
+    assert set(timings) == {"kernel", "autograd"} and all(0 < t < 1 for t in timings.values())

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from aten_threads import aten_threads
 from conftest import FUSED_VOCAB, fused_llama_pair
 
 from raytrain_cpu import loss as fused
@@ -57,6 +58,20 @@ def test_chunks_match_hugging_face(monkeypatch, dtype):
     ids, labels = _batch()
     loss_hf, grads_hf = _loss_and_grads(hf, ids, labels)
     loss_ours, grads_ours = _loss_and_grads(ours, ids, labels)
+    assert float(loss_ours) == pytest.approx(float(loss_hf), rel=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(grads_hf, grads_ours, strict=True))
+
+
+def test_at_two_threads_chunks_match_hugging_face(monkeypatch):
+    """At 2 threads (each chunk's GEMMs, log-softmax and its backward split among them by ATen,
+    the chunks in turn), 16 tokens a chunk: Hugging Face's gradients to the last bit, its loss to
+    fp32 rounding."""
+    monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * FUSED_VOCAB * 16)
+    hf, ours = fused_llama_pair()
+    ids, labels = _batch()
+    with aten_threads(2):
+        loss_hf, grads_hf = _loss_and_grads(hf, ids, labels)
+        loss_ours, grads_ours = _loss_and_grads(ours, ids, labels)
     assert float(loss_ours) == pytest.approx(float(loss_hf), rel=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(grads_hf, grads_ours, strict=True))
 

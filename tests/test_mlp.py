@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from aten_threads import aten_threads
 from conftest import forward_backward
 
 from raytrain_cpu import mlp
@@ -34,6 +35,18 @@ def test_same_output_and_gradient_bits(dtype):
     g = torch.randn(3, 40, 32, generator=gen).to(dtype)
     for a, b in zip(forward_backward(hf, x, g), forward_backward(ours, x, g), strict=True):
         assert a.dtype == b.dtype == dtype and torch.equal(a, b)
+
+
+def test_at_two_threads_the_same_bits():
+    """At 2 threads (ATen splits each elementwise pass among them past its 32,768-element grain:
+    147,360 a tensor here) the output and both gradients are still Hugging Face's bits."""
+    hf, ours = _mlp_pair(torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    x = (2 * torch.randn(3, 614, 32, generator=gen)).to(torch.bfloat16)
+    g = torch.randn(3, 614, 32, generator=gen).to(torch.bfloat16)
+    with aten_threads(2):
+        for a, b in zip(forward_backward(hf, x, g), forward_backward(ours, x, g), strict=True):
+            assert torch.equal(a, b)
 
 
 def test_keeps_one_intermediate_tensor_less():

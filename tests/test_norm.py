@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from aten_threads import aten_threads
 
 from raytrain_cpu import norm
 
@@ -110,7 +111,7 @@ def test_inputs_and_incoming_gradient_left_alone_in_fp32():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_chunks_of_rows_give_what_the_whole_tensor_gives(monkeypatch, dtype):
-    """The fp32 work runs a chunk of rows at a time (norm.CHUNK_ELEMENTS): with 7 rows a chunk and
+    """The fp32 work runs a chunk of rows at a time (norm.chunk_elements): with 7 rows a chunk and
     a ragged last one, the same output and input-gradient bits as in one chunk; the weight's
     gradient sums the chunks' sums (within its dtype's rounding)."""
     _, ours = _norm_pair(dtype)
@@ -118,8 +119,31 @@ def test_chunks_of_rows_give_what_the_whole_tensor_gives(monkeypatch, dtype):
     x = (3 * torch.randn(2, 50, 96, generator=gen)).to(dtype)
     g = torch.randn(2, 50, 96, generator=gen).to(dtype)
     whole = _run(ours, x, g)
-    monkeypatch.setattr(norm, "CHUNK_ELEMENTS", 7 * 96)
+    monkeypatch.setattr(norm, "chunk_elements", lambda: 7 * 96)
     chunked = _run(ours, x, g)
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
     rounding = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-20
     assert (whole[2].float() - chunked[2].float()).abs().max() <= rounding * whole[2].float().abs().max()
+
+
+def test_at_two_threads_chunks_split_among_them_match_one_thread_and_hugging_faces_bits(monkeypatch):
+    """A chunk is CHUNK_ELEMENTS a thread, each of its passes ATen's, split among the threads (a
+    rank runs 16-92: chunks of one thread's size would keep at most 8 busy). At 2 threads over
+    chunks large enough to split (800 rows, a ragged last one): Hugging Face's output bits, and
+    the gradients of one thread with the same chunks (each row's arithmetic is its own; the
+    weight's sums the same chunks' sums)."""
+    hf, ours = _norm_pair(torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    x = (3 * torch.randn(2, 3000, 96, generator=gen)).to(torch.bfloat16)
+    g = torch.randn(2, 3000, 96, generator=gen).to(torch.bfloat16)
+    monkeypatch.setattr(norm, "CHUNK_ELEMENTS", 400 * 96)
+    with aten_threads(2):
+        assert norm.chunk_elements() == 800 * 96
+        two = _run(ours, x, g)
+        out_hf = _run(hf, x, g)[0]
+    monkeypatch.setattr(norm, "chunk_elements", lambda: 800 * 96)
+    with aten_threads(1):
+        one = _run(ours, x, g)
+    assert torch.equal(two[0], out_hf)
+    for a, b in zip(two, one, strict=True):
+        assert torch.equal(a, b)

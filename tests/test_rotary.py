@@ -3,6 +3,7 @@ a time, inside a Llama, and leaves what it does not compute to Hugging Face's.""
 
 import pytest
 import torch
+from aten_threads import aten_threads
 from transformers.models.llama import modeling_llama
 
 from raytrain_cpu import attention, rotary
@@ -38,7 +39,7 @@ def test_fused_rotary_gives_hugging_faces_bits_over_ragged_chunks(monkeypatch, s
     """Output and both gradients equal Hugging Face's with 3 tokens a chunk and a ragged last one,
     for grouped keys, one position row for the batch and q, k in (B, H, S, D) memory too."""
     b, h, hk, s, d = shape
-    monkeypatch.setattr(rotary, "CHUNK_ELEMENTS", 3 * h * d)
+    monkeypatch.setattr(rotary, "chunk_elements", lambda: 3 * h * d)
     q, k, cos, sin, grads = _inputs(*shape, dtype, projected, cos_batch)
     ours = _rotated_and_grads(rotary.apply_rotary_pos_emb, q, k, cos, sin, grads, projected)
     theirs = _rotated_and_grads(modeling_llama.apply_rotary_pos_emb, q, k, cos, sin, grads, projected)
@@ -46,6 +47,23 @@ def test_fused_rotary_gives_hugging_faces_bits_over_ragged_chunks(monkeypatch, s
         assert torch.equal(a, t), name
     if projected:  # laid out as Hugging Face's result (other layouts come out in the projections')
         assert ours[0].stride() == theirs[0].stride()
+
+
+def test_at_two_threads_the_chunks_split_among_them_give_hugging_faces_bits(monkeypatch):
+    """A chunk is CHUNK_ELEMENTS a thread (norm.chunk_elements), each of its passes ATen's, split
+    among the threads: at 2 threads, chunks large enough to split (1,400 of q's 6,000 tokens, a
+    ragged last one), the output and gradients are still Hugging Face's bits."""
+    from raytrain_cpu import norm
+
+    shape = (2, 4, 2, 3000, 16)
+    monkeypatch.setattr(norm, "CHUNK_ELEMENTS", 700 * 4 * 16)
+    q, k, cos, sin, grads = _inputs(*shape, torch.bfloat16)
+    with aten_threads(2):
+        assert norm.chunk_elements() == 1400 * 4 * 16
+        ours = _rotated_and_grads(rotary.apply_rotary_pos_emb, q, k, cos, sin, grads, True)
+        theirs = _rotated_and_grads(modeling_llama.apply_rotary_pos_emb, q, k, cos, sin, grads, True)
+    for name, a, t in zip(("q", "k", "dq", "dk"), ours, theirs, strict=True):
+        assert torch.equal(a, t), name
 
 
 def test_what_the_fused_rotary_does_not_compute_goes_to_hugging_faces():
