@@ -354,6 +354,7 @@ class Worker:
     # loss (the training loss by source: loss/<name>); () otherwise.
     loss_sources: tuple[str, ...] = ()
     weight_grad_kernel: bool = False  # model.weight_grad_kernel in use (the MFU probe times its weight gradients)
+    weight_grad_timings: dict[str, float] = field(default_factory=dict)  # what its 'auto' timed (summary.json)
     fused_loss: bool = False  # the fused output layer and loss are installed (raytrain_cpu.loss)
     reference: Any = None  # DPO's reference (a dpo.Reference), set once the engine exists
     # train.dpo_precompute_reference's pass: {"blocks", "computed", "seconds"} (summary.json)
@@ -874,17 +875,23 @@ def install_fused_layer_ops(w: Worker, model, log: Callable[[str], None] | None 
 
 def install_weight_grad_kernel(w: Worker, model) -> bool:
     """model.weight_grad_kernel: the bf16 linear layers' weight gradients on raytrain_cpu.linear's
-    kernel (linear.wanted: 'auto' on AMX for models of 20M parameters or more). Whether it is in use."""
+    kernel (linear.choose: 'auto' on AMX for models of 20M parameters or more where it times faster
+    than autograd's at the worker's threads and the model's shapes). Whether it is in use."""
     from raytrain_cpu import linear
 
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: the whole size
-    on, why = linear.wanted(w.cfg.model.weight_grad_kernel, w.cfg.model.dtype, n_params)
-    if not on:
-        if why:
-            w.log(f"[model] weight gradients: autograd's ({why})")
+    tokens = w.cfg.train.micro_batch_size * w.cfg.data.seq_len
+    shapes = linear.linear_shapes(model)
+    choice = linear.choose(w.cfg.model.weight_grad_kernel, w.cfg.model.dtype, n_params, shapes, tokens, _rank_mean(w))
+    w.weight_grad_timings = {**choice.timings, "threads": choice.threads} if choice.timings else {}
+    if not choice.on:
+        if choice.why:
+            w.log(f"[model] weight gradients: autograd's ({choice.why})")
         return False
     n = linear.install(model)
-    w.log(f"[model] weight gradients: the kernel on {n} bf16 linear layers (model.weight_grad_kernel)")
+    timed = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in choice.timings.items())
+    why = f" (auto, mean of ranks at {choice.threads} threads: {timed})" if timed else " (model.weight_grad_kernel)"
+    w.log(f"[model] weight gradients: the kernel on {n} bf16 linear layers{why}")
     return n > 0
 
 
@@ -1792,6 +1799,7 @@ def write_worker_summary(w: Worker, st: Loop, engine, guard, loaded: Loaded, cpu
         "attention": loaded.attention,
         "compiled": w.cfg.model.compile is True,  # model.compile=auto as this run resolved it
         "weight_grad_kernel": w.weight_grad_kernel,  # model.weight_grad_kernel as this run resolved it
+        "weight_grad_timings": w.weight_grad_timings,  # seconds a micro batch, kernel and autograd ('auto')
         "train_wall_s": st.wall(),
         "guard_events_this_attempt": guard.counts,
         "skipped_steps": engine.skipped_steps,  # DeepSpeed's count, kept across resumes
