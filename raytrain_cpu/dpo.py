@@ -47,6 +47,7 @@ are, as an SFT run would measure them, so a run can watch that DPO does not unle
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -200,37 +201,40 @@ def reference_free(inputs: dict[str, Any]) -> None:
 # positions), so a block keeps its row whatever its id, split, rank or worker count.
 
 
-# Bytes of each weight file's data region sampled into model_identity, at its start and its end:
+# Bytes of each weight file's data region sampled into reference_key, at its start and its end:
 # two trainings of one architecture share every safetensors header, not their weights' bytes.
 IDENTITY_SAMPLE_BYTES = 1 << 16
 
 
-def model_identity(name_or_path: str, model_dir: str | Path, revision: str | None = None) -> str:
+def reference_key(name_or_path: str, model_dir: str | Path) -> str:
     """A 16-hex key of the model a reference is computed with, the same on every rank and node:
-    model.name_or_path, the revision asked for and the hub snapshot's commit (where model_dir is
-    one), config.json's bytes, and each safetensors file's name, size, header and the first and
-    last IDENTITY_SAMPLE_BYTES of its data. Not modification times or paths: each node's copy
-    of a model may have its own. A model written over under the same path (another fine-tune)
-    changes its data bytes; reading a sample, not the whole file, keeps this a few reads."""
-    model_dir = Path(model_dir)
-    h = hashlib.sha256(json.dumps([name_or_path, revision or ""]).encode())
-    parts = model_dir.resolve().parts
-    if "snapshots" in parts[:-1]:  # a hub cache's snapshots/<commit>: the revision it resolved to
-        h.update(parts[parts.index("snapshots") + 1].encode())
-    config = model_dir / "config.json"
-    h.update(config.read_bytes() if config.is_file() else b"")
-    for f in sorted(model_dir.glob("*.safetensors")):
+    what a checkpoint's manifest records of it (checkpoint.model_identity: model.name_or_path,
+    the hub commit, config.json and the safetensors headers) and the first and last
+    IDENTITY_SAMPLE_BYTES of each safetensors file's data, which a model written over under
+    the same path (another fine-tune of one architecture) changes. Not paths or modification
+    times: each node's copy of a model may have its own. A sample, not the whole file, keeps
+    this a few reads at any model size."""
+    from raytrain_cpu.checkpoint import model_identity
+    from raytrain_cpu.hub import is_hub_id, snapshot_revision
+
+    revision = None
+    if is_hub_id(name_or_path):
+        with contextlib.suppress(ValueError):  # not a hub cache snapshot: its fingerprint alone
+            revision = snapshot_revision(model_dir)
+    h = hashlib.sha256(json.dumps(model_identity(name_or_path, model_dir, revision), sort_keys=True).encode())
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
         with open(f, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
-            n = int.from_bytes(fh.read(8), "little")
-            h.update(f"{f.name}:{size}".encode() + fh.read(n) + fh.read(IDENTITY_SAMPLE_BYTES))
-            fh.seek(max(8 + n, size - IDENTITY_SAMPLE_BYTES))
+            start = 8 + int.from_bytes(fh.read(8), "little")
+            fh.seek(start)
+            h.update(fh.read(IDENTITY_SAMPLE_BYTES))
+            fh.seek(max(start, size - IDENTITY_SAMPLE_BYTES))
             h.update(fh.read())
     return h.hexdigest()[:16]
 
 
 def reference_directory(run_dir: Path, identity: str) -> Path:
-    """Where a run keeps its reference rows: <run dir>/reference_logps/<model identity>. Rows are
+    """Where a run keeps its reference rows: <run dir>/reference_logps/<reference_key>. Rows are
     found by what a block holds, so the model must be in the key too: another model under the
     same run.name (model.name_or_path changed before the first checkpoint) computes its own."""
     return Path(run_dir) / "reference_logps" / identity

@@ -1021,7 +1021,7 @@ def precompute_reference(w: Worker, engine):
     loaded. Each block's row comes from the micro batch that first holds it, composed as the run
     composes it (reference_batches; a GEMM's last bits can depend on its batch-mates), so it is
     the forward the reference would have run there. Kept in <run dir>/reference_logps/<model
-    identity>/ (dpo.KeptLogps, dpo.model_identity: rows of another starting model under the same
+    key>/ (dpo.KeptLogps, dpo.reference_key: rows of another starting model under the same
     run.name are never read); a block an earlier attempt kept (an interrupted pass's parts too)
     is not computed again."""
     import torch.distributed as dist
@@ -1029,9 +1029,8 @@ def precompute_reference(w: Worker, engine):
     from raytrain_cpu import dpo
 
     t0 = time.perf_counter()
-    model = w.cfg.model
-    identity = dpo.model_identity(model.name_or_path, w.loop_config["model_dir"], getattr(model, "revision", None))
-    directory = dpo.reference_directory(w.run_dir, identity)
+    key = dpo.reference_key(w.cfg.model.name_or_path, w.loop_config["model_dir"])
+    directory = dpo.reference_directory(w.run_dir, key)
     read = _block_reader(w)
     kept = dpo.KeptLogps(directory)
     batches = reference_batches(w)

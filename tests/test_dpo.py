@@ -548,7 +548,7 @@ def test_full_dpo_keeps_the_starting_model_as_its_reference_across_a_resume(ray_
     assert evals[3]["eval_dpo_loss"] <= evals[2]["eval_dpo_loss"] + 0.02  # the kept rows score as the copy did
     # Kept under the starting model's identity: another model under this run.name reads none of them.
     run_dir = make_config(*overrides).run.run_dir
-    identity = dpo.model_identity("tiny", run_dir / "base_model")
+    identity = dpo.reference_key("tiny", run_dir / "base_model")
     assert [p.name for p in (run_dir / "reference_logps").iterdir()] == [identity]
 
 

@@ -251,14 +251,13 @@ def test_the_reference_rows_are_keyed_by_the_model(tmp_path, tiny_tokenizer):
 
     base = tmp_path / "a"
     model.write_tiny_model(load_config(None, []), tiny_tokenizer, base)
-    key = dpo.model_identity("tiny", base)
-    assert dpo.model_identity("tiny", base) == key and len(key) == 16
+    key = dpo.reference_key("tiny", base)
+    assert dpo.reference_key("tiny", base) == key and len(key) == 16
     copy = tmp_path / "elsewhere" / "a"
     shutil.copytree(base, copy)  # another node's copy: other path and times, the same model
-    assert dpo.model_identity("tiny", copy) == key
-    assert dpo.model_identity(str(base), base) != key  # another name_or_path
-    assert dpo.model_identity("tiny", base, revision="v2") != key
+    assert dpo.reference_key("tiny", copy) == key
+    assert dpo.reference_key(str(base), base) != key  # another name_or_path
     reseeded = tmp_path / "b"  # the same architecture, so the same headers: other weights
     model.write_tiny_model(load_config(None, ["train.seed=1"]), tiny_tokenizer, reseeded)
-    assert dpo.model_identity("tiny", reseeded) != key
+    assert dpo.reference_key("tiny", reseeded) != key
     assert dpo.reference_directory(tmp_path / "run", key) == tmp_path / "run" / "reference_logps" / key
