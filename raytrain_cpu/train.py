@@ -345,11 +345,12 @@ class Worker:
     # The manifest of the checkpoint this attempt resumes from ({} on a fresh start): what the run
     # settled at its start by measuring (dtype, attention) stays, so a resumed run continues exactly.
     resumed: dict[str, Any] = field(default_factory=dict)
-    resume_from: Path | None = None  # that checkpoint (checkpoint.choose_checkpoint), verified by every rank
     most_workers: int = 0  # an elastic run's scaling.num_workers (cfg holds this attempt's count); 0: fixed
     # This attempt's settings as configured, before the worker settles 'auto' ones (model.dtype):
     # what a resume compares with the checkpoint's, which recorded them so too.
     settings: dict[str, Any] = field(default_factory=dict)
+    # The checkpoint this attempt resumes from (checkpoint.choose_checkpoint: verified by every rank), or None.
+    resume_from: Path | None = None
     # A mixture's source names, in the stream's order, where the fused loss reports each row's
     # loss (the training loss by source: loss/<name>); () otherwise.
     loss_sources: tuple[str, ...] = ()
@@ -602,9 +603,10 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
     # torch 2.13 warns on every DeepSpeed all-gather / reduce-scatter, from every rank: a flood, not news.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     restored = ray.train.get_checkpoint()
-    return Worker(
     # Ray Train's latest, or the newest before it that verifies on every rank (a damaged one is renamed).
-    resume_from, resumed = ckpt_io.choose_checkpoint(Path(restored.path) if restored else None, rank, world, log)
+    handed = Path(restored.path) if restored else None
+    resume_from, resumed = ckpt_io.choose_checkpoint(handed, rank, world, log, loop_config.get("hashed_checkpoint"))
+    return Worker(
         cfg,
         loop_config,
         rank,
@@ -615,8 +617,8 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
         resumed,
         most,
         cfg.to_dict(),
-    )
         resume_from=resume_from,
+    )
 
 
 def universal_checkpoint(w: Worker) -> None:
@@ -749,8 +751,8 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
     from raytrain_cpu.model import load_sharded
 
     cfg, model_dir = w.cfg, w.loop_config["model_dir"]
-    init_deepspeed(cfg.deepspeed.shm_collectives, cfg.run.gloo_timeout_s, w.log)
     ckpt_io.check_model_dir(model_dir, w.loop_config.get("model"))  # as the run found it at its start
+    init_deepspeed(cfg.deepspeed.shm_collectives, cfg.run.gloo_timeout_s, w.log)
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     t0 = time.perf_counter()
     w.log(f"[load] loading {model_dir} into ZeRO-{cfg.deepspeed.zero_stage} shards on {w.world} ranks")
@@ -1636,6 +1638,7 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
         "dtype": cfg.model.dtype,
         "attention": loaded.attention,  # an 'auto' run resumes with it
         "model_dir": w.loop_config["model_dir"],
+        "model": w.loop_config.get("model"),  # its hub commit and fingerprint: a resume loads exactly it
         "tokenizer": resolve_tokenizer_path(cfg.model.tokenizer, w.loop_config["model_dir"]),
         "lora": loaded.lora,  # export writes an adapter (and merges it) when set
         "data": cfg.to_dict()["data"],  # format and template: how export and generate render prompts
@@ -1646,7 +1649,6 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
         "next_blocks": {"position": st.step * w.global_batch, "block_ids": next_block_ids(w, st.step)}
         if w.is_main
         else None,
-        "model": w.loop_config.get("model"),  # its hub commit and fingerprint: a resume loads exactly it
         "eval_watch": st.watch.state(),  # the best so far and the evaluations since: a resume goes on counting
         "time": time.time(),
     }
