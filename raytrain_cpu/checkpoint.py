@@ -927,12 +927,14 @@ def _check_own(ckpt_dir: Path, rank: int, world: int) -> dict[str, Any]:
 
 
 def choose_checkpoint(
-    handed: Path | None, rank: int, world: int, log: Callable[[str], None]
+    handed: Path | None, rank: int, world: int, log: Callable[[str], None], hashed: str | None = None
 ) -> tuple[Path | None, dict[str, Any]]:
     """The workers' choice, on every attempt: the checkpoint Ray Train handed back (`handed`)
     when it verifies on every rank, else the newest older one in Ray Train's record that does.
     Every rank hashes its own files; one gather per checkpoint tried makes all ranks agree. Rank
-    0 renames those stepped past (mark_damaged), one line each. Returns (path, manifest), or
+    0 renames those stepped past (mark_damaged), one line each. `hashed`: the checkpoint the
+    driver hashed whole before Ray Train started (hash_checkpoint), whose sizes alone are checked
+    again (the first attempt reads no shard twice). Returns (path, manifest), or
     (None, {}) when Ray Train handed none; raises CheckpointError when none verifies, or when one
     fails in another way (a manifest of another format) that stepping back would not mend."""
     import torch.distributed as dist
@@ -945,7 +947,7 @@ def choose_checkpoint(
         path = run_dir / name
         manifest: dict[str, Any] = {}
         try:
-            manifest = _check_own(path, rank, world)
+            manifest = verify_checkpoint(path) if name == hashed else _check_own(path, rank, world)
             verdict: tuple[str, Any] = ("ok", None)
         except DamagedCheckpoint as e:
             verdict = ("damaged", e)
@@ -1182,6 +1184,12 @@ def batches_to_skip(start_position: int, step: int, global_batch: int, accum: in
     between the two are skipped (each step takes `accum` micro batches from every rank).
     """
     resumed_position = step * global_batch
+    if start_position > resumed_position and not (start_position - resumed_position) % global_batch:
+        raise CheckpointError(  # choose_checkpoint stepped back past damaged ones, beyond the driver's plan
+            f"the checkpoint this restart resumes from (step {step}) predates where this run's data stream starts "
+            f"(step {start_position // global_batch}, the checkpoint the driver started from): run the same command "
+            "again, which resumes from it (the damaged checkpoints stepped past are renamed)."
+        )
     if start_position > resumed_position or (resumed_position - start_position) % global_batch:
         raise CheckpointError(
             f"the data stream starts at block position {start_position} but the checkpoint is at step {step} "

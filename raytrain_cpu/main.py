@@ -260,22 +260,41 @@ def check_ranking(cfg: Config) -> None:
     )
 
 
-def rescale_checkpoint(cfg: Config, latest: dict[str, Any], world: int) -> dict[str, Any] | None:
-    """A checkpoint saved for another number of workers is converted to DeepSpeed's universal
-    format before the workers start (checkpoint.to_universal), which hashes every shard: a
-    damaged one is stepped past as newest_checkpoint does, and the next is converted if it needs
-    to be. Returns the checkpoint the run resumes from."""
+def verify_resume(cfg: Config, latest: dict[str, Any] | None, world: int) -> dict[str, Any] | None:
+    """The checkpoint the run resumes from, every shard hashed before the driver plans the data
+    stream from its step (the workers could not go back to an older one in this driver run): in
+    parallel Ray tasks (hash_checkpoint), or by the conversion a resume on another worker count
+    needs (convert_checkpoint). A damaged one is stepped past as newest_checkpoint does (renamed,
+    one line, dropped from Ray Train's record) and the next one verified. None for a new run."""
     from raytrain_cpu.checkpoint import DamagedCheckpoint
 
     damaged: dict[str, DamagedCheckpoint] = {}
-    while latest and latest["world_size"] != world:
+    while latest:
         try:
-            convert_checkpoint(latest, world)
+            if latest["world_size"] != world and not cfg.elastic:  # elastic: the workers convert it
+                convert_checkpoint(latest, world)
+            else:
+                hash_checkpoint(latest)
             return latest
         except DamagedCheckpoint as e:
             damaged[Path(latest["path"]).name] = e
             latest = check_resume(cfg, world, damaged)
     return latest
+
+
+def hash_checkpoint(latest: dict[str, Any]) -> None:
+    """Every saved rank's files hashed against the manifest, one Ray task each (on a cluster,
+    spread over the nodes, which read the shared storage in parallel); raises DamagedCheckpoint."""
+    import ray
+
+    from raytrain_cpu.checkpoint import verify_checkpoint
+
+    check = ray.remote(num_cpus=1, max_retries=0)(verify_checkpoint)
+    tasks = [check.remote(latest["path"], hash_ranks=[r]) for r in range(latest["world_size"])]
+    try:
+        ray.get(tasks)
+    except ray.exceptions.RayTaskError as e:
+        raise e.cause from None
 
 
 def convert_checkpoint(latest: dict[str, Any], world: int) -> None:
@@ -1213,9 +1232,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     n_params = count_parameters(model_dir)
     # Again for callers of run() (main() did it before Ray), now with the derived worker count,
     # before config.yaml is replaced.
-    latest = check_resume(cfg, world)
-    if latest and latest["world_size"] != world and not cfg.elastic:  # elastic: the workers convert it
-        latest = rescale_checkpoint(cfg, latest, world)
+    latest = verify_resume(cfg, check_resume(cfg, world), world)
     model = check_model_unchanged(cfg, model_dir, latest)
 
     # ---- resolved config and resume position
@@ -1252,6 +1269,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         "record_block_ids": cfg.train.record_block_ids,
         "n_params": n_params,
         "model": model,  # the manifests record it; every attempt checks model_dir still matches it
+        "hashed_checkpoint": latest and Path(latest["path"]).name,  # the workers' first attempt checks only its sizes
     }
     os.environ.update(ray_train_env(cfg))  # the driver's: Ray Train hands them to its controller
     trainer = TorchTrainer(

@@ -364,7 +364,7 @@ def test_a_conversion_that_finds_damage_steps_back_on_the_driver(tmp_path, proce
 
     monkeypatch.setattr(main, "convert_checkpoint", convert)
     cfg = load_config(None, [f"run.storage_path={tmp_path}", "run.name=run", "train.micro_batch_size=4"])
-    resumed = main.rescale_checkpoint(cfg, main.check_resume(cfg, 2), 2)
+    resumed = main.verify_resume(cfg, main.check_resume(cfg, 2), 2)
     assert resumed["path"] == str(older) and converted == [5]
     assert (run_dir / f"{latest.name}.damaged-sha256").is_dir() and not latest.exists()
 
@@ -499,8 +499,11 @@ def test_batches_to_skip():
     # The driver planned from step 8 (position 64); Ray restarted the workers from step 24.
     assert ck.batches_to_skip(start_position=64, step=24, global_batch=8, accum=2) == 32
     assert ck.batches_to_skip(start_position=64, step=8, global_batch=8, accum=1) == 0
-    with pytest.raises(ck.CheckpointError, match="inconsistent"):
+    # A restart that stepped back past damaged checkpoints to one before the driver's start: run again.
+    with pytest.raises(ck.CheckpointError, match=r"\(step 4\) predates .* \(step 8, .*run the same command again"):
         ck.batches_to_skip(start_position=64, step=4, global_batch=8, accum=1)
+    with pytest.raises(ck.CheckpointError, match="inconsistent"):
+        ck.batches_to_skip(start_position=64, step=4, global_batch=12, accum=1)
 
 
 # ----------------------------------------------------------------------------- Ray runs
@@ -778,6 +781,43 @@ def test_resume_on_fewer_workers_follows_the_straight_run(straight, tmp_path, re
     record_property("rescaled_vs_straight_max_abs_loss_gap", max(gaps))
     print(f"\n[point 5] max |1 worker resumed - 2 workers| loss over {len(gaps)} bf16 steps: {max(gaps):.2e}")
     assert gaps[0] < 1e-3 and max(gaps) <= BF16_LOSS_TOL
+
+
+@pytest.mark.slow
+def test_a_damaged_latest_checkpoint_resumes_from_the_one_before(straight, tmp_path, capfd):
+    """Issue 59, point 3b, on Ray: a copy of the straight run stopped at its checkpoint at step
+    48, one byte of rank 1's optimizer shard there changed (its size kept, so only the workers'
+    hashes see it: the driver's, in Ray tasks before it plans the data stream). The run resumes from step 32, the losses follow the straight run's exactly,
+    the damaged checkpoint is kept under a new name, one line says so, and the run's own
+    checkpoint at step 48 takes a fresh name (Ray Train still lists the damaged one's)."""
+    from raytrain_cpu.main import run
+
+    storage = tmp_path / "storage"
+    shutil.copytree(straight["run_dir"], storage / "straight")
+    run_dir = storage / "straight"
+    _rewind(run_dir, STEPS - CKPT_EVERY)
+    damaged = run_dir / ck.checkpoint_dir_name(STEPS - CKPT_EVERY)
+    shard = damaged / ck.DS_TAG / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    files = _tree(damaged)
+
+    cfg = straight["cfg"]
+    summary = run(load_config(None, straight_overrides("straight", storage, cfg.data.cache_dir)))
+
+    previous = ck.checkpoint_dir_name(STEPS - 2 * CKPT_EVERY)
+    kept = run_dir / f"{damaged.name}.damaged-sha256"
+    assert summary["resumed_from_step"] == STEPS - 2 * CKPT_EVERY
+    assert {k: v for k, v in _tree(kept).items() if k != ck.DAMAGE_NOTE} == files  # every file, as found
+    assert (run_dir / f"{damaged.name}-2" / ck.MANIFEST).is_file()
+    line = (  # found by the driver's hashing before Ray Train starts (the workers' own: the unit test above)
+        f"[raytrain] checkpoint {damaged} is damaged: {shard.relative_to(damaged)} does not match its sha256; "
+        f"kept as {kept.name}; resuming from {previous}"
+    )
+    assert capfd.readouterr().out.count(line) == 1
+    losses = run_losses(run_dir)
+    assert all(losses[s] == straight["losses"][s] for s in range(STEPS - 2 * CKPT_EVERY + 1, STEPS + 1))
 
 
 @pytest.mark.slow
