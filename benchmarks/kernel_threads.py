@@ -245,13 +245,16 @@ def main() -> int:
 
     missing = [f"{k}: {why()}" for k, why in (("weight_grad", linear.why_unavailable),
                ("fused attention", fused_attention.why_unavailable)) if why()]  # fmt: skip
+    load_before = os.getloadavg()
     raw = measure(shapes, threads, args.rounds, args.seconds)
+    load = {"before": load_before, "after": os.getloadavg()}  # others' work on a shared host skews the medians
     amx = "amx_bf16" in cpu.cpu_flags()
     report_script(
         "kernel_threads",
         args.json,
         kernel_capability=fused_attention._capability()[0],
         cores=cores,
+        load_average=load,
         threads=threads,
         shapes={k: SHAPES[k] for k in shapes},
         seconds=raw,
@@ -264,6 +267,9 @@ def main() -> int:
             "weight_grad rows: the GEMM alone (our kernel against dy^T @ x, autograd's); the sum weights each shape by "
             "its layers in one decoder layer plus the output layer. 'auto picks': linear.choose's rule on the medians "
             f"(the kernel where faster by {linear.WIN_MARGIN:.0%}), behind its AMX gate.",
+            f"load average (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load['before'])}, after "
+            f"{', '.join(f'{x:.2f}' for x in load['after'])}, on {cores} cores: above the cores, busy threads lose "
+            "time slices to others' processes, which the medians show and the best calls mostly do not.",
             *(f"not measured, unavailable here: {m}" for m in missing),
         ],
     )
