@@ -913,7 +913,8 @@ def _reference_worker(
     if master:  # the trainers' weight gradients (model.weight_grad_kernel=auto): bf16 weights only
         from raytrain_cpu import linear
 
-        if linear.wanted("auto", dtype, sum(p.numel() for p in params))[0]:
+        n = sum(p.numel() for p in params)
+        if linear.choose("auto", dtype, n, linear.linear_shapes(model), batch * spec["seq_len"]).on:
             linear.install(model)
     if not compile:  # the trainers' norms and rotary embeddings, under autocast too; inductor fuses its own
         from raytrain_cpu import norm, rotary

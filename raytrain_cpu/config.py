@@ -189,11 +189,14 @@ class ModelConfig:
     weight_grad_kernel: bool | str = "auto"
     """Run each bf16 linear layer's weight gradient on a kernel of our own (raytrain_cpu.linear,
     csrc/weight_grad.cpp): autograd's runs at about half the forward's rate on AMX, the kernel
-    1.07-1.55x faster than it at the ~50M bench model's shapes (benchmarks/weight_grad.py). true,
-    false or 'auto': on AMX (oneDNN's AMX micro-kernels) for models of at least 20M parameters
-    (COMPILE_AUTO_MIN_PARAMS: the first use builds the kernel, about 30 s on 2 cores, which a tiny
-    model would not win back). It needs a C++ compiler and ninja; where it does not build the
-    run keeps autograd's."""
+    faster than it at the ~50M bench model's shapes (benchmarks/weight_grad.py,
+    benchmarks/kernel_threads.py). true, false or 'auto': on AMX (oneDNN's AMX micro-kernels) for
+    models of at least 20M parameters (COMPILE_AUTO_MIN_PARAMS: the first use builds the kernel,
+    about 30 s on 2 cores, which a tiny model would not win back), and then only where it beats
+    autograd's weight gradient timed at the model's linear shapes on the rank's own threads at
+    start-up (linear.choose; all ranks take one pick): a speed-up measured at one thread says
+    nothing about a 92-thread rank. It needs a C++ compiler and ninja; where it does not build
+    the run keeps autograd's."""
     compile: bool | str = "auto"
     """torch.compile with inductor (model.compile_scope): true, false or 'auto', which compiles
     where it has paid: a model of at least 20M parameters (COMPILE_AUTO_MIN_PARAMS), trained in
@@ -738,7 +741,7 @@ class TrainConfig:
     dpo_precompute_reference: bool = False
     """For data.format=preference: compute the reference model's log-likelihoods of every pair the
     run will train and evaluate on once, before the first step, and keep them in <run dir>/
-    reference_logps/ (4 bytes a token), each computed in the micro batch that first holds its
+    reference_logps/<the starting model's key>/ (4 bytes a token; another model gets its own), each computed in the micro batch that first holds its
     block, so the numbers are the reference forward's. Training then runs no reference forward
     (a DPO step costs about what an SFT step does) and full fine-tuning holds no frozen copy of
     the model (2 bytes a parameter over the ranks, saved). The pass costs one forward over

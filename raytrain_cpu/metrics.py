@@ -161,10 +161,12 @@ def allreduce_max(values: list[float]) -> list[float]:
 def flops_per_token(n_params: dict[str, int | None], seq_len: int) -> float | None:
     """Training FLOPs per token: 6N for the matmuls (N = model.count_parameters' non_embedding:
     all but the input embeddings) plus 12·L·d·seq for attention scores and values (forward +
-    backward), as in the PaLM paper. None when the model's config names no layer count or width."""
+    backward), as in the PaLM paper, d being the attention's width (heads x head_dim: Gemma's is
+    wider than its hidden size). None when the model's config names no layer count or width."""
     if not n_params.get("num_layers") or not n_params.get("hidden_size"):
         return None
-    return 6.0 * n_params["non_embedding"] + 12.0 * n_params["num_layers"] * n_params["hidden_size"] * seq_len
+    width = n_params.get("attention_width") or n_params["hidden_size"]
+    return 6.0 * n_params["non_embedding"] + 12.0 * n_params["num_layers"] * width * seq_len
 
 
 def mfu(tokens_per_s: float, n_params: dict[str, int | None], seq_len: int, peak_flops: float | None) -> float | None:

@@ -390,6 +390,7 @@ def count_parameters(model_dir: str) -> dict[str, int | None]:
         embeddings (token and learned-position tables), plus the output head when it is tied
         to the token embedding (its matmul still runs).
     num_layers, hidden_size: from config.json; None when it names neither (MFU is then not logged).
+    attention_width: heads x head_dim (the config's head_dim where it sets one); None if unknown.
     """
     numels = _tensor_numels(model_dir)
     by_module: dict[str, int] = {}
@@ -407,6 +408,8 @@ def count_parameters(model_dir: str) -> dict[str, int | None]:
         "non_embedding": non_embedding,
         "num_layers": dims["num_layers"],
         "hidden_size": dims["hidden_size"],
+        # The attention's q width (heads x head_dim): Gemma's is not hidden_size.
+        "attention_width": dims["num_heads"] and dims["head_dim"] and dims["num_heads"] * dims["head_dim"],
     }
 
 
