@@ -792,6 +792,10 @@ def latest_reported(run_dir: Path) -> Path | None:
 
 DAMAGED = ".damaged-"  # a damaged checkpoint's new name: checkpoint_000100.damaged-sha256
 DAMAGE_NOTE = "DAMAGED.txt"  # inside it: what was found, in full
+# Left alone at a damaged checkpoint's old name: Ray Train may still list that name (a restart
+# inside the run), and when it drops it, it deletes the directory there, or fails the whole run
+# (FileNotFoundError in its controller) when there is none.
+MOVED = "MOVED.txt"
 
 
 def reported_newest_first(run_dir: Path) -> list[str]:
@@ -810,6 +814,11 @@ def _damaged_copy(ckpt_dir: Path) -> Path | None:
     return next(iter(sorted(ckpt_dir.parent.glob(f"{glob.escape(ckpt_dir.name)}{DAMAGED}*"))), None)
 
 
+def resumable(run_dir: Path) -> list[str]:
+    """reported_newest_first without the damaged checkpoints stepped past (gone or moved)."""
+    return [n for n in reported_newest_first(run_dir) if (Path(run_dir) / n).is_dir() and not _moved(Path(run_dir) / n)]
+
+
 def free_checkpoint_name(ckpt_root: Path, step: int) -> str:
     """The directory name of the checkpoint at `step`: checkpoint_dir_name(step), or that with -2,
     -3, ... when a damaged checkpoint had the name. Ray Train may still list the damaged one
@@ -822,6 +831,11 @@ def free_checkpoint_name(ckpt_root: Path, step: int) -> str:
     return name
 
 
+def _moved(ckpt_dir: Path) -> bool:
+    """Whether `ckpt_dir` is what mark_damaged leaves at a damaged checkpoint's old name."""
+    return (ckpt_dir / MOVED).is_file() and not (ckpt_dir / MANIFEST).exists()
+
+
 def _missing(ckpt_dir: Path) -> DamagedCheckpoint:
     copy = _damaged_copy(ckpt_dir)
     why = f"found damaged before, kept as {copy.name}" if copy else "the directory is gone"
@@ -831,9 +845,10 @@ def _missing(ckpt_dir: Path) -> DamagedCheckpoint:
 def mark_damaged(error: DamagedCheckpoint) -> str:
     """Renames the damaged checkpoint `error` names to `<name>.damaged-<why>`, with every file
     kept and a note of what was found, so neither a resume nor Ray Train (which deletes the
-    checkpoints it drops) takes it again; returns what became of it, for the one line that says so."""
+    checkpoints it drops) takes it again, and leaves a directory holding only MOVED.txt at the old
+    name for Ray Train to delete; returns what became of it, for the one line that says so."""
     path = error.path
-    if not path.is_dir():
+    if not path.is_dir() or _moved(path):
         return str(error)
     target = path.with_name(f"{path.name}{DAMAGED}{error.why}")
     n = 1
@@ -843,6 +858,8 @@ def mark_damaged(error: DamagedCheckpoint) -> str:
     with contextlib.suppress(OSError):  # the note is a courtesy; the rename is what counts
         (path / DAMAGE_NOTE).write_text(f"{error}\n")
     os.rename(path, target)
+    path.mkdir()
+    (path / MOVED).write_text(f"{error}; kept as {target.name}\n")
     _fsync_dir(path.parent)
     return f"{error}; kept as {target.name}"
 
@@ -896,7 +913,7 @@ def newest_verified(
         try:
             if name in (damaged or {}):
                 raise damaged[name]
-            if not path.is_dir():
+            if not path.is_dir() or _moved(path):
                 raise _missing(path)
             manifest = verify_checkpoint(path)
         except DamagedCheckpoint as e:
@@ -906,6 +923,9 @@ def newest_verified(
             log(f"[raytrain] {mark_damaged(e)}; resuming from {name}")
         if errors:
             drop_from_record(run_dir, [e.path.name for e in errors], name)
+            for e in errors:  # no longer in Ray Train's record: what stood in for them goes
+                if _moved(e.path):
+                    shutil.rmtree(e.path)
         return {**manifest, "path": str(path)}
     if errors:
         raise _none_verifies(run_dir, errors)
@@ -916,7 +936,7 @@ def _check_own(ckpt_dir: Path, rank: int, world: int) -> dict[str, Any]:
     """A worker's share of checking a checkpoint: every file's size, and the sha256 of the files
     this rank loads (saved for another worker count: of old ranks rank, rank + world, ..., unless
     its universal form, made from hashed shards, is what loads)."""
-    if not ckpt_dir.is_dir():
+    if not ckpt_dir.is_dir() or _moved(ckpt_dir):
         raise _missing(ckpt_dir)
     saved = read_manifest(ckpt_dir)["world_size"]
     if saved == world:

@@ -1466,10 +1466,10 @@ def sigterm_kept() -> Iterator[None]:
 def where_it_resumes(cfg: Config, failed: bool = False) -> str:
     """What a stopped run left and how to go on: the checkpoints Ray Train recorded stay. A
     failed run fails again unless its cause was passing (a lost node), so that comes first."""
-    from raytrain_cpu.checkpoint import CheckpointError, reported_newest_first
+    from raytrain_cpu.checkpoint import CheckpointError, resumable
 
     try:  # a damaged one the workers stepped past was renamed: the newest still there is what a rerun takes
-        there = [n for n in reported_newest_first(cfg.run.run_dir) if (cfg.run.run_dir / n).is_dir()]
+        there = resumable(cfg.run.run_dir)
     except CheckpointError as e:
         return f"{e}."
     latest = cfg.run.run_dir / there[0] if there else None

@@ -18,6 +18,12 @@ Issue 6, point by point, and elastic training after it (fast tests first, then t
 9. elastic training .......... test_elastic_run_shrinks_on_node_loss_and_grows_back (a node removed
                                and one added on a Ray Cluster; the batch rule: tests/test_config.py)
 
+Issue 59: files fsynced before their manifest (test_checkpoint_files_are_fsynced_before_the_manifest);
+a damaged checkpoint stepped past, kept and named (test_a_damaged_checkpoint_is_stepped_past_kept_and_named_once,
+test_a_conversion_that_finds_damage_steps_back_on_the_driver; on Ray: the driver's start in
+test_a_damaged_latest_checkpoint_resumes_from_the_one_before, a restart in
+test_kill_and_hang_recover_and_resume_exactly); the RNG state as tensors (test_rng_state_round_trip).
+
 The slow tests share two 2-worker runs of the same config: `straight` (conftest.py: 64 steps,
 no faults) and the fault run (killed, then hung, then finished).
 Run this file alone as a script to get the measured figures printed: it is the
@@ -301,7 +307,10 @@ def test_a_damaged_checkpoint_is_stepped_past_kept_and_named_once(tmp_path, proc
         f"[resume] checkpoint {latest} is damaged: ds/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt does not match "
         f"its sha256; kept as {kept.name}; resuming from {older.name}"
     ]
-    assert not latest.exists() and _tree(kept) == {
+    # At the old name, only a note: Ray Train deletes what lies there when it drops the name, and
+    # fails the run when nothing does.
+    assert _tree(latest) == {ck.MOVED: f"{lines[0][9:].split('; resuming')[0]}\n".encode()}
+    assert _tree(kept) == {
         **damaged,
         ck.DAMAGE_NOTE: f"{lines[0][9:].split('; kept')[0]}\n".encode(),
     }
@@ -326,6 +335,7 @@ def test_a_damaged_checkpoint_is_stepped_past_kept_and_named_once(tmp_path, proc
     assert [r["checkpoint_dir_name"] for r in record["checkpoint_results"]] == [older.name]
     assert record["latest_checkpoint_result"]["checkpoint_dir_name"] == older.name
     assert record["validated_checkpoint_dir_names"] == [older.name]
+    assert not latest.exists() and kept.is_dir()  # out of Ray Train's record, the note goes
     assert capsys.readouterr().out.splitlines() == [
         f"[raytrain] checkpoint {latest} is missing (found damaged before, kept as {kept.name}); resuming from {older.name}"
     ]
@@ -551,8 +561,9 @@ def _wait_for_registered(run_dir: Path, min_step: int, future, timeout: float = 
     deadline = time.time() + timeout
     while time.time() < deadline:
         latest = ck.latest_reported(run_dir)  # reads again a snapshot caught while Ray rewrites it
-        if latest is not None and int(latest.name.split("_")[1]) >= min_step:
-            return int(latest.name.split("_")[1])
+        step = int(latest.name.split("_")[1].split("-")[0]) if latest is not None else -1  # checkpoint_000032-2
+        if step >= min_step:
+            return step
         if future.done():
             future.result()
             raise AssertionError(f"the run finished before Ray registered a checkpoint at step >= {min_step}")
@@ -585,8 +596,11 @@ def _pid_alive(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("elastic_scenario")  # the cluster scenario runs beside this one
-def test_kill_and_hang_recover_and_resume_exactly(straight, tmp_path, shared_cache, record_property):
-    """Points 1, 3 and 7: a worker killed, later a worker hung; the run finishes with the straight run's losses."""
+def test_kill_and_hang_recover_and_resume_exactly(straight, tmp_path, shared_cache, record_property, capfd):
+    """Points 1, 3 and 7: a worker killed, later a worker hung; the run finishes with the straight run's losses.
+    Issue 59, point 3b, on a restart: before the kill, a byte of the latest checkpoint's rank-1
+    shard changes (its size kept); the restarted workers find it (each rank hashes its own
+    files), agree, resume from the checkpoint before it and keep the damaged one, renamed."""
     from raytrain_cpu.main import run
 
     # Two faults, and one restart more: the cluster scenario beside it shares the 2 cores, and once
@@ -601,8 +615,15 @@ def test_kill_and_hang_recover_and_resume_exactly(straight, tmp_path, shared_cac
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(run, cfg)
 
-        # 1. SIGKILL a worker once Ray has registered a checkpoint and training has gone past it.
-        ckpt_kill = _wait_for_registered(run_dir, CKPT_EVERY, future)
+        # 1. SIGKILL a worker once Ray has registered a second checkpoint, damaged now, and
+        #    training has gone past it.
+        ckpt_kill = _wait_for_registered(run_dir, 2 * CKPT_EVERY, future)
+        damaged = run_dir / ck.checkpoint_dir_name(ckpt_kill)
+        shard = damaged / ck.DS_TAG / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        files = _tree(damaged)
         _wait_for_step(run_dir, ckpt_kill + 2, future)
         group = _alive_workers()
         t_kill = time.time()
@@ -635,10 +656,18 @@ def test_kill_and_hang_recover_and_resume_exactly(straight, tmp_path, shared_cac
         f"down after {attempt_ended_s:.1f}s (gloo_timeout_s={HANG_TIMEOUT_S}), next step after "
         f"{first_after_stop['time'] - t_stop:.1f}s"
     )
-    # Each restart resumed from a checkpoint Ray had registered (the latest at the time of the fault).
+    # Each restart resumed from a checkpoint Ray had registered (the latest at the time of the fault),
+    # the first from the one before it: the latest was damaged, and is kept under a new name.
     resumed_kill, resumed_stop = first_after_kill["step"] - 1, first_after_stop["step"] - 1
-    assert resumed_kill >= ckpt_kill and resumed_kill % CKPT_EVERY == 0
+    assert resumed_kill == ckpt_kill - CKPT_EVERY
     assert resumed_stop >= ckpt_stop and resumed_stop % CKPT_EVERY == 0
+    kept = run_dir / f"{damaged.name}.damaged-sha256"
+    assert {k: v for k, v in _tree(kept).items() if k != ck.DAMAGE_NOTE} == files
+    line = (
+        f"[resume] checkpoint {damaged} is damaged: {shard.relative_to(damaged)} does not match its sha256; "
+        f"kept as {kept.name}; resuming from {ck.checkpoint_dir_name(resumed_kill)}"
+    )
+    assert capfd.readouterr().out.count(line) == 1
     assert summary["steps"] == STEPS and summary["resumed_from_step"] == resumed_stop
     # The surviving rank's collective fails after gloo_timeout_s; Ray then waits up to
     # TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S (30 s by default, 5 s in tests: conftest.py) for the
