@@ -60,7 +60,8 @@ def hub_errors(key: str, repo: str, kind: str = "model") -> Iterator[None]:
         raise ConfigError(
             f"{key}: the {kind} {repo!r} is gated on the hub and this machine's token may not read it. Accept its "
             f"licence at https://huggingface.co/{'datasets/' * (kind == 'dataset')}{repo} and set HF_TOKEN "
-            "(a read token of that account) in the job's environment."
+            "(a read token of that account): on a cluster, as the 0600 token file each node reads "
+            "(cluster/README.md, 'Hugging Face token'), never in the job's runtime env, which the job table shows."
         )
     if isinstance(failure, RepositoryNotFoundError):
         raise ConfigError(
