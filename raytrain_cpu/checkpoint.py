@@ -320,9 +320,9 @@ def to_universal(ckpt_dir: str | Path, verified: bool = False) -> str:
     t0 = time.perf_counter()
     _child([__name__, str(ckpt_dir / DS_TAG), str(partial)], partial, f"DeepSpeed could not convert {ckpt_dir}")
     (ckpt_dir / "latest_universal").unlink(missing_ok=True)  # DeepSpeed's pointer: tags here are explicit
-    _fsync_dir(partial)
+    fsync_dir(partial)
     partial.rename(out)
-    _fsync_dir(ckpt_dir)
+    fsync_dir(ckpt_dir)
     return f"{out} ({need / 2**20:,.1f} MiB of shards in {time.perf_counter() - t0:.1f}s)"
 
 
@@ -359,12 +359,12 @@ def _write_json_durably(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -634,7 +634,7 @@ def _write_rank(engine, staging: Path, step: int, rank: int) -> dict[str, dict[s
     for p in _own_files(engine, staging, rank):
         if not p.is_file():
             raise CheckpointError(f"rank {rank}: DeepSpeed reported success but {p} was not written")
-        _fsync_file(p)  # on this node, which wrote it: another node's fsync does not flush this one's cache
+        fsync_file(p)  # on this node, which wrote it: another node's fsync does not flush this one's cache
         files[str(p.relative_to(staging))] = {"size": p.stat().st_size, "sha256": _sha256(p), "rank": rank}
     return files
 
@@ -645,11 +645,11 @@ def _seal(staging: Path, files: dict[str, Any], manifest: dict[str, Any]) -> Non
     files already on the storage."""
     for p in sorted(staging.rglob("*")):
         if p.is_file() and str(p.relative_to(staging)) not in files:
-            _fsync_file(p)
+            fsync_file(p)
     for d in sorted({p for p in staging.rglob("*") if p.is_dir()}, reverse=True):
-        _fsync_dir(d)
+        fsync_dir(d)
     _write_json_durably(staging / MANIFEST, {**manifest, "format": FORMAT, "ds_tag": DS_TAG, "files": files})
-    _fsync_dir(staging)
+    fsync_dir(staging)
 
 
 def _check_staged(staging: Path, per_rank: list[dict[str, dict[str, Any]]], zero_stage: int) -> dict[str, Any]:
@@ -715,7 +715,7 @@ def write_checkpoint(
             if final.exists():  # written by a crashed attempt but never reported: not Ray's latest
                 shutil.rmtree(final)
             os.replace(staging, final)
-            _fsync_dir(ckpt_root)
+            fsync_dir(ckpt_root)
         except Exception as e:
             error = f"checkpoint {step} failed verification: {e}; {intact}"
             if isinstance(e, OSError):
@@ -860,7 +860,7 @@ def mark_damaged(error: DamagedCheckpoint) -> str:
     os.rename(path, target)
     path.mkdir()
     (path / MOVED).write_text(f"{error}; kept as {target.name}\n")
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return f"{error}; kept as {target.name}"
 
 

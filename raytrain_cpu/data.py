@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from raytrain_cpu.checkpoint import out_of_space
+from raytrain_cpu.checkpoint import fsync_dir, fsync_file, out_of_space
 from raytrain_cpu.config import (
     COMPRESSED,
     Config,
@@ -753,20 +753,8 @@ def _fsync_tree(top: Path) -> None:
     over blocks still in a writer's page cache."""
     for folder, _, files in os.walk(top, topdown=False):
         for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(folder))
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            fsync_file(Path(folder, name))
+        fsync_dir(Path(folder))
 
 
 def _publish(root: Path, key: str, tmp: Path, *, replace: bool, seen: str | None, log) -> Path:
@@ -779,12 +767,12 @@ def _publish(root: Path, key: str, tmp: Path, *, replace: bool, seen: str | None
     _fsync_tree(tmp)
     version = root / f"{key}.v-{uuid.uuid4().hex[:12]}"
     os.rename(tmp, version)
-    _fsync_dir(root)
+    fsync_dir(root)
     pointer = _pointer(root, key)
     if not replace:
         try:
             os.symlink(version.name, pointer)
-            _fsync_dir(root)
+            fsync_dir(root)
             return version
         except FileExistsError:
             winner = published_cache(root, key)
@@ -804,7 +792,7 @@ def _publish(root: Path, key: str, tmp: Path, *, replace: bool, seen: str | None
     finally:
         if link.is_symlink():
             link.unlink()
-    _fsync_dir(root)
+    fsync_dir(root)
     earlier = root / seen if seen else root / key
     if earlier != version and (earlier / "meta.json").is_file():
         log(f"[data] the earlier cache {earlier} is left in place for any run still reading it; remove it once none is")
