@@ -52,7 +52,7 @@ from statistics import median
 from typing import Any
 
 from raytrain_cpu import cpu
-from raytrain_cpu.metrics import markdown_table
+from raytrain_cpu.metrics import flops_per_token, markdown_table
 from raytrain_cpu.plan import ModelShape, config_head_dim
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,6 +131,7 @@ def n_params(shape: dict[str, int], vocab: int = VOCAB) -> dict[str, int]:
         "non_embedding": vocab * d + L * per_layer + d,
         "num_layers": L,
         "hidden_size": d,
+        "attention_width": dims.q_dim,
     }
 
 
@@ -398,7 +399,7 @@ def suite_train(r: Runner, args) -> dict[str, Any]:
     row = r.run("train", [f"scaling.num_workers={args.workers}", "train.mfu_probe_every=1"])
     g_after = gemm_peak(spec["model"], tokens, args.workers, row["threads"])
     params = n_params(spec["model"])
-    fpt = params["non_embedding"] * 6 + 12 * params["num_layers"] * params["hidden_size"] * spec["seq_len"]
+    fpt = flops_per_token(params, spec["seq_len"])
     peaks = {
         f"{dtype} GEMM peak": (g_before[dtype]["flops_per_s_per_worker"] + g_after[dtype]["flops_per_s_per_worker"]) / 2
         for dtype in ("bfloat16", "float32")
