@@ -358,7 +358,7 @@ def key_figures(run: Run) -> dict[str, str]:
     m, s = run.metrics, run.summary or {}
     train = [r for r in m.train if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])]
     best_eval = min((r for r in m.eval if "eval_loss" in r), key=lambda r: r["eval_loss"], default=None)
-    tps = [r["tokens_per_s"] for r in m.train[1:] if r.get("tokens_per_s")]  # the first window holds start-up
+    tps = [r["tokens_per_s"] for r in m.train[1:] if r.get("tokens_per_s")]  # window 1: warm-up steps
     mfus = [r["mfu"] for r in m.train if r.get("mfu") is not None]
     peak = max((r.get("mem_peak_max_gib") or 0 for r in m.train), default=0)
     steps = f"{run.last_step}" + (f" / {run.max_steps}" if run.max_steps else "")
