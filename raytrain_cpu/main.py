@@ -282,13 +282,22 @@ def verify_resume(cfg: Config, latest: dict[str, Any] | None, world: int) -> dic
     return latest
 
 
+# Checkpoints up to this size are hashed in the driver itself: a Ray task's process start-up
+# costs more than reading them, while an 8B model's shards want the nodes' parallel reads.
+HASH_IN_DRIVER_BYTES = 1 << 30
+
+
 def hash_checkpoint(latest: dict[str, Any]) -> None:
     """Every saved rank's files hashed against the manifest, one Ray task each (on a cluster,
-    spread over the nodes, which read the shared storage in parallel); raises DamagedCheckpoint."""
+    spread over the nodes, which read the shared storage in parallel) or, for a small checkpoint,
+    here; raises DamagedCheckpoint."""
     import ray
 
-    from raytrain_cpu.checkpoint import verify_checkpoint
+    from raytrain_cpu.checkpoint import read_manifest, shard_bytes, verify_checkpoint
 
+    if shard_bytes(read_manifest(latest["path"])) <= HASH_IN_DRIVER_BYTES:
+        verify_checkpoint(latest["path"], hash_ranks=True)
+        return
     check = ray.remote(num_cpus=1, max_retries=0)(verify_checkpoint)
     tasks = [check.remote(latest["path"], hash_ranks=[r]) for r in range(latest["world_size"])]
     try:

@@ -813,14 +813,16 @@ def test_resume_on_fewer_workers_follows_the_straight_run(straight, tmp_path, re
 
 
 @pytest.mark.slow
-def test_a_damaged_latest_checkpoint_resumes_from_the_one_before(straight, tmp_path, capfd):
+def test_a_damaged_latest_checkpoint_resumes_from_the_one_before(straight, tmp_path, capfd, monkeypatch):
     """Issue 59, point 3b, on Ray: a copy of the straight run stopped at its checkpoint at step
     48, one byte of rank 1's optimizer shard there changed (its size kept, so only the workers'
     hashes see it: the driver's, in Ray tasks before it plans the data stream). The run resumes from step 32, the losses follow the straight run's exactly,
     the damaged checkpoint is kept under a new name, one line says so, and the run's own
     checkpoint at step 48 takes a fresh name (Ray Train still lists the damaged one's)."""
+    from raytrain_cpu import main
     from raytrain_cpu.main import run
 
+    monkeypatch.setattr(main, "HASH_IN_DRIVER_BYTES", 0)  # the cluster's way: one Ray task per saved rank
     storage = tmp_path / "storage"
     shutil.copytree(straight["run_dir"], storage / "straight")
     run_dir = storage / "straight"
@@ -1097,3 +1099,26 @@ def _elastic_scenario(args: dict) -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(_elastic_scenario(json.loads(sys.argv[1]))))
+
+
+def test_the_driver_hashes_a_small_checkpoint_itself_and_finds_a_changed_byte(tmp_path):
+    """hash_checkpoint below HASH_IN_DRIVER_BYTES reads the files in the driver (no Ray task to
+    start): a byte changed with the size kept is named as a sha256 mismatch."""
+    import hashlib
+
+    from raytrain_cpu.main import HASH_IN_DRIVER_BYTES, hash_checkpoint
+
+    ckpt = tmp_path / ck.checkpoint_dir_name(8)
+    files = {}
+    for rank in range(2):
+        rel = f"{ck.DS_TAG}/shard_{rank}.pt"
+        (ckpt / ck.DS_TAG).mkdir(parents=True, exist_ok=True)
+        (ckpt / rel).write_bytes(bytes([rank]) * 4096)
+        files[rel] = {"size": 4096, "sha256": hashlib.sha256(bytes([rank]) * 4096).hexdigest(), "rank": rank}
+    (ckpt / ck.MANIFEST).write_text(json.dumps({"format": ck.FORMAT, "step": 8, "files": files}))
+    latest = {"path": str(ckpt), "world_size": 2, "step": 8}
+    assert ck.shard_bytes(ck.read_manifest(ckpt)) <= HASH_IN_DRIVER_BYTES
+    hash_checkpoint(latest)  # whole: nothing raised, and no Ray needed
+    (ckpt / f"{ck.DS_TAG}/shard_1.pt").write_bytes(b"\x07" + bytes([1]) * 4095)
+    with pytest.raises(ck.DamagedCheckpoint, match="shard_1.pt does not match its sha256"):
+        hash_checkpoint(latest)
