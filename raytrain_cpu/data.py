@@ -39,7 +39,7 @@ import sys
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -1490,13 +1490,7 @@ class StreamPlan:
         first_id = np.cumsum((0, *self.n_blocks))
         block_id = np.empty_like(pos)
         rows: dict[str, np.ndarray] = {}
-        for s in np.unique(src):
-            sel = src == s
-            n = self.n_blocks[s]
-            epoch, within = np.divmod(src_pos[sel], n)
-            ids = np.empty_like(within)
-            for e in np.unique(epoch):
-                ids[epoch == e] = global_order(n, self.seed, int(e), self.window)[within[epoch == e]]
+        for s, sel, ids in source_block_ids(src, src_pos, self.n_blocks, self.seed, self.window):
             block_id[sel] = first_id[s] + ids
             labelled = self.has_labels and self.source_labels[s]
             part = read_blocks(self.train_dirs[s], ids, labelled, self.documents_eos)
@@ -1507,6 +1501,28 @@ class StreamPlan:
         if len(self.n_blocks) > 1:  # a mixture: each row's source, for the training loss by source
             rows["source"] = src
         return {"pos": pos, "block_id": block_id, **rows}
+
+
+def source_block_ids(
+    src: np.ndarray,
+    src_pos: np.ndarray,
+    n_blocks: tuple[int, ...],
+    seed: int,
+    window: int,
+    order: Callable[[int, int, int, int], np.ndarray] | None = None,
+) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """(source, its rows' mask, their block ids within it) for each source of a batch's rows
+    (mix_positions' `src`, `src_pos`): each source's positions through seeded epochs of its own.
+    One rule for the stream's reads and the checkpoint's record of them (train.stream_block_ids,
+    which passes global_order's uncached function as `order`)."""
+    order = order or global_order
+    for s in np.unique(src):
+        sel = src == s
+        epoch, within = np.divmod(src_pos[sel], n_blocks[s])
+        ids = np.empty_like(within)
+        for e in np.unique(epoch):
+            ids[epoch == e] = order(n_blocks[s], seed, int(e), window)[within[epoch == e]]
+        yield int(s), sel, ids
 
 
 def read_blocks(

@@ -1691,19 +1691,12 @@ def stream_block_ids(
     the sources before it); only the ids, no block read. Each epoch's order is made afresh and
     dropped (global_order's uncached function): at a checkpoint now and then, a large corpus's
     order (8 bytes a block) is not worth keeping in the training process."""
-    from raytrain_cpu.data import global_order, mix_positions
-
-    order = global_order.__wrapped__
+    from raytrain_cpu.data import global_order, mix_positions, source_block_ids
 
     src, src_pos = mix_positions(positions, pattern)
     first_id = np.cumsum((0, *n_blocks))
     out = np.empty_like(positions)
-    for s in np.unique(src):
-        sel = src == s
-        epoch, within = np.divmod(src_pos[sel], n_blocks[s])
-        ids = np.empty_like(within)
-        for e in np.unique(epoch):
-            ids[epoch == e] = order(n_blocks[s], seed, int(e), window)[within[epoch == e]]
+    for s, sel, ids in source_block_ids(src, src_pos, n_blocks, seed, window, order=global_order.__wrapped__):
         out[sel] = first_id[s] + ids
     return out
 
