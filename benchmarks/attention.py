@@ -7,7 +7,7 @@ Forward and backward of one layer's attention on bf16 q, k, v and the output's g
 as Hugging Face's Llama hands them over (transposed views of the projections' output), as one
 worker runs it once per decoder layer: the ~50M bench model's heads (8 x 64, seq 512) and Llama-3-8B's (32 query and 8
 key/value heads of 128, seq 1024). `model.attention=auto` times SDPA against the causal blocks at
-start-up, at each of raytrain_cpu.attention.BLOCKS queries a block; this bench says what the
+start-up, at each of raytrain_cpu.model.ops.attention.BLOCKS queries a block; this bench says what the
 block size, keeping the probabilities for the backward (model.attention_probs) and the host
 change. Each variant runs in a fresh spawned process, interleaved `--repeats` times; the
 median step time after a warm-up, and the useful rate: the causal half's GEMM FLOPs
@@ -42,7 +42,7 @@ VARIANTS = ("sdpa", *(f"causal blocks {b}" for b in BLOCKS), *(f"causal blocks {
 def child(_: int, spec: dict[str, Any], out) -> None:
     import torch
 
-    from raytrain_cpu import attention
+    from raytrain_cpu.model.ops import attention
 
     torch.set_num_threads(spec["threads"])
     h, hk, s, d = SHAPES[spec["shape"]]
@@ -53,7 +53,7 @@ def child(_: int, spec: dict[str, Any], out) -> None:
         def attend() -> torch.Tensor:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != hk)
     elif spec["variant"].startswith("fused"):
-        from raytrain_cpu import fused_attention
+        from raytrain_cpu.model.ops import fused_attention
 
         if spec["variant"] != "fused":  # --fused-source: the kernel() this process builds and loads
             fused_attention.SOURCE = Path(spec["fused_source"])
@@ -100,9 +100,9 @@ def main() -> None:
     notes = [
         "bf16 q, k, v as transposed views of (batch, seq, heads, head dim), as Hugging Face's Llama passes them; "
         "'sdpa' = torch's scaled_dot_product_attention (is_causal, its CPU flash kernel); 'causal blocks N' = "
-        "raytrain_cpu.attention.causal_blocks with N queries a block (model.attention=causal_blocks), recomputing "
+        "raytrain_cpu.model.ops.attention.causal_blocks with N queries a block (model.attention=causal_blocks), recomputing "
         "the probabilities in the backward; '... kept': keeping them from the forward (model.attention_probs=keep); "
-        "'fused': raytrain_cpu.fused_attention (model.attention=fused).",
+        "'fused': raytrain_cpu.model.ops.fused_attention (model.attention=fused).",
         "useful GFLOP/s: 6·b·h·s²·d (the causal half of QKᵀ and PV, forward, and their four backward GEMMs) "
         "over the time: what the same work would take at the GEMM peak.",
     ]

@@ -1,4 +1,4 @@
-"""Measure peak RSS per rank of real ZeRO training, to calibrate ``raytrain_cpu.plan``.
+"""Measure peak RSS per rank of real ZeRO training, to calibrate ``raytrain_cpu.planner.memory``.
 
 Starts ``--world-size`` Ray Train workers (or plain processes, gloo on 127.0.0.1), and in each
 one does what a worker of this project does: start with the worker's allocator settings
@@ -14,7 +14,7 @@ records its resident set size (VmRSS) after every stage of start-up and its high
     python benchmarks/calibrate_planner.py --case llama-37m:8:ac    # one case (model:micro_batch[:ac])
     python benchmarks/calibrate_planner.py --no-write --launcher mp # print only; plain processes
 
-The cases live in ``raytrain_cpu.plan`` (CALIBRATION_SHAPES, CALIBRATION_CASES) so the planner's
+The cases live in ``raytrain_cpu.planner.memory`` (CALIBRATION_SHAPES, CALIBRATION_CASES) so the planner's
 unit tests predict exactly what is measured here. Keep it small: each rank gets one thread.
 HfDeepSpeedConfig needs ``accelerate`` installed.
 """
@@ -40,9 +40,9 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from raytrain_cpu import plan  # noqa: E402
-from raytrain_cpu.cpu import GLIBC_MMAP_THRESHOLD, cpu_features, preload_env  # noqa: E402
-from raytrain_cpu.train import free_port, init_local_group  # noqa: E402
+from raytrain_cpu.host.cpu import GLIBC_MMAP_THRESHOLD, cpu_features, preload_env  # noqa: E402
+from raytrain_cpu.planner import memory as plan  # noqa: E402
+from raytrain_cpu.trainer.loop import free_port, init_local_group  # noqa: E402
 
 # jemalloc where installed, as on the cluster; else glibc with a fixed mmap threshold, which
 # measured the same peak RSS as jemalloc (its dynamic default fragments: ~30% more).
@@ -76,8 +76,8 @@ def _hwm_gib() -> float:
 def _worker(rank: int, world_size: int, case: dict[str, Any], out_dir: str):
     """A worker of this project with this case's settings: the training loop's own load_model and
     build_engine run on it, so what is measured is what a worker does."""
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.train import Worker
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.trainer.loop import Worker
 
     cfg = load_config(
         None,
@@ -123,8 +123,8 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
     torch.set_num_threads(1)  # 2 cores shared by 2 ranks (and by other people's tests)
     importlib.import_module("torch._dynamo")  # before zero.Init patches Tensor.__new__
 
-    from raytrain_cpu.cpu import malloc_setting
-    from raytrain_cpu.train import build_engine, deepspeed_config, kept_fp32_grad_buffer_bytes, load_model
+    from raytrain_cpu.host.cpu import malloc_setting
+    from raytrain_cpu.trainer.loop import build_engine, deepspeed_config, kept_fp32_grad_buffer_bytes, load_model
 
     points: dict[str, float] = {"imports": _rss_gib()}
     w = _worker(rank, torch.distributed.get_world_size(), case, out_dir)
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
 
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         doc = {
-            "what": "peak RSS per rank (VmHWM, max over ranks) of ZeRO-3 bf16 training, measured vs raytrain_cpu.plan",
+            "what": "peak RSS per rank (VmHWM, max over ranks) of ZeRO-3 bf16 training, measured vs raytrain_cpu.planner.memory",
             "command": " ".join(
                 ["python benchmarks/calibrate_planner.py", *(argv if argv is not None else sys.argv[1:])]
             ),

@@ -32,8 +32,9 @@ def build(size: str, cache_dir: str):
     import torch
     from transformers import LlamaForCausalLM
 
-    from raytrain_cpu import attention, cpu, norm, rotary
-    from raytrain_cpu import loss as fused_loss
+    from raytrain_cpu.host import cpu
+    from raytrain_cpu.model.ops import attention, norm, rotary
+    from raytrain_cpu.model.ops import loss as fused_loss
 
     spec = SIZES[size]
     _, config = bench_model_config(spec["model"], spec["seq_len"])

@@ -29,7 +29,7 @@ from statistics import median
 from typing import Any
 
 from raytrain_cpu.bench import SIZES, VOCAB, _run_procs, bench_model_config, package_versions, write_results
-from raytrain_cpu.cpu import cpu_features
+from raytrain_cpu.host.cpu import cpu_features
 
 LAYER_VARIANTS = {
     "eager": {},

@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from raytrain_cpu.config import load_config
-from raytrain_cpu.cpu import cpu_features
-from raytrain_cpu.tokenizer import BUNDLED_TOKENIZER, BUNDLED_WIKITEXT
+from raytrain_cpu.config.schema import load_config
+from raytrain_cpu.host.cpu import cpu_features
+from raytrain_cpu.model.tokenizer import BUNDLED_TOKENIZER, BUNDLED_WIKITEXT
 
 RESULTS = Path(__file__).parent / "results" / cpu_features().slug  # one folder per machine
 
@@ -40,7 +40,7 @@ def make_corpus(out: Path, copies: int) -> list[str]:
 
 
 def bench_ray(files: list[str], cpus: int, work: Path) -> dict:
-    from raytrain_cpu.data import prepare, read_meta
+    from raytrain_cpu.data.prepare import prepare, read_meta
 
     cfg = load_config(
         None,
@@ -101,7 +101,7 @@ def seed_recipe_padding(max_length: int = 512) -> dict:
 
 
 def data_stall(steps: int, work: Path) -> dict:
-    from raytrain_cpu.main import run
+    from raytrain_cpu.launch.driver import run
 
     cfg = load_config(
         None,

@@ -67,7 +67,7 @@ def document_mask(batch: int, seq: int, lengths: tuple[int, int], seed: int = 0)
 def child(_: int, spec: dict[str, Any], out) -> None:
     import torch
 
-    from raytrain_cpu import attention
+    from raytrain_cpu.model.ops import attention
 
     torch.set_num_threads(spec["threads"])
     model, docs = spec["shape"].split("/")
@@ -112,7 +112,7 @@ def main() -> None:
         "bf16 q, k, v as transposed views of (batch, seq, heads, head dim), as Hugging Face's Llama passes them; "
         "'sdpa causal' = torch's scaled_dot_product_attention with is_causal (across documents); '... documents' = "
         "under the boolean mask causal within each document (data.attention_span=document); 'causal blocks N' = "
-        "raytrain_cpu.attention.causal_blocks with N queries a block, recomputing the probabilities in the backward.",
+        "raytrain_cpu.model.ops.attention.causal_blocks with N queries a block, recomputing the probabilities in the backward.",
         "documents: 'chat' lengths drawn evenly from 64-256 tokens, 'text' from 1,024-8,192; each row starts inside "
         "a document, as a packed block does.",
     ]

@@ -34,9 +34,9 @@ def child(way: str, model_dir: str) -> None:
     """One worker's set-up in this fresh process; prints {setup_s, inductor_loaded} as JSON."""
     import torch
 
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.model import load_sharded
-    from raytrain_cpu.train import _param_groups, deepspeed_config, free_port, init_deepspeed, init_local_group
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.model.loading import load_sharded
+    from raytrain_cpu.trainer.loop import _param_groups, deepspeed_config, free_port, init_deepspeed, init_local_group
 
     torch.set_num_threads(1)
     init_local_group(0, 1, free_port())
@@ -73,11 +73,11 @@ def main() -> None:
         return child(*args.child)
 
     from raytrain_cpu.bench import write_results
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.cpu import cpu_features
-    from raytrain_cpu.metrics import markdown_table
-    from raytrain_cpu.model import write_tiny_model
-    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.host.cpu import cpu_features
+    from raytrain_cpu.model.loading import write_tiny_model
+    from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
+    from raytrain_cpu.obs.metrics import markdown_table
 
     root = Path(tempfile.mkdtemp(prefix="engine_setup_"))
     tok = load_tokenizer(resolve_tokenizer_path("bundled", "tiny"))

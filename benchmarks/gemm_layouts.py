@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 from statistics import median
 
-from raytrain_cpu import cpu
 from raytrain_cpu.bench import SIZES, VOCAB, report_script
+from raytrain_cpu.host import cpu
 
 GEMMS = ("forward x @ W^T", "input grad dy @ W", "weight grad dy^T @ x", "weight grad, dy^T contiguous")
 TRANSPOSES = ("dy^T copy, eager", "dy^T copy, compiled")

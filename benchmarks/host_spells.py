@@ -28,8 +28,8 @@ import os
 import time
 from statistics import median
 
-from raytrain_cpu import cpu
 from raytrain_cpu.bench import SIZES, report_script
+from raytrain_cpu.host import cpu
 
 OPS = ("bf16 GEMM", "fp32 exp", "Python loop")
 SLOW = 1.4  # a call over this many times its operation's best is slow

@@ -10,14 +10,14 @@ kernel's forward + backward (the weight gradient: the GEMM alone) and its refere
 side by side at each thread count (torch.set_num_threads), at a small shape and at the ~50M
 bench model's shapes (raytrain_cpu.bench.SIZES):
 
-- weight_grad: raytrain_cpu.linear.weight_grad against dy^T @ x as autograd's linear backward
+- weight_grad: raytrain_cpu.model.ops.linear.weight_grad against dy^T @ x as autograd's linear backward
   runs it (oneDNN), one row per linear shape of the model, and their sum by count ('auto' times
   that sum at the run's threads: linear.choose);
-- attention: the fused kernel (raytrain_cpu.fused_attention) against SDPA, causal;
-- norm: raytrain_cpu.norm's RMSNorm against Hugging Face's LlamaRMSNorm;
-- rotary: raytrain_cpu.rotary against Hugging Face's apply_rotary_pos_emb, q and k;
-- loss: raytrain_cpu.loss's fused output layer + cross-entropy against logits then cross_entropy;
-- mlp: raytrain_cpu.mlp's SwiGLU activation against silu(gate) * up.
+- attention: the fused kernel (raytrain_cpu.model.ops.fused_attention) against SDPA, causal;
+- norm: raytrain_cpu.model.ops.norm's RMSNorm against Hugging Face's LlamaRMSNorm;
+- rotary: raytrain_cpu.model.ops.rotary against Hugging Face's apply_rotary_pos_emb, q and k;
+- loss: raytrain_cpu.model.ops.loss's fused output layer + cross-entropy against logits then cross_entropy;
+- mlp: raytrain_cpu.model.ops.mlp's SwiGLU activation against silu(gate) * up.
 
 Rounds are interleaved (every thread count, case and variant in turn, each round), since a
 shared host slows in spells: each round keeps each variant's fastest and median call over
@@ -36,8 +36,8 @@ from collections.abc import Callable
 from statistics import median
 from typing import Any
 
-from raytrain_cpu import fused_attention
 from raytrain_cpu.bench import SIZES, VOCAB, report_script
+from raytrain_cpu.model.ops import fused_attention
 
 SHAPES: dict[str, dict[str, int]] = {
     # batch x seq tokens, hidden, heads (kv heads), intermediate, vocabulary
@@ -86,7 +86,7 @@ def cases(s: dict[str, int]) -> dict[str, tuple[Call, Call]]:
     import torch.nn.functional as F
     from transformers.models.llama import modeling_llama
 
-    from raytrain_cpu import linear, loss, mlp, norm, rotary
+    from raytrain_cpu.model.ops import linear, loss, mlp, norm, rotary
 
     bf16, gen = torch.bfloat16, torch.Generator().manual_seed(0)
 
@@ -193,7 +193,7 @@ def summed_weight_grads(got: dict[str, dict[str, list]], s: dict[str, int]) -> d
 
 
 def table(raw: dict[str, Any], amx: bool) -> list[dict[str, Any]]:
-    from raytrain_cpu import linear
+    from raytrain_cpu.model.ops import linear
 
     rows = []
     for name, by_threads in raw.items():
@@ -241,7 +241,8 @@ def main() -> int:
     threads = [int(x) for x in args.threads.split(",")] if args.threads else thread_counts(cores)
     if any(n < 1 for n in threads):
         raise SystemExit("error: --threads must be positive counts, e.g. --threads 1,2,4")
-    from raytrain_cpu import cpu, linear
+    from raytrain_cpu.host import cpu
+    from raytrain_cpu.model.ops import linear
 
     missing = [f"{k}: {why()}" for k, why in (("weight_grad", linear.why_unavailable),
                ("fused attention", fused_attention.why_unavailable)) if why()]  # fmt: skip

@@ -1,4 +1,4 @@
-"""The output layer and loss alone: Hugging Face's against the fused one (raytrain_cpu.loss).
+"""The output layer and loss alone: Hugging Face's against the fused one (raytrain_cpu.model.ops.loss).
 
     python benchmarks/loss_head.py [--shapes 50m,llama3-8b] [--tokens 2048] [--threads 1] [--repeats 2]
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from raytrain_cpu import loss as fused
 from raytrain_cpu.bench import (
     _rss,
     against_baseline,
@@ -26,7 +25,8 @@ from raytrain_cpu.bench import (
     time_kernel_steps,
     write_kernel_bench,
 )
-from raytrain_cpu.cpu import peak_rss_bytes, reset_peak_rss
+from raytrain_cpu.host.cpu import peak_rss_bytes, reset_peak_rss
+from raytrain_cpu.model.ops import loss as fused
 
 SHAPES = {"50m": (512, 2048), "llama3-8b": (4096, 128256)}  # hidden, vocabulary
 VARIANTS = ("hugging face", "fused")
@@ -75,10 +75,10 @@ def main() -> None:
     ]
     notes = [
         "bf16 hidden states and weight; 'hugging face' = cross_entropy((hidden @ weight.T).float(), targets) as "
-        "ForCausalLMLoss computes it; 'fused' = raytrain_cpu.loss.LinearCrossEntropy (model.fused_loss).",
+        "ForCausalLMLoss computes it; 'fused' = raytrain_cpu.model.ops.loss.LinearCrossEntropy (model.fused_loss).",
         "peak over inputs: the VmHWM high-water mark of all steps (reset once the inputs exist) above the "
         "inputs and their gradients' size.",
-        f"chunk: raytrain_cpu.loss.CHUNK_BYTES = {fused.CHUNK_BYTES >> 20} MiB of fp32 logits.",
+        f"chunk: raytrain_cpu.model.ops.loss.CHUNK_BYTES = {fused.CHUNK_BYTES >> 20} MiB of fp32 logits.",
     ]
     write_kernel_bench(
         "loss_head",

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from raytrain_cpu import data
-from raytrain_cpu.cpu import cpu_features
-from raytrain_cpu.data import StreamPlan, _BlockWriter, mix_pattern
+from raytrain_cpu.data import prepare as data
+from raytrain_cpu.data.prepare import StreamPlan, _BlockWriter, mix_pattern
+from raytrain_cpu.host.cpu import cpu_features
 
 RESULTS = Path(__file__).parent / "results" / cpu_features().slug  # one folder per machine
 BATCH = 256  # positions per map_batches call, as data.train_stream

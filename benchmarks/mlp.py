@@ -1,4 +1,4 @@
-"""One SwiGLU activation alone: Hugging Face's Llama MLP against the fused one (raytrain_cpu.mlp).
+"""One SwiGLU activation alone: Hugging Face's Llama MLP against the fused one (raytrain_cpu.model.ops.mlp).
 
     python benchmarks/mlp.py [--shapes 50m,llama3-8b] [--tokens 2048] [--threads 1] [--repeats 3]
 
@@ -32,7 +32,7 @@ def child(_: int, spec: dict[str, Any], out) -> None:
     import torch
     import torch.nn.functional as F
 
-    from raytrain_cpu import mlp
+    from raytrain_cpu.model.ops import mlp
 
     torch.set_num_threads(spec["threads"])
     i = SHAPES[spec["shape"]]
@@ -59,7 +59,7 @@ def main() -> None:
     ]
     notes = [
         "bf16 gate and up; 'hugging face' = silu(gate) * up under autograd, as LlamaMLP.forward computes it; "
-        "'fused' = raytrain_cpu.mlp.SwiGLUFunction (model.fused_mlp): the same output and gradient bits, "
+        "'fused' = raytrain_cpu.model.ops.mlp.SwiGLUFunction (model.fused_mlp): the same output and gradient bits, "
         "silu(gate) recomputed in the backward.",
         "saved for backward: autograd's saved tensors other than gate and up.",
     ]

@@ -1,4 +1,4 @@
-"""One RMSNorm alone: Hugging Face's Llama RMSNorm against the fused one (raytrain_cpu.norm).
+"""One RMSNorm alone: Hugging Face's Llama RMSNorm against the fused one (raytrain_cpu.model.ops.norm).
 
     python benchmarks/norm.py [--shapes 50m,llama3-8b] [--tokens 2048] [--threads 1] [--repeats 3]
 
@@ -31,7 +31,7 @@ def child(_: int, spec: dict[str, Any], out) -> None:
     import torch
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from raytrain_cpu import norm
+    from raytrain_cpu.model.ops import norm
 
     torch.set_num_threads(spec["threads"])
     d = SHAPES[spec["shape"]]
@@ -58,7 +58,7 @@ def main() -> None:
     ]
     notes = [
         "bf16 input and weight; 'hugging face' = LlamaRMSNorm.forward under autograd; 'fused' = "
-        "raytrain_cpu.norm.RMSNormFunction (model.fused_norm): the same forward, a closed-form backward.",
+        "raytrain_cpu.model.ops.norm.RMSNormFunction (model.fused_norm): the same forward, a closed-form backward.",
         "saved for backward: autograd's saved tensors other than the input and the weight.",
     ]
     write_kernel_bench(

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from raytrain_cpu.cpu import cpu_features, rank_cores
+from raytrain_cpu.host.cpu import cpu_features, rank_cores
 
 
 def core_groups(cores_per_group: int) -> list[list[int]]:

@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from raytrain_cpu.cpu import cpu_features
-from raytrain_cpu.metrics import markdown_table
+from raytrain_cpu.host.cpu import cpu_features
+from raytrain_cpu.obs.metrics import markdown_table
 
 RESULTS = Path(__file__).parent / "results" / cpu_features().slug  # one folder per machine
 

@@ -28,10 +28,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from raytrain_cpu import checkpoint as ck  # noqa: E402
 from raytrain_cpu.bench import write_results  # noqa: E402
-from raytrain_cpu.cpu import cpu_features  # noqa: E402
-from raytrain_cpu.metrics import markdown_table  # noqa: E402
+from raytrain_cpu.checkpoint import store as ck  # noqa: E402
+from raytrain_cpu.host.cpu import cpu_features  # noqa: E402
+from raytrain_cpu.obs.metrics import markdown_table  # noqa: E402
 
 SHAPES = {
     "tiny": {},  # the default tiny model (model.tiny), as the tests train it
@@ -57,7 +57,7 @@ def two_children(ckpt: Path) -> None:
     argv += ["--num_extract_workers", "1", "--num_merge_workers", "1"]
     run = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", *argv]
     subprocess.run(run, check=True, capture_output=True)
-    slim = f"from pathlib import Path; from raytrain_cpu.checkpoint import slim_common_state; slim_common_state(Path('{out}'))"
+    slim = f"from pathlib import Path; from raytrain_cpu.checkpoint.store import slim_common_state; slim_common_state(Path('{out}'))"
     subprocess.run([sys.executable, "-c", slim], check=True, capture_output=True, cwd=REPO)
     out.rename(ckpt / ck.UNIVERSAL)
 

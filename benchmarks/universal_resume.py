@@ -25,10 +25,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from raytrain_cpu import checkpoint as ck  # noqa: E402
 from raytrain_cpu.bench import write_results  # noqa: E402
-from raytrain_cpu.cpu import cpu_features  # noqa: E402
-from raytrain_cpu.metrics import markdown_table, read_metrics  # noqa: E402
+from raytrain_cpu.checkpoint import store as ck  # noqa: E402
+from raytrain_cpu.host.cpu import cpu_features  # noqa: E402
+from raytrain_cpu.obs.metrics import markdown_table, read_metrics  # noqa: E402
 
 SHAPE = {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 12, "intermediate_size": 2048}
 

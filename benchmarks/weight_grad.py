@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from raytrain_cpu import fused_attention
 from raytrain_cpu.bench import SIZES, report_script
+from raytrain_cpu.model.ops import fused_attention
 
 KINDS = ["forward x @ W^T", "weight grad, autograd (oneDNN)", "weight grad, kernel"]
 
@@ -40,7 +40,7 @@ def variants(dy, x, w) -> list:
     """The timed calls, in KINDS' order."""
     import torch
 
-    from raytrain_cpu.linear import weight_grad
+    from raytrain_cpu.model.ops.linear import weight_grad
 
     return [lambda: torch.mm(x, w.t()), lambda: torch.mm(dy.t(), x), lambda: weight_grad(dy, x)]
 
@@ -55,7 +55,7 @@ def main() -> int:
     import torch
     from gemm_layouts import shapes  # this script's own folder: first on sys.path
 
-    from raytrain_cpu import linear
+    from raytrain_cpu.model.ops import linear
 
     if linear.kernel() is None:
         raise SystemExit(f"error: the weight-gradient kernel is unavailable: {linear.why_unavailable()}")

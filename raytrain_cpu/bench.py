@@ -51,9 +51,9 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from raytrain_cpu import cpu
-from raytrain_cpu.metrics import flops_per_token, markdown_table
-from raytrain_cpu.plan import ModelShape, config_head_dim
+from raytrain_cpu.host import cpu
+from raytrain_cpu.obs.metrics import flops_per_token, markdown_table
+from raytrain_cpu.planner.memory import ModelShape, config_head_dim
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -109,8 +109,8 @@ def bench_model_config(shape: dict[str, int], seq_len: int) -> tuple[Any, Any]:
     The LlamaConfig is built as write_tiny_model builds the training runs' model (untied unless
     configured); the eos id only names a token, it changes no shape.
     """
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.model import tiny_llama_config
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.model.loading import tiny_llama_config
 
     cfg = load_config(None, model_overrides(shape, seq_len))
     config = tiny_llama_config(cfg, VOCAB, eos_token_id=0)
@@ -120,7 +120,7 @@ def bench_model_config(shape: dict[str, int], seq_len: int) -> tuple[Any, Any]:
 
 
 def n_params(shape: dict[str, int], vocab: int = VOCAB) -> dict[str, int]:
-    """Parameter counts of an untied Llama (raytrain_cpu.model.count_parameters, without a file)."""
+    """Parameter counts of an untied Llama (raytrain_cpu.model.loading.count_parameters, without a file)."""
     d, L = shape["hidden_size"], shape["num_layers"]
     heads, kv = shape["num_heads"], shape["num_kv_heads"]
     # plan.ModelShape's layer: q and o at heads x head_dim (a size's own head_dim, where it names one).
@@ -137,7 +137,7 @@ def n_params(shape: dict[str, int], vocab: int = VOCAB) -> dict[str, int]:
 
 def mfu_of(tokens_per_s: float, params: dict[str, int], seq_len: int, peak_per_worker: float, world: int) -> float:
     """MFU = (6N + 12·L·d·seq) · tokens/s ÷ (measured GEMM peak of one worker × workers)."""
-    from raytrain_cpu.metrics import mfu
+    from raytrain_cpu.obs.metrics import mfu
 
     return mfu(tokens_per_s, params, seq_len, peak_per_worker * world) or 0.0
 
@@ -267,7 +267,7 @@ def gemm_rows(g: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 class Runner:
-    """Runs raytrain_cpu.main.run with bench overrides; one Ray for all runs, one data cache."""
+    """Runs raytrain_cpu.launch.driver.run with bench overrides; one Ray for all runs, one data cache."""
 
     def __init__(self, size: str, workdir: Path, extra: list[str], keep_checkpoints: bool = False):
         self.size, self.spec = size, SIZES[size]
@@ -298,13 +298,13 @@ class Runner:
     def check_overrides(self) -> None:
         """The user's key=value overrides over the bench's own, as every run reads them: a
         misspelt key stops here with config's message instead of after the first suite's work."""
-        from raytrain_cpu.config import load_config
+        from raytrain_cpu.config.schema import load_config
 
         load_config(None, [*self.base(), *self.extra, "run.name=bench-check"])
 
     def run(self, name: str, overrides: list[str]) -> dict[str, Any]:
-        from raytrain_cpu.config import load_config
-        from raytrain_cpu.main import run
+        from raytrain_cpu.config.schema import load_config
+        from raytrain_cpu.launch.driver import run
 
         cfg = load_config(None, [*self.base(), *self.extra, *overrides, f"run.name=bench-{name}-{self.stamp}"])
         print(f"[bench] {name}: {' '.join(overrides) or 'defaults'}", flush=True)
@@ -367,7 +367,7 @@ def drop_checkpoints(run_dir: Path) -> None:
 
 def _train_peak_rss_gb(run_dir: str) -> float | None:
     """The training high-water mark of the rank that peaked highest (metrics.jsonl's memory rows)."""
-    from raytrain_cpu.metrics import read_metrics
+    from raytrain_cpu.obs.metrics import read_metrics
 
     peaks = [m["mem_peak_max_gib"] for m in read_metrics(run_dir).train if "mem_peak_max_gib" in m]
     return max(peaks) * 2**30 / GB if peaks else None
@@ -573,7 +573,7 @@ def in_rep_order(variants: Iterable, rep: int) -> list:
 
 def suite_placement(r: Runner, args) -> dict[str, Any]:
     """This project's default placement vs Ray's plain settings vs pinned, interleaved twice."""
-    from raytrain_cpu.main import local_ray_cpus
+    from raytrain_cpu.launch.driver import local_ray_cpus
 
     cpus = local_ray_cpus() or os.cpu_count() or 1  # what a local Ray offers
     ray_threads = max(1, math.floor(max((cpus - 1) / 2, 0)))  # Ray's OMP_NUM_THREADS: floor of the worker's CPUs, min 1
@@ -701,7 +701,7 @@ def suite_lora(r: Runner, args) -> dict[str, Any]:
 def dpo_variants() -> dict[str, list[str]]:
     """The dpo suite's runs by name: SFT on the chosen answers, DPO, DPO with its reference
     precomputed and SimPO, full fine-tuning and LoRA r=16, all on the bundled pairs."""
-    from raytrain_cpu.tokenizer import BUNDLED_SFT
+    from raytrain_cpu.model.tokenizer import BUNDLED_SFT
 
     pairs = [f"data.path={BUNDLED_SFT / 'preference_train.jsonl'}", "data.source=jsonl"]
     sft = [*pairs, "data.format=instruction", "data.response_column=chosen"]
@@ -903,22 +903,23 @@ def _reference_worker(
     attn = "sdpa"
     if not autocast_on:
         # The trainers' attention pick (model.attention=auto); the blocks leave autocast to SDPA.
-        from raytrain_cpu import attention, plan
+        from raytrain_cpu.model.ops import attention
+        from raytrain_cpu.planner import memory as plan
 
         keep_probs = plan.probs_keeper(config, spec["seq_len"], False, cfg.model.attention_probs)
         attn, _ = attention.choose(model, "auto", batch, spec["seq_len"], keep_probs=keep_probs)
         # ... and their loss (model.fused_loss; its GEMMs are written for one dtype, not autocast).
-        from raytrain_cpu import loss as fused_loss
+        from raytrain_cpu.model.ops import loss as fused_loss
 
         fused_loss.install(model)
     if master:  # the trainers' weight gradients (model.weight_grad_kernel=auto): bf16 weights only
-        from raytrain_cpu import linear
+        from raytrain_cpu.model.ops import linear
 
         n = sum(p.numel() for p in params)
         if linear.choose("auto", dtype, n, linear.linear_shapes(model), batch * spec["seq_len"]).on:
             linear.install(model)
     if not compile:  # the trainers' norms and rotary embeddings, under autocast too; inductor fuses its own
-        from raytrain_cpu import norm, rotary
+        from raytrain_cpu.model.ops import norm, rotary
 
         norm.install(model)
         rotary.install(model)
@@ -1372,9 +1373,9 @@ def _load_worker(rank: int, world: int, port: int, model_dir: str, dtype_name: s
     if mode == "sharded":
         import torch.distributed as dist
 
-        from raytrain_cpu.config import load_config
-        from raytrain_cpu.model import load_sharded
-        from raytrain_cpu.train import deepspeed_config, init_deepspeed, init_local_group
+        from raytrain_cpu.config.schema import load_config
+        from raytrain_cpu.model.loading import load_sharded
+        from raytrain_cpu.trainer.loop import deepspeed_config, init_deepspeed, init_local_group
 
         init_local_group(rank, world, port)
         init_deepspeed()
@@ -1410,15 +1411,15 @@ def _rss() -> int:
 
 def _spawn(world: int, target: Callable, *args) -> list[dict[str, Any]]:
     """target(rank, world, port, *args, queue) on `world` gloo ranks; their results by rank."""
-    from raytrain_cpu.train import free_port
+    from raytrain_cpu.trainer.loop import free_port
 
     return _run_procs(target, world, (world, free_port(), *args), timeout_s=1800)
 
 
 def _write_model(shape: dict[str, int], out: Path) -> Path:
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.model import write_tiny_model
-    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.model.loading import write_tiny_model
+    from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
 
     cfg = load_config(None, model_overrides(shape, 512))
     tok = load_tokenizer(resolve_tokenizer_path("bundled", "tiny"))
@@ -1529,7 +1530,7 @@ def result_path(suite: str, args: argparse.Namespace, feats: cpu.CpuFeatures) ->
 
 def _unwritable(folder: Path) -> str:
     """Why no file can be written in `folder` (made if missing); '' if one can."""
-    from raytrain_cpu.checkpoint import cannot_write, existing_folder
+    from raytrain_cpu.checkpoint.store import cannot_write, existing_folder
 
     folder = existing_folder(folder)
     if not folder.is_dir():

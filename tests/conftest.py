@@ -73,10 +73,10 @@ def spawn_ranks(rank_fn, nprocs: int, *args) -> None:
 def spawn_two_ranks_on_tiny_model(rank_fn, tmp_path, overrides: list[str]) -> None:
     """Writes the tiny model under tmp_path/model and runs rank_fn(rank, port, str(tmp_path),
     overrides) in 2 spawned processes (a real gloo group, no Ray)."""
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.model import write_tiny_model
-    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
-    from raytrain_cpu.train import free_port
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.model.loading import write_tiny_model
+    from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
+    from raytrain_cpu.trainer.loop import free_port
 
     cfg = load_config(None, overrides)
     write_tiny_model(cfg, load_tokenizer(resolve_tokenizer_path("bundled", "tiny")), tmp_path / "model")
@@ -99,13 +99,13 @@ FUSED_VOCAB = 512  # fused_llama_pair's vocabulary
 
 def fused_llama_pair(dtype=None):
     """A tiny Llama (Hugging Face's, in `dtype`: bf16 unless given) and a copy of it, the same
-    weights, with the fused output layer and loss installed (raytrain_cpu.loss)."""
+    weights, with the fused output layer and loss installed (raytrain_cpu.model.ops.loss)."""
     import copy
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from raytrain_cpu import loss as fused
+    from raytrain_cpu.model.ops import loss as fused
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -268,7 +268,7 @@ def shared_cache(tmp_path_factory):
 @pytest.fixture
 def make_config(tmp_path, shared_cache):
     """make_config(*overrides) -> Config of a fast tiny run in a fresh storage dir."""
-    from raytrain_cpu.config import load_config
+    from raytrain_cpu.config.schema import load_config
 
     def make(*overrides: str, storage: str | None = None):
         return load_config(None, fast_overrides(storage or tmp_path / "runs", shared_cache, *overrides))
@@ -316,8 +316,8 @@ def run_losses(run_dir) -> dict[int, float]:
 @pytest.fixture(scope="session")
 def straight(ray_session, tmp_path_factory, shared_cache):
     """STEPS steps on 2 workers without faults, exporting at the end."""
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.main import run
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.launch.driver import run
 
     storage = tmp_path_factory.mktemp("straight")
     cfg = load_config(None, straight_overrides("straight", storage, shared_cache, "run.export_on_finish=true"))
@@ -368,7 +368,7 @@ def cli_run(tmp_path_factory, shared_cache) -> dict:
     import subprocess
     import time
 
-    from raytrain_cpu.config import load_config
+    from raytrain_cpu.config.schema import load_config
 
     args = [f"run.storage_path={tmp_path_factory.mktemp('cli_run')}", f"data.cache_dir={shared_cache}", *CLI_OVERRIDES]
     t0 = time.time()
@@ -391,7 +391,7 @@ def cli_run(tmp_path_factory, shared_cache) -> dict:
 
 # ----------------------------------------------------------------------------- a stand-in for EC2's IMDS
 class FakeIMDS:
-    """EC2's instance metadata service as raytrain_cpu.spot reads it (IMDSv2: a token from
+    """EC2's instance metadata service as raytrain_cpu.launch.spot reads it (IMDSv2: a token from
     PUT /latest/api/token, then GET .../spot/instance-action with it), on 127.0.0.1. No notice
     until notice() posts one; expire_token() makes the next read answer 401, as IMDS does."""
 
@@ -430,7 +430,7 @@ class FakeIMDS:
 
     def notice(self, action: str, at: float) -> int:
         """Posts a notice that EC2 will `action` the instance at `at`; the time it says (whole seconds)."""
-        from raytrain_cpu.spot import EC2_TIME
+        from raytrain_cpu.launch.spot import EC2_TIME
 
         self.action = {"action": action, "time": time.strftime(EC2_TIME, time.gmtime(at))}
         return int(at)

@@ -36,7 +36,7 @@ def build_model(arch: str, out: Path) -> Path:
     import torch
     import transformers
 
-    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+    from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
 
     tok = load_tokenizer(resolve_tokenizer_path("bundled", "tiny"))
     config_cls, model_cls, shape = ARCHS[arch]
@@ -66,7 +66,7 @@ def test_count_parameters_is_exact_for_every_architecture(model_dirs):
     """count_parameters (safetensors headers) = the parameters transformers' model holds."""
     from transformers import AutoModelForCausalLM
 
-    from raytrain_cpu.model import count_parameters
+    from raytrain_cpu.model.loading import count_parameters
 
     for arch, d in model_dirs.items():
         model = AutoModelForCausalLM.from_pretrained(d)
@@ -86,7 +86,7 @@ def test_decoder_layers_are_found_for_every_architecture(model_dirs):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from raytrain_cpu.model import decoder_layers
+    from raytrain_cpu.model.loading import decoder_layers
 
     for arch, d in model_dirs.items():
         model = AutoModelForCausalLM.from_pretrained(d)
@@ -123,7 +123,7 @@ def offline_hub_copy(model: Path, hub_cache: Path, monkeypatch) -> str:
 @pytest.mark.parametrize("arch", TRAINED)
 def test_train_resume_and_export(arch, model_dirs, ray_session, make_config, monkeypatch):
     """2 workers train 2 steps (RESUMED: then resume to 3), exporting at the end with the logits check."""
-    from raytrain_cpu.main import run, validate_before_ray
+    from raytrain_cpu.launch.driver import run, validate_before_ray
 
     model = model_dirs[arch]
     if arch in RELATIVE:  # Ray Train's workers run elsewhere: the driver records it absolute
@@ -155,7 +155,7 @@ def test_train_resume_and_export(arch, model_dirs, ray_session, make_config, mon
     config = json.loads((Path(summary["export"]["export_dir"]) / "config.json").read_text())
     assert config["model_type"] == json.loads((model_dirs[arch] / "config.json").read_text())["model_type"]
     if arch == "gpt2":  # learned positions: a completion past them is refused up front, not an IndexError
-        from raytrain_cpu.generate import generate
+        from raytrain_cpu.model.generate import generate
 
         export_dir = summary["export"]["export_dir"]
         with pytest.raises(ValueError, match=f"--max-new-tokens: .*context \\(n_positions={CONTEXT}\\); use"):

@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raytrain_cpu import attention, fused_attention, plan
-from raytrain_cpu.config import ConfigError, load_config
-from raytrain_cpu.model import tiny_llama_config
+from raytrain_cpu.config.schema import ConfigError, load_config
+from raytrain_cpu.model.loading import tiny_llama_config
+from raytrain_cpu.model.ops import attention, fused_attention
+from raytrain_cpu.planner import memory as plan
 
 # (batch, heads, kv_heads, seq, head_dim): whole blocks, grouped queries with a ragged last
 # block, one kv head, and a sequence shorter than one block.
@@ -270,7 +271,7 @@ def test_implementation_names_carry_the_block_size():
 def test_a_resumed_auto_run_keeps_the_checkpoints_attention_without_timing(kept):
     """A resumed 'auto' run continues bit for bit: it takes the attention its manifest recorded and
     times nothing (timing all-reduces over the ranks; there is no process group here to do it)."""
-    from raytrain_cpu.train import Worker, choose_attention
+    from raytrain_cpu.trainer.loop import Worker, choose_attention
 
     model, _, _ = _tiny_llama("sdpa")
     logged = []
@@ -287,7 +288,7 @@ def test_a_resumed_auto_run_keeps_the_checkpoints_attention_without_timing(kept)
 def test_the_worker_keeps_the_probabilities_as_configured(setting):
     from transformers import AttentionInterface
 
-    from raytrain_cpu.train import Worker, choose_attention
+    from raytrain_cpu.trainer.loop import Worker, choose_attention
 
     model, _, _ = _tiny_llama("sdpa")
     logged = []
@@ -454,8 +455,8 @@ def test_auto_times_the_fused_kernel_in_bf16_and_an_explicit_fused_needs_bf16():
 
 def test_a_resumed_auto_run_keeps_the_fused_kernel_and_times_afresh_where_it_does_not_build(monkeypatch):
     _fused_kernel()
-    from raytrain_cpu import train
-    from raytrain_cpu.train import Worker, choose_attention
+    from raytrain_cpu.trainer import loop as train
+    from raytrain_cpu.trainer.loop import Worker, choose_attention
 
     # One rank: the ranks' sums (whether the kernel builds everywhere, the timings) are its own.
     monkeypatch.setattr(train, "_allreduce_sum", lambda values: values)

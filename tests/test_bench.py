@@ -211,7 +211,7 @@ def test_pinned_suites_gives_each_command_its_own_cores(tmp_path):
     import subprocess
     import sys
 
-    from raytrain_cpu.cpu import cpu_features
+    from raytrain_cpu.host.cpu import cpu_features
 
     if cpu_features().usable_cores < 2:
         pytest.skip("needs 2 usable cores")
@@ -233,7 +233,7 @@ def test_pinned_suites_times_each_command_from_its_own_start(tmp_path):
     import subprocess
     import sys
 
-    from raytrain_cpu.cpu import cpu_features
+    from raytrain_cpu.host.cpu import cpu_features
 
     nap = "-c 'import time; time.sleep(2); print(\"done\")'"
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "pinned_suites.py"

@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 import yaml
 
-from raytrain_cpu import plan
-from raytrain_cpu.config import Config, load_config
+from raytrain_cpu.config.schema import Config, load_config
+from raytrain_cpu.planner import memory as plan
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_YAML = ROOT / "cluster" / "aws-c7i.yaml"

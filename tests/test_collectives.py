@@ -1,4 +1,4 @@
-"""Shared-memory collectives (raytrain_cpu.collectives): the same results as gloo, chunked and
+"""Shared-memory collectives (raytrain_cpu.trainer.collectives): the same results as gloo, chunked and
 whole, with DeepSpeed's own entry points; a missing rank ends in a clear error, not a hang."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ def _collectives_rank(rank: int, port: int, root: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from raytrain_cpu import collectives
-    from raytrain_cpu.train import init_deepspeed, init_local_group
+    from raytrain_cpu.trainer import collectives
+    from raytrain_cpu.trainer.loop import init_deepspeed, init_local_group
 
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {rank % os.cpu_count()})
@@ -75,7 +75,7 @@ def _collectives_rank(rank: int, port: int, root: str) -> None:
 def test_shared_memory_collectives_match_gloo(tmp_path):
     from conftest import spawn_ranks
 
-    from raytrain_cpu.train import free_port
+    from raytrain_cpu.trainer.loop import free_port
 
     spawn_ranks(_collectives_rank, 2, free_port(), str(tmp_path))
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
@@ -89,7 +89,7 @@ def test_slots_shrink_to_fit_dev_shm(monkeypatch):
     halving from 16 MiB; below 1 MiB a slot, gloo stays."""
     import os
 
-    from raytrain_cpu import collectives
+    from raytrain_cpu.trainer import collectives
 
     def room(mib: int):
         return lambda path: os.statvfs_result((4096, 4096, 0, 0, mib * 256, 0, 0, 0, 0, 255))
@@ -108,7 +108,7 @@ def test_the_segment_is_this_users_alone(tmp_path):
     import os
     import stat
 
-    from raytrain_cpu import collectives
+    from raytrain_cpu.trainer import collectives
 
     path = tmp_path / "segment"
     before = os.umask(0)  # the widest: an open() that left the mode to the umask would make 0666

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_cpu import plan
-from raytrain_cpu.config import Config, ConfigError, MixSource, describe_options, load_config, mix_counts
-from raytrain_cpu.data import DataError, check_sources
-from raytrain_cpu.main import check_storage, validate_before_ray
+from raytrain_cpu.config.schema import Config, ConfigError, MixSource, describe_options, load_config, mix_counts
+from raytrain_cpu.data.prepare import DataError, check_sources
+from raytrain_cpu.launch.driver import check_storage, validate_before_ray
+from raytrain_cpu.planner import memory as plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +58,7 @@ def test_overrides_are_typed():
 def test_local_paths_are_recorded_absolute(tmp_path, monkeypatch):
     """Relative to the directory the run starts in, and kept when a worker rebuilds the config
     elsewhere; hub ids, 'tiny' and 'bundled' stay names."""
-    from raytrain_cpu.train import deepspeed_config
+    from raytrain_cpu.trainer.loop import deepspeed_config
 
     for d in ("model", "tok"):
         (tmp_path / d).mkdir()
@@ -118,7 +118,7 @@ def test_epochs_become_steps_that_train_every_block(epochs, blocks, batch, steps
 
 
 def test_epochs_set_the_steps_once_the_data_are_packed(capsys):
-    from raytrain_cpu.main import steps_of_epochs
+    from raytrain_cpu.launch.driver import steps_of_epochs
 
     cfg = load_config(None, ["train.epochs=2.5"])
     resolved = steps_of_epochs(cfg, {"blocks": 1000}, 16)
@@ -296,7 +296,7 @@ def test_a_mixture_resolves_each_source_and_shares_the_rest(tmp_path, monkeypatc
 
 def test_overrides_may_stand_on_both_sides_of_config():
     """`main run.storage_path=... --config c.yaml run.name=x` once failed: "unrecognized arguments"."""
-    from raytrain_cpu.main import parse_args
+    from raytrain_cpu.launch.driver import parse_args
 
     args = parse_args(["run.storage_path=/s", "--config", "configs/local.yaml", "run.name=x"])
     assert args.config == "configs/local.yaml" and args.overrides == ["run.storage_path=/s", "run.name=x"]
@@ -464,7 +464,7 @@ def test_a_deepspeed_file_may_not_contradict_the_config(tmp_path):
 
 def test_ray_train_gets_the_runs_timeouts_and_poll_interval(monkeypatch):
     """Settings Ray Train reads only from the driver's environment (it hands them to its controller)."""
-    from raytrain_cpu.main import ray_train_env
+    from raytrain_cpu.launch.driver import ray_train_env
 
     env = ray_train_env(load_config(None, ["run.gloo_timeout_s=120", "run.poll_interval_s=0.5"]))
     assert env == {

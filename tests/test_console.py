@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import CLI_STEPS, child_env
 
-from raytrain_cpu.main import RAY_CONSOLE_FILTER, _pass_stderr, failure_reason
-from raytrain_cpu.metrics import CONSOLE_LINE, console
+from raytrain_cpu.obs.console import RAY_CONSOLE_FILTER, _pass_stderr, failure_reason
+from raytrain_cpu.obs.metrics import CONSOLE_LINE, console
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,7 +173,7 @@ def test_a_worker_lost_with_a_preempted_node_is_told_once(capsys):
     until the drain runs out. One line for it; a later error that ends the attempt counts."""
     from ray.exceptions import RayActorError
 
-    from raytrain_cpu.main import restart_notice
+    from raytrain_cpu.obs.console import restart_notice
 
     said = "The actor died unexpectedly before finishing this task.\n\tpid: 25142\n\tip: 10.0.0.5"
     notice = restart_notice(1, "checkpoint_000016")
@@ -196,7 +196,7 @@ def test_a_sigterm_while_ray_starts_is_held_then_stops_the_run():
 
     from ray._private import utils as ray_utils
 
-    from raytrain_cpu import main as raytrain_main
+    from raytrain_cpu.launch import driver as raytrain_main
 
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(KeyboardInterrupt), raytrain_main.sigterm_held_while_ray_starts():
@@ -256,8 +256,8 @@ def test_default_console_is_raytrain_lines_only(cli_run, record_property):
 
 CHILD = """
 import sys
-from raytrain_cpu.config import load_config
-from raytrain_cpu.main import quiet_ray_console
+from raytrain_cpu.config.schema import load_config
+from raytrain_cpu.obs.console import quiet_ray_console
 
 if sys.argv[2] == "import-first":  # as a notebook does: `import ray` before run()
     import ray
@@ -335,9 +335,9 @@ def _broken_model(root: Path) -> Path:
     the driver's checks and fails on the workers."""
     import json
 
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.model import write_tiny_model
-    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.model.loading import write_tiny_model
+    from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
 
     model = root / "model"
     write_tiny_model(load_config(None, []), load_tokenizer(resolve_tokenizer_path("bundled", "tiny")), model)
@@ -391,7 +391,7 @@ def test_ctrl_c_stops_the_run_and_says_where_it_can_resume(cli_children):
     the files the quiet console keeps. The CLI says what stopped and where the run resumes, exit 130."""
     import signal
 
-    from raytrain_cpu.checkpoint import latest_reported, verify_checkpoint
+    from raytrain_cpu.checkpoint.store import latest_reported, verify_checkpoint
 
     child = cli_children["stopped"]
     p, run_dir = child["p"], child["run_dir"]

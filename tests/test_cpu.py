@@ -1,4 +1,4 @@
-"""Fast tests of raytrain_cpu.cpu: feature parsing, placement arithmetic, dtype choice, MFU, timers."""
+"""Fast tests of raytrain_cpu.host.cpu: feature parsing, placement arithmetic, dtype choice, MFU, timers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from raytrain_cpu import cpu
+from raytrain_cpu.host import cpu
 
 
 def _cpuinfo(sockets: int, cores: int, threads: int, flags: str) -> str:
@@ -180,7 +180,7 @@ def test_probe_subset_is_cheap():
 def test_mfu_formula():
     """MFU = (6N + 12 L d seq) tokens/s / peak, N without the input embedding."""
     from raytrain_cpu.bench import mfu_of, n_params
-    from raytrain_cpu.metrics import flops_per_token
+    from raytrain_cpu.obs.metrics import flops_per_token
 
     shape = {"hidden_size": 512, "num_layers": 16, "num_heads": 8, "num_kv_heads": 8, "intermediate_size": 1408}
     p = n_params(shape)
@@ -195,7 +195,7 @@ def test_n_params_matches_the_model_files(tmp_path):
     import json
 
     from raytrain_cpu.bench import n_params
-    from raytrain_cpu.model import count_parameters
+    from raytrain_cpu.model.loading import count_parameters
 
     shape = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 176}
     (tmp_path / "config.json").write_text(
@@ -241,7 +241,7 @@ def test_rays_jemalloc_serves_when_the_system_has_none(tmp_path, monkeypatch):
 # trim the freed ones off its heap's top by itself); the RSS before and after release_free_memory.
 _FREED_PAGES = """
 import torch
-from raytrain_cpu import cpu
+from raytrain_cpu.host import cpu
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 xs, kept = [], []
@@ -269,7 +269,7 @@ def test_free_pages_released_past_the_limit_once_a_growth():
     """scaling.free_memory_growth_mib: the baseline is the resident memory after the first steps;
     growth past it by the limit releases (the real release: test above); a release that frees
     little raises the baseline, so live growth does not release every step; 0 never releases."""
-    from raytrain_cpu.train import FreePages
+    from raytrain_cpu.trainer.loop import FreePages
 
     mib = 2**20
     calls = []
@@ -301,8 +301,8 @@ def test_allocator_in_use(tmp_path):
 
 
 def test_worker_env_turns_omp_binding_off_for_shared_nodes(monkeypatch):
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.main import worker_env
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.launch.driver import worker_env
 
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     cfg = load_config(None, ["scaling.allocator=system", "scaling.glibc_mmap_threshold=0"])
@@ -312,8 +312,8 @@ def test_worker_env_turns_omp_binding_off_for_shared_nodes(monkeypatch):
 
 def test_glibc_workers_get_a_fixed_mmap_threshold_and_twice_it_to_trim(monkeypatch):
     """Without jemalloc/tcmalloc: 32 MiB by default (a kept heap), 1 MiB on request (less memory)."""
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.main import worker_env
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.launch.driver import worker_env
 
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
@@ -427,7 +427,7 @@ def test_op_time_by_kind_counts_the_fused_kernel_as_attention():
     import torch
     from torch.profiler import profile
 
-    from raytrain_cpu import fused_attention
+    from raytrain_cpu.model.ops import fused_attention
 
     if fused_attention.kernel() is None:
         pytest.skip(fused_attention.why_unavailable())
@@ -443,7 +443,7 @@ def test_op_time_by_kind_counts_what_the_causal_blocks_run_as_attention():
     import torch
     from torch.profiler import profile
 
-    from raytrain_cpu.attention import causal_blocks
+    from raytrain_cpu.model.ops.attention import causal_blocks
 
     q = torch.randn(1, 2, 128, 16, requires_grad=True)
     a = torch.randn(128, 128)

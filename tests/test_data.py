@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from raytrain_cpu.data import (
+from raytrain_cpu.data.prepare import (
     DataError,
     SourceSpec,
     StreamPlan,
@@ -118,7 +118,7 @@ def test_cache_files_are_whole_and_blocks_are_read_by_each_files_own_rows(tmp_pa
     written that way reads right too."""
     import pyarrow.parquet as pq
 
-    from raytrain_cpu import data
+    from raytrain_cpu.data import prepare as data
 
     monkeypatch.setattr(data, "BLOCKS_PER_FILE", 8)
     seq, start = 4, 0
@@ -145,7 +145,7 @@ def test_cache_files_are_whole_and_blocks_are_read_by_each_files_own_rows(tmp_pa
 def test_decoded_columns_hold_the_windows_files_and_the_least_recent_go(tmp_path):
     """A file's columns stay decoded while its file is among the most recently read (three
     columns of a window's 8 files once did not fit 16 entries); a plan asks for its windows'."""
-    from raytrain_cpu import data
+    from raytrain_cpu.data import prepare as data
 
     c, d, e = (f"{_cache_of(tmp_path / name, 30, 0)}/part-00000.parquet" for name in "cde")
     decoded = data._DecodedColumns(files=2)
@@ -293,7 +293,7 @@ def test_a_mixture_of_text_and_labelled_blocks_labels_the_text_with_its_inputs(t
     """Chat examples (labels -100 off the responses) mixed with plain text: the stream carries
     labels for every block, the text's being its inputs (every token a target); asked for
     positions, the chat blocks' come from their examples, the text's from its EOS tokens."""
-    from raytrain_cpu.data import _ExampleWriter
+    from raytrain_cpu.data.prepare import _ExampleWriter
 
     chat = _ExampleWriter(tmp_path / "chat", 4, pad_id=0)
     for i in range(6):
@@ -313,7 +313,7 @@ def test_a_mixture_of_text_and_labelled_blocks_labels_the_text_with_its_inputs(t
 
 def test_a_mixture_entrys_lines_carry_its_name_once():
     """An entry named for its format (chat.jsonl: "chat") logged "[data] chat: chat: ..."."""
-    from raytrain_cpu.data import _log_named
+    from raytrain_cpu.data.prepare import _log_named
 
     lines = []
     _log_named(lines.append, "chat", "[data] chat: 1,234 response tokens carry the loss")
@@ -337,8 +337,8 @@ def test_an_s3_object_rewritten_under_its_name_is_new_data_to_the_cache_key(make
 
     import pyarrow.fs as pafs
 
-    from raytrain_cpu.data import cache_key, source_specs
-    from raytrain_cpu.tokenizer import resolve_tokenizer_path
+    from raytrain_cpu.data.prepare import cache_key, source_specs
+    from raytrain_cpu.model.tokenizer import resolve_tokenizer_path
 
     bucket = tmp_path / "bucket"
     (bucket / "wiki").mkdir(parents=True)
@@ -365,7 +365,7 @@ def test_an_s3_object_rewritten_under_its_name_is_new_data_to_the_cache_key(make
 
 @pytest.mark.slow
 def test_prepare_cache_keyed_reused_and_bad_sources(ray_session, tmp_path, make_config, capfd):
-    from raytrain_cpu.data import prepare, read_meta
+    from raytrain_cpu.data.prepare import prepare, read_meta
 
     text = tmp_path / "corpus.txt"
     text.write_bytes(WIKI.encode() * 120 + b" = Gamma = \n bad \xff line\n ok line .\n")
@@ -427,9 +427,9 @@ def test_prepare_packs_a_directorys_files_in_order_and_may_hold_nothing_out(
     the same key. data.eval_fraction=0 holds nothing out (it divided by zero)."""
     import ray
 
-    from raytrain_cpu import data
-    from raytrain_cpu.data import prepare, read_blocks, read_meta
-    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+    from raytrain_cpu.data import prepare as data
+    from raytrain_cpu.data.prepare import prepare, read_blocks, read_meta
+    from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
 
     # As a fresh `prepare` process has it (the session's runs set it for their own reads).
     monkeypatch.setattr(ray.data.DataContext.get_current().execution_options, "preserve_order", False)
@@ -481,7 +481,7 @@ def test_a_full_cache_filesystem_is_named_and_leaves_nothing(ray_session, tmp_pa
     half-written cache (pyarrow's OSError traceback before)."""
     import errno
 
-    from raytrain_cpu import data
+    from raytrain_cpu.data import prepare as data
 
     def full(spec, data_cfg, tokenizer, actors, out, *rest):
         out.mkdir(parents=True)
@@ -506,7 +506,7 @@ def _executor(waiting: int):
 
 
 def test_the_scheduling_loop_is_spaced_only_while_no_consumer_waits(monkeypatch):
-    from raytrain_cpu import datathrottle
+    from raytrain_cpu.data import throttle as datathrottle
 
     clock = [100.0]  # time passes only in sleeps
     slept = []
@@ -540,7 +540,7 @@ def test_ray_data_tells_the_throttle_when_a_consumer_waits(ray_session):
     import ray
     from ray.data import DataContext
 
-    from raytrain_cpu import datathrottle
+    from raytrain_cpu.data import throttle as datathrottle
 
     seen: list[bool] = []
 
@@ -581,7 +581,7 @@ def test_eval_streams_cover_every_block_once_whatever_the_worker_count(ray_sessi
     run's eval_loss depended on its worker count. A rank short of a block gets a padding row
     without targets (every label -100), and a text stream holding one carries labels for all its
     rows (their inputs), so its batches all have the same columns."""
-    from raytrain_cpu.data import _ExampleWriter, eval_stream
+    from raytrain_cpu.data.prepare import _ExampleWriter, eval_stream
 
     n_eval, seq = 7, 4
     _cache_of(tmp_path / "text" / "eval", n_eval, 100, seq)  # block i holds 100 + i
@@ -634,7 +634,7 @@ def test_eval_examples_cut_to_seq_len_are_counted_too(ray_session, tmp_path, mak
     truncated_examples and on the console; the eval text's were truncated as silently: its
     count was dropped. meta.json's eval_truncated_examples counts them, from an eval file of
     its own and from the documents held out of the training text, and the console line says so."""
-    from raytrain_cpu.data import PREPARED_FIGURES, prepare, read_meta
+    from raytrain_cpu.data.prepare import PREPARED_FIGURES, prepare, read_meta
 
     def chat(answer: str) -> str:
         return json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}]})
@@ -669,7 +669,7 @@ def fake_packing(monkeypatch):
 
     import ray
 
-    from raytrain_cpu import data
+    from raytrain_cpu.data import prepare as data
 
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 1})
@@ -690,7 +690,7 @@ def fake_packing(monkeypatch):
 def _prepare_in_threads(cfg, n: int, force: bool = False) -> list:
     import threading
 
-    from raytrain_cpu.data import prepare
+    from raytrain_cpu.data.prepare import prepare
 
     results: list = [None] * n
 
@@ -722,7 +722,7 @@ def test_two_jobs_preparing_one_key_at_once_end_with_the_same_whole_cache(make_c
 def test_two_forced_rebuilds_at_once_end_with_the_same_cache(make_config, tmp_path, fake_packing):
     import threading
 
-    from raytrain_cpu.data import prepare, published_cache
+    from raytrain_cpu.data.prepare import prepare, published_cache
 
     cfg = make_config(f"data.cache_dir={tmp_path / 'cache'}")
     old = prepare(cfg, log=lambda m: None)
@@ -736,7 +736,7 @@ def test_two_forced_rebuilds_at_once_end_with_the_same_cache(make_config, tmp_pa
 def test_a_forced_rebuild_never_moves_the_cache_a_run_reads(make_config, tmp_path, fake_packing):
     """--force used to delete the cache directory and rename a new one in its place: a run
     reading it died with FileNotFoundError. The rebuild is a new version; the old one stays."""
-    from raytrain_cpu.data import prepare, read_meta
+    from raytrain_cpu.data.prepare import prepare, read_meta
 
     cfg = make_config(f"data.cache_dir={tmp_path / 'cache'}")
     lines: list[str] = []
@@ -751,7 +751,7 @@ def test_a_forced_rebuild_never_moves_the_cache_a_run_reads(make_config, tmp_pat
 
 
 def test_a_cache_written_before_versions_is_read_and_never_replaced(make_config, tmp_path, fake_packing):
-    from raytrain_cpu.data import prepare
+    from raytrain_cpu.data.prepare import prepare
 
     cfg = make_config(f"data.cache_dir={tmp_path / 'cache'}")
     built = prepare(cfg, log=lambda m: None)
@@ -768,7 +768,7 @@ def test_an_s3_prefix_lists_only_its_sources_files(tmp_path, monkeypatch):
     and Spark's .crc files as parquet. It keeps the kind's suffixes, as a local directory does."""
     import pyarrow.fs as pafs
 
-    from raytrain_cpu.data import _expand_s3
+    from raytrain_cpu.data.prepare import _expand_s3
 
     bucket = tmp_path / "bucket"
     (bucket / "set" / "sub").mkdir(parents=True)

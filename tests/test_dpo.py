@@ -17,11 +17,12 @@ import pytest
 import torch
 from conftest import FUSED_VOCAB, fused_llama_pair
 
-from raytrain_cpu import dpo, plan
-from raytrain_cpu.config import ConfigError, DataConfig, load_config
-from raytrain_cpu.data import DataError, SourceSpec, Tokenize, _ExampleWriter, file_examples
-from raytrain_cpu.sft import IGNORE, RowError, row_pair
-from raytrain_cpu.tokenizer import BUNDLED_SFT, BUNDLED_TOKENIZER, EOS
+from raytrain_cpu.config.schema import ConfigError, DataConfig, load_config
+from raytrain_cpu.data.prepare import DataError, SourceSpec, Tokenize, _ExampleWriter, file_examples
+from raytrain_cpu.model.chat import IGNORE, RowError, row_pair
+from raytrain_cpu.model.tokenizer import BUNDLED_SFT, BUNDLED_TOKENIZER, EOS
+from raytrain_cpu.planner import memory as plan
+from raytrain_cpu.trainer import dpo
 
 
 def cfg(**kw) -> DataConfig:
@@ -300,7 +301,7 @@ def test_sft_weight_adds_the_chosen_answers_per_token_loss():
 
 
 def test_the_summary_names_a_preference_loss_other_than_dpos():
-    from raytrain_cpu.main import _preference_line
+    from raytrain_cpu.launch.driver import _preference_line
 
     s = {"eval_dpo_loss": 0.2482, "eval_reward_accuracy": 0.562}
     assert _preference_line(s) == "eval DPO         loss 0.2482, reward accuracy 56.2%\n"
@@ -383,7 +384,7 @@ def test_kept_reference_rows_are_found_by_what_a_block_holds(tmp_path):
 
 
 def test_fused_label_logps_match_the_logits_and_their_gradients():
-    from raytrain_cpu import loss as fused
+    from raytrain_cpu.model.ops import loss as fused
 
     plain, model = fused_llama_pair(torch.float32)
     fused.CHUNK_BYTES, chunk = 4 * FUSED_VOCAB * 5, fused.CHUNK_BYTES  # 5 tokens a chunk: several chunks
@@ -447,9 +448,9 @@ def metric_rows(summary: dict) -> list[dict]:
 
 @pytest.mark.slow
 def test_lora_dpo_run_learns_to_prefer_the_chosen_answers(ray_session, make_config, tmp_path):
-    from raytrain_cpu.evaluate import evaluate_model
-    from raytrain_cpu.export import export_checkpoint
-    from raytrain_cpu.main import run
+    from raytrain_cpu.launch.driver import run
+    from raytrain_cpu.launch.evaluate import evaluate_model
+    from raytrain_cpu.model.export import export_checkpoint
 
     summary = run(
         make_config(
@@ -510,7 +511,7 @@ def test_full_dpo_keeps_the_starting_model_as_its_reference_across_a_resume(ray_
     loaded from the starting model; the third precomputes again and finds every block kept.
     (`evaluate` on a fully fine-tuned DPO model, against its run's starting model: the merged
     export in test_lora_dpo_run_learns_to_prefer_the_chosen_answers takes the same way.)"""
-    from raytrain_cpu.main import run
+    from raytrain_cpu.launch.driver import run
 
     overrides = [
         *seen_pairs(tmp_path),
@@ -554,8 +555,8 @@ def test_full_dpo_keeps_the_starting_model_as_its_reference_across_a_resume(ray_
 
 @pytest.mark.slow
 def test_simpo_trains_with_no_reference_model(ray_session, make_config, tmp_path):
-    from raytrain_cpu.evaluate import evaluate_model
-    from raytrain_cpu.main import run
+    from raytrain_cpu.launch.driver import run
+    from raytrain_cpu.launch.evaluate import evaluate_model
 
     summary = run(
         make_config(

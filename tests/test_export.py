@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_cpu.config import load_config
+from raytrain_cpu.config.schema import load_config
 
 CONFIG = [
     "model.dtype=bf16",
@@ -33,17 +33,17 @@ def _train_and_save(rank: int, root: str, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from raytrain_cpu.train import init_local_group
+    from raytrain_cpu.trainer.loop import init_local_group
 
     torch.set_num_threads(1)
     init_local_group(rank, WORLD, port)
     import deepspeed
 
-    from raytrain_cpu.checkpoint import write_checkpoint
-    from raytrain_cpu.export import probe_logits
-    from raytrain_cpu.model import load_sharded
-    from raytrain_cpu.tokenizer import resolve_tokenizer_path
-    from raytrain_cpu.train import _param_groups, deepspeed_config, init_deepspeed
+    from raytrain_cpu.checkpoint.store import write_checkpoint
+    from raytrain_cpu.model.export import probe_logits
+    from raytrain_cpu.model.loading import load_sharded
+    from raytrain_cpu.model.tokenizer import resolve_tokenizer_path
+    from raytrain_cpu.trainer.loop import _param_groups, deepspeed_config, init_deepspeed
 
     init_deepspeed()
     cfg = load_config(None, CONFIG)
@@ -82,9 +82,9 @@ def zero3(tmp_path_factory):
     import torch
     from conftest import spawn_ranks
 
-    from raytrain_cpu.model import write_tiny_model
-    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
-    from raytrain_cpu.train import free_port
+    from raytrain_cpu.model.loading import write_tiny_model
+    from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
+    from raytrain_cpu.trainer.loop import free_port
 
     root = tmp_path_factory.mktemp("zero3")
     cfg = load_config(None, CONFIG)
@@ -105,7 +105,7 @@ def _logits(model_dir: Path, input_ids):
 def test_export_gives_the_trained_models_logits(zero3, tmp_path, capsys):
     from transformers import AutoTokenizer
 
-    from raytrain_cpu.export import main
+    from raytrain_cpu.model.export import main
 
     out = tmp_path / "hf"
     capsys.readouterr()
@@ -129,7 +129,7 @@ def test_fp32_and_sharded_export(zero3, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from raytrain_cpu.export import export_checkpoint
+    from raytrain_cpu.model.export import export_checkpoint
 
     bf16 = export_checkpoint(zero3["checkpoint"], tmp_path / "bf16")
     fp32 = export_checkpoint(zero3["checkpoint"], tmp_path / "fp32", dtype="fp32", max_shard_bytes=300_000)
@@ -149,7 +149,7 @@ def test_fp32_and_sharded_export(zero3, tmp_path):
 
 
 def test_export_refuses_an_incomplete_checkpoint(zero3, tmp_path, capsys):
-    from raytrain_cpu.export import main
+    from raytrain_cpu.model.export import main
 
     broken = tmp_path / "broken"
     shutil.copytree(zero3["checkpoint"], broken)
@@ -164,7 +164,7 @@ def test_a_run_copied_to_another_machine_still_exports(zero3, tmp_path, capsys):
     """The manifest's paths are where the run trained (FSx, another install): a tiny run's own
     base model is found beside the checkpoint and the bundled tokenizer in this install; a model
     that is truly elsewhere is named with the option that replaces it, before anything is written."""
-    from raytrain_cpu.export import main
+    from raytrain_cpu.model.export import main
 
     ckpt = tmp_path / "run" / zero3["checkpoint"].name
     shutil.copytree(zero3["checkpoint"], ckpt)
@@ -190,7 +190,7 @@ def test_a_run_copied_to_another_machine_still_exports(zero3, tmp_path, capsys):
 def test_overwrite_never_replaces_a_checkpoint_or_a_run(zero3, tmp_path, capsys):
     """--overwrite replaces an earlier export whole, so it refuses training state: the checkpoint
     itself, its run directory, a directory inside it, the storage path or another run."""
-    from raytrain_cpu.export import main
+    from raytrain_cpu.model.export import main
 
     ckpt = tmp_path / "runs" / "a" / zero3["checkpoint"].name
     other = tmp_path / "runs" / "b"
@@ -210,7 +210,7 @@ def test_a_full_filesystem_is_named_and_leaves_nothing(zero3, tmp_path, capsys, 
     error): one line naming out_dir, exit 2, and no partial export left beside it."""
     from safetensors import SafetensorError
 
-    from raytrain_cpu import export
+    from raytrain_cpu.model import export
 
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
@@ -222,7 +222,7 @@ def test_a_full_filesystem_is_named_and_leaves_nothing(zero3, tmp_path, capsys, 
 
 
 def test_export_of_a_mistyped_checkpoint_names_the_runs_checkpoints(zero3, tmp_path, capsys):
-    from raytrain_cpu.export import main
+    from raytrain_cpu.model.export import main
 
     typo = zero3["checkpoint"].parent / "checkpoint_000999"
     assert main([str(typo), str(tmp_path / "out")]) == 2
@@ -238,7 +238,7 @@ def test_writer_skips_ties_not_reused_ids(tmp_path, monkeypatch):
     import torch
     from safetensors.torch import load_file
 
-    from raytrain_cpu import export
+    from raytrain_cpu.model import export
 
     def temporaries():
         embed = torch.ones(4, 4)
@@ -273,7 +273,7 @@ def _one_error(capsys) -> str:
 @pytest.fixture
 def no_export_work(monkeypatch):
     """Fails the test if the export gets as far as reading the shards: its checks must come first."""
-    from raytrain_cpu import export
+    from raytrain_cpu.model import export
 
     def reached(ckpt_dir):
         raise AssertionError(f"the export started on {ckpt_dir} before refusing")
@@ -284,7 +284,7 @@ def no_export_work(monkeypatch):
 def _run_with_own_model(zero3, tmp_path: Path) -> Path:
     """A copy of the checkpoint in runs/a, its base model beside it, and a manifest naming a model
     and a tokenizer of its own under tmp_path (as a run that started from a local model records them)."""
-    from raytrain_cpu.tokenizer import BUNDLED_TOKENIZER
+    from raytrain_cpu.model.tokenizer import BUNDLED_TOKENIZER
 
     ckpt = tmp_path / "runs" / "a" / zero3["checkpoint"].name
     shutil.copytree(zero3["checkpoint"], ckpt)
@@ -304,7 +304,7 @@ def test_overwrite_never_replaces_the_runs_model_tokenizer_or_the_cwd(
     """The model and tokenizer the manifest names (and a copied run's base_model beside its
     checkpoints) are read by a resume, DPO's reference and a LoRA adapter's base: an out_dir that
     is, holds or lies in one is refused, --overwrite or not, before any work; so is the cwd."""
-    from raytrain_cpu.export import main
+    from raytrain_cpu.model.export import main
 
     ckpt = _run_with_own_model(zero3, tmp_path)
     work = tmp_path / "work" / "here"
@@ -346,7 +346,7 @@ def test_overwrite_never_replaces_the_runs_model_tokenizer_or_the_cwd(
 def test_out_dir_model_dir_and_tokenizer_are_checked_before_the_work(zero3, tmp_path, capsys, no_export_work):
     """A file as out_dir, a file above it, an unwritable place, a --model-dir or --tokenizer that
     is not there: one line naming it, exit 2, before the shards are read and with nothing written."""
-    from raytrain_cpu.export import main
+    from raytrain_cpu.model.export import main
 
     ckpt = str(zero3["checkpoint"])
     afile = tmp_path / "afile"
@@ -398,8 +398,8 @@ def _damaged_copy(zero3, tmp_path: Path) -> Path:
 
 
 def test_a_damaged_shard_is_named_by_export_and_evaluate(zero3, tmp_path, capsys):
-    from raytrain_cpu.evaluate import main as evaluate_main
-    from raytrain_cpu.export import main
+    from raytrain_cpu.launch.evaluate import main as evaluate_main
+    from raytrain_cpu.model.export import main
 
     ckpt = _damaged_copy(zero3, tmp_path)
     message = (
@@ -431,7 +431,7 @@ def test_our_code_unpickles_only_tensors():
 
 
 def test_merge_on_a_run_without_lora_says_it_is_ignored(zero3, tmp_path, capsys):
-    from raytrain_cpu.export import main
+    from raytrain_cpu.model.export import main
 
     assert main([str(zero3["checkpoint"]), str(tmp_path / "out"), "--merge"]) == 0
     notes = [line for line in capsys.readouterr().err.splitlines() if "--merge" in line]
@@ -444,8 +444,8 @@ def test_merge_on_a_run_without_lora_says_it_is_ignored(zero3, tmp_path, capsys)
 def test_generate_and_evaluate_name_what_a_path_is_not(zero3, tmp_path, capsys, no_export_work):
     """An empty directory, a storage path of runs, a directory with only a readme, a checkpoint
     without its manifest: one line each, not a tokenizer loader's guess about sentencepiece."""
-    from raytrain_cpu.evaluate import main as evaluate_main
-    from raytrain_cpu.generate import main as generate_main
+    from raytrain_cpu.launch.evaluate import main as evaluate_main
+    from raytrain_cpu.model.generate import main as generate_main
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "readme").mkdir()
@@ -487,7 +487,7 @@ def test_generate_and_evaluate_name_what_a_path_is_not(zero3, tmp_path, capsys, 
 
 
 def test_generate_refuses_bad_options_before_the_work(zero3, tmp_path, capsys, no_export_work):
-    from raytrain_cpu.generate import main
+    from raytrain_cpu.model.generate import main
 
     ckpt = str(zero3["checkpoint"])
     cases = [
@@ -513,7 +513,7 @@ def test_generate_refuses_bad_options_before_the_work(zero3, tmp_path, capsys, n
 def test_evaluate_names_a_missing_eval_path_before_the_export(zero3, tmp_path, capsys, no_export_work):
     """data.eval_path alone stands in for the training text too, but the error names the key the
     user set, and comes before the checkpoint is exported."""
-    from raytrain_cpu.evaluate import main
+    from raytrain_cpu.launch.evaluate import main
 
     missing = tmp_path / "nonexistent.txt"
     assert main([str(zero3["checkpoint"]), f"data.eval_path={missing}"]) == 2

@@ -58,8 +58,8 @@ from conftest import (
     train_rows,
 )
 
-from raytrain_cpu import checkpoint as ck
-from raytrain_cpu.config import ConfigError, load_config
+from raytrain_cpu.checkpoint import store as ck
+from raytrain_cpu.config.schema import ConfigError, load_config
 
 HANG_TIMEOUT_S = 12  # run.gloo_timeout_s of the fault run
 # The elastic scenario's spot notice: the node goes RECLAIM_S after it (whole seconds: 6-7 s), and
@@ -145,7 +145,7 @@ def _tree(path: Path) -> dict[str, bytes]:
 
 
 def test_save_is_whole_or_absent(tmp_path, process_group):
-    from raytrain_cpu.main import newest_checkpoint
+    from raytrain_cpu.launch.driver import newest_checkpoint
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -185,7 +185,7 @@ def test_save_is_whole_or_absent(tmp_path, process_group):
 
 
 def test_incomplete_checkpoint_fails_loudly(tmp_path, process_group):
-    from raytrain_cpu.main import newest_checkpoint
+    from raytrain_cpu.launch.driver import newest_checkpoint
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -195,7 +195,9 @@ def test_incomplete_checkpoint_fails_loudly(tmp_path, process_group):
     data = optim.read_bytes()
 
     # Another number of workers: the global batch must stay, and the driver must have converted it.
-    with pytest.raises(ck.CheckpointError, match=r"global batch of 8 blocks .*micro_batch_size=4.*raytrain_cpu.export"):
+    with pytest.raises(
+        ck.CheckpointError, match=r"global batch of 8 blocks .*micro_batch_size=4.*raytrain_cpu.model.export"
+    ):
         ck.load_into(FakeEngine(), good, rank=0, world=2, config_dict=CONFIG)
     halves = load_config(None, ["train.micro_batch_size=4"]).to_dict()
     with pytest.raises(
@@ -252,7 +254,7 @@ def test_a_conversion_that_cannot_finish_leaves_the_checkpoint_as_it_was(tmp_pat
     # FakeEngine's shards are no torch files: DeepSpeed's converter fails on them.
     with pytest.raises(
         ck.CheckpointError,
-        match=r"DeepSpeed could not convert .* \(exit 1: .*\)\. The whole output: python -m raytrain_cpu.checkpoint .*/ds ",
+        match=r"DeepSpeed could not convert .* \(exit 1: .*\)\. The whole output: python -m raytrain_cpu.checkpoint.store .*/ds ",
     ):
         ck.to_universal(good)
     monkeypatch.setattr(ck.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 3000, 3000))
@@ -286,7 +288,7 @@ def test_a_damaged_checkpoint_is_stepped_past_kept_and_named_once(tmp_path, proc
     still hands the old name steps past it again; a save at its step takes a fresh name; the
     driver drops it from Ray Train's record (which refuses to start on a missing directory).
     With nothing that verifies the run fails naming them all, renaming nothing."""
-    from raytrain_cpu.main import newest_checkpoint
+    from raytrain_cpu.launch.driver import newest_checkpoint
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -358,7 +360,7 @@ def test_a_damaged_checkpoint_is_stepped_past_kept_and_named_once(tmp_path, proc
 def test_a_conversion_that_finds_damage_steps_back_on_the_driver(tmp_path, process_group, monkeypatch):
     """A resume on another worker count converts the checkpoint first, which hashes every shard:
     a damaged one is stepped past there too, and the one before converted instead."""
-    from raytrain_cpu import main
+    from raytrain_cpu.launch import driver as main
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -481,7 +483,7 @@ def test_a_resume_names_the_optimizer_settings_and_the_learning_rate_it_changes(
 
     import torch
 
-    from raytrain_cpu.train import apply_optimizer_settings, lr_factor
+    from raytrain_cpu.trainer.loop import apply_optimizer_settings, lr_factor
 
     t = load_config(None, ["train.max_steps=30", "train.warmup_steps=5", "train.lr=1e-3"]).train
     param = torch.nn.Parameter(torch.zeros(2))
@@ -601,7 +603,7 @@ def test_kill_and_hang_recover_and_resume_exactly(straight, tmp_path, shared_cac
     Issue 59, point 3b, on a restart: before the kill, a byte of the latest checkpoint's rank-1
     shard changes (its size kept); the restarted workers find it (each rank hashes its own
     files), agree, resume from the checkpoint before it and keep the damaged one, renamed."""
-    from raytrain_cpu.main import run
+    from raytrain_cpu.launch.driver import run
 
     # Two faults, and one restart more: the cluster scenario beside it shares the 2 cores, and once
     # a worker starved at start-up past its health check (gloo_timeout_s), spending a restart.
@@ -704,8 +706,8 @@ def _single_process_losses(cfg, run_dir: Path, cache: str, steps: int) -> dict[i
     import torch
     from transformers import AutoModelForCausalLM
 
-    from raytrain_cpu.data import StreamPlan, read_meta
-    from raytrain_cpu.train import lr_factor
+    from raytrain_cpu.data.prepare import StreamPlan, read_meta
+    from raytrain_cpu.trainer.loop import lr_factor
 
     t = cfg.train
     global_batch = t.derive_global_batch(2)
@@ -776,8 +778,8 @@ def test_resume_on_fewer_workers_follows_the_straight_run(straight, tmp_path, re
     optimizer state carries on (its step count too) and the losses follow the straight run's."""
     import torch
 
-    from raytrain_cpu.main import run
-    from raytrain_cpu.report import key_figures, load_run
+    from raytrain_cpu.launch.driver import run
+    from raytrain_cpu.obs.report import key_figures, load_run
 
     resumed = STEPS - CKPT_EVERY
     storage = tmp_path / "storage"
@@ -819,8 +821,8 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_one_before(straight, tmp_p
     hashes see it: the driver's, in Ray tasks before it plans the data stream). The run resumes from step 32, the losses follow the straight run's exactly,
     the damaged checkpoint is kept under a new name, one line says so, and the run's own
     checkpoint at step 48 takes a fresh name (Ray Train still lists the damaged one's)."""
-    from raytrain_cpu import main
-    from raytrain_cpu.main import run
+    from raytrain_cpu.launch import driver as main
+    from raytrain_cpu.launch.driver import run
 
     monkeypatch.setattr(main, "HASH_IN_DRIVER_BYTES", 0)  # the cluster's way: one Ray task per saved rank
     storage = tmp_path / "storage"
@@ -893,7 +895,7 @@ def elastic_scenario(straight, tmp_path_factory, shared_cache):
 @pytest.mark.slow
 def test_elastic_run_shrinks_on_node_loss_and_grows_back(elastic_scenario, straight, record_property):
     """Points 1, 8 and 9 on a 3-node Ray Cluster (one machine), with scaling.min_workers=1 and
-    num_workers=2, one worker a node. One node gets a spot notice, through raytrain_cpu.spot
+    num_workers=2, one worker a node. One node gets a spot notice, through raytrain_cpu.launch.spot
     watching a stand-in for EC2's metadata service: it drains the node in Ray, the workers
     checkpoint at once, and at the drain's deadline Ray Train goes on with 1 worker (accumulating
     twice) on the node left, from the notice's checkpoint, converted for it by rank 0; the node
@@ -965,7 +967,7 @@ def _notice_checkpoint(run_dir: Path, future, timeout: float = 120) -> dict | No
 def _slow_steps() -> None:
     """Every training step sleeps 0.4 s first (a worker process setup hook), so the scenario's
     cluster changes land while the run still trains: its steps take ~0.05 s on this host."""
-    import raytrain_cpu.train as train
+    import raytrain_cpu.trainer.loop as train
 
     step = train.train_step
 
@@ -993,8 +995,8 @@ def _elastic_scenario(args: dict) -> dict:
     from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import _AutoscalingCoordinatorActor
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from raytrain_cpu.main import run
-    from raytrain_cpu.report import key_figures, load_run
+    from raytrain_cpu.launch.driver import run
+    from raytrain_cpu.obs.report import key_figures, load_run
 
     # Cluster() records its address in /tmp/ray/ray_current_cluster, where any later bare ray.init()
     # on this machine would find it (and fail once it is gone): this test connects explicitly instead.
@@ -1106,7 +1108,7 @@ def test_the_driver_hashes_a_small_checkpoint_itself_and_finds_a_changed_byte(tm
     start): a byte changed with the size kept is named as a sha256 mismatch."""
     import hashlib
 
-    from raytrain_cpu.main import HASH_IN_DRIVER_BYTES, hash_checkpoint
+    from raytrain_cpu.launch.driver import HASH_IN_DRIVER_BYTES, hash_checkpoint
 
     ckpt = tmp_path / ck.checkpoint_dir_name(8)
     files = {}

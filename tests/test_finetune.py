@@ -32,9 +32,9 @@ def test_lora_sft_two_workers_resume_export_generate(ray_session, make_config, t
     import torch
     from safetensors.torch import load_file
 
-    from raytrain_cpu.export import _consolidated, export_checkpoint, load_exported
-    from raytrain_cpu.generate import generate
-    from raytrain_cpu.main import run
+    from raytrain_cpu.launch.driver import run
+    from raytrain_cpu.model.export import _consolidated, export_checkpoint, load_exported
+    from raytrain_cpu.model.generate import generate
 
     # Both runs checkpoint and evaluate at step 3, so they run the same operations in the same order,
     # and a constant LR makes the 3-step leg's schedule the 6-step run's (cosine depends on max_steps).
@@ -104,7 +104,7 @@ def test_lora_sft_two_workers_resume_export_generate(ray_session, make_config, t
 def test_full_parameter_sft_under_zero2_resumes_and_exports(ray_session, make_config):
     """Chat SFT of every parameter under ZeRO-2 on 2 workers (what `plan` advises where the whole
     model fits every rank): it resumes and exports (ZeRO-3's resume and export: the LoRA test above)."""
-    from raytrain_cpu.main import run
+    from raytrain_cpu.launch.driver import run
 
     common = [*SFT, "train.lr=1e-2", "scaling.num_workers=2", "deepspeed.zero_stage=2", "run.name=sft2"]
     common += ["train.checkpoint_every=3"]
@@ -129,7 +129,7 @@ def test_full_parameter_sft_under_zero2_resumes_and_exports(ray_session, make_co
 def _uneven_chat(path: Path) -> Path:
     """Chat rows whose answers are a word or a paragraph: packed blocks of one long answer (~120
     targets) and blocks of many short ones (a few targets each)."""
-    from raytrain_cpu.data import BUNDLED_WIKITEXT
+    from raytrain_cpu.data.prepare import BUNDLED_WIKITEXT
 
     paragraphs = [p for p in (BUNDLED_WIKITEXT / "test.txt").read_text().splitlines() if len(p) > 600]
     rows = []
@@ -148,7 +148,7 @@ def test_a_step_is_the_mean_over_its_targets_however_the_batch_is_split(ray_sess
     batch of short answers weighed as much as one long answer, and the same global batch split
     another way (micro batches, accumulation, workers) trained another objective: 3.1x the
     gradient norm in the report. train.step_counts weighs each by its share of the step's targets."""
-    from raytrain_cpu.main import run
+    from raytrain_cpu.launch.driver import run
 
     data = _uneven_chat(tmp_path / "uneven.jsonl")
     common = [*SFT, "data.source=jsonl", f"data.path={data}", "model.dtype=fp32", "train.max_steps=1"]
@@ -177,8 +177,8 @@ def _lora_gathers_rank(rank: int, port: int, root: str) -> None:
     build_engine, 3 steps with per-module gathers, then 3 from the same start with whole layers."""
     import torch
 
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.train import Worker, build_engine, deepspeed_config, init_local_group, load_model
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.trainer.loop import Worker, build_engine, deepspeed_config, init_local_group, load_model
 
     init_local_group(rank, 2, port)
     losses = {}
@@ -213,10 +213,10 @@ def test_lora_trains_with_whole_layer_gathers(tmp_path):
     embeddings' output require grad, and the adapters train as with per-module gathers."""
     from conftest import spawn_ranks
 
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.model import write_tiny_model
-    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
-    from raytrain_cpu.train import free_port
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.model.loading import write_tiny_model
+    from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
+    from raytrain_cpu.trainer.loop import free_port
 
     tok = load_tokenizer(resolve_tokenizer_path("bundled", "tiny"))
     write_tiny_model(load_config(None, ["model.dtype=bf16"]), tok, tmp_path / "base_model")
@@ -230,7 +230,7 @@ def test_lora_trains_with_whole_layer_gathers(tmp_path):
 
 
 def _main_error(capsys, *overrides: str) -> str:
-    from raytrain_cpu.main import main
+    from raytrain_cpu.launch.driver import main
 
     assert main(list(overrides)) == 2
     return capsys.readouterr().err
@@ -248,7 +248,7 @@ def test_lora_on_a_layer_peft_cannot_wrap_fails_before_ray(capsys, tmp_path):
 
 
 def test_lora_settings_are_validated():
-    from raytrain_cpu.config import ConfigError, load_config
+    from raytrain_cpu.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="lora.rank"):
         load_config(None, ["lora.rank=-1"])

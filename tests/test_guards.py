@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_cpu.config import ConfigError, GuardConfig, load_config
-from raytrain_cpu.guards import LossWindow, StabilityGuard, classify_loss, parse_inject
-from raytrain_cpu.train import free_port
+from raytrain_cpu.config.schema import ConfigError, GuardConfig, load_config
+from raytrain_cpu.obs.guards import LossWindow, StabilityGuard, classify_loss, parse_inject
+from raytrain_cpu.trainer.loop import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,7 +170,7 @@ def test_early_stopping_counts_evaluations_without_improvement_and_resumes_count
     """train.early_stop_patience counts evaluations that do not beat the best by more than
     train.early_stop_min_delta (a diverged one among them); run.best_metric's best checkpoint is
     the lowest evaluated one, never one without an evaluation at its step; both survive a resume."""
-    from raytrain_cpu.train import EvalWatch
+    from raytrain_cpu.trainer.loop import EvalWatch
 
     cfg = load_config(
         None, ["run.best_metric=eval_loss", "train.early_stop_patience=2", "train.early_stop_min_delta=0.01"]
@@ -214,9 +214,9 @@ RANK_SCRIPT = textwrap.dedent(
     import torch
     import deepspeed
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
-    from raytrain_cpu.config import GuardConfig
-    from raytrain_cpu.guards import StabilityGuard
-    from raytrain_cpu.train import init_deepspeed, init_local_group
+    from raytrain_cpu.config.schema import GuardConfig
+    from raytrain_cpu.obs.guards import StabilityGuard
+    from raytrain_cpu.trainer.loop import init_deepspeed, init_local_group
 
     rank, world = int(sys.argv[2]), 2
     torch.set_num_threads(1)
@@ -331,7 +331,7 @@ def test_skip_leaves_zero3_parameters_unchanged_on_every_rank(tmp_path):
 
 
 def test_a_guard_stop_ends_the_job_with_a_message_and_exit_code(monkeypatch, capsys, tmp_path):
-    from raytrain_cpu import main as main_mod
+    from raytrain_cpu.launch import driver as main_mod
 
     reason = "guard: step 7: loss 9 is above 6 (guards.loss_spike_factor x its running mean); stopping"
     summary = {

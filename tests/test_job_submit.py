@@ -331,7 +331,7 @@ def test_ray_job_stop_stops_the_run_where_it_can_resume(cluster, job, tmp_path, 
     """`ray job stop` sends the driver SIGTERM (SIGKILL after RAY_JOB_STOP_WAIT_TIME_S): the run
     stops as on Ctrl-C, the workers aborted by Ray Train, and the job's log says where it resumes.
     Ray's own SIGTERM handler used to exit mid-call with a stack dump and an abort (exit 134)."""
-    from raytrain_cpu.checkpoint import latest_reported, verify_checkpoint
+    from raytrain_cpu.checkpoint.store import latest_reported, verify_checkpoint
 
     sid = f"raytrain-stop-{secrets.token_hex(4)}"
     overrides = fast_overrides(

@@ -1,4 +1,4 @@
-"""model.weight_grad_kernel (raytrain_cpu.linear): the kernel's weight gradient against fp32 at
+"""model.weight_grad_kernel (raytrain_cpu.model.ops.linear): the kernel's weight gradient against fp32 at
 ragged sizes and at several threads, the same forward and input-gradient bits as autograd's
 linear, compiled too, installed only on bf16 linear layers that train, and 'auto' deciding by
 a timing at the run's own threads."""
@@ -12,7 +12,7 @@ import torch
 from aten_threads import aten_threads
 from conftest import forward_backward
 
-from raytrain_cpu import linear
+from raytrain_cpu.model.ops import linear
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -99,7 +99,7 @@ def test_installed_on_trained_bf16_linears_only():
 def test_the_profile_table_counts_the_kernel_as_gemm():
     from torch.profiler import profile
 
-    from raytrain_cpu import cpu
+    from raytrain_cpu.host import cpu
 
     dy, x = torch.randn(2048, 256).to(torch.bfloat16), torch.randn(2048, 256).to(torch.bfloat16)
     with profile() as prof:
@@ -112,7 +112,7 @@ def test_the_profile_table_counts_the_kernel_as_gemm():
 def _auto(monkeypatch, timings: dict[str, float] | None, amx: bool = True, n_params: int = 50_000_000, **kw):
     """linear.choose('auto') on a host with or without AMX, the timing replaced by `timings`
     (None: fails if called); returns (the choice, what reached `agree`)."""
-    from raytrain_cpu import cpu
+    from raytrain_cpu.host import cpu
 
     monkeypatch.setattr(cpu, "cpu_flags", lambda: {"amx_bf16"} if amx else {"avx512f"})
 

@@ -1,4 +1,4 @@
-"""The fused output layer + cross-entropy (raytrain_cpu.loss) against Hugging Face's loss: the same
+"""The fused output layer + cross-entropy (raytrain_cpu.model.ops.loss) against Hugging Face's loss: the same
 loss and gradients on a tiny Llama, in one process and under ZeRO-3 on 2 ranks."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from aten_threads import aten_threads
 from conftest import FUSED_VOCAB, fused_llama_pair
 
-from raytrain_cpu import loss as fused
+from raytrain_cpu.model.ops import loss as fused
 
 
 def _batch():
@@ -164,8 +164,8 @@ def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> N
     the same from the same weights with the fused one."""
     from conftest import fp32_partition_bits, zero3_steps
 
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.train import Worker, build_engine, deepspeed_config, init_local_group, load_model
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.trainer.loop import Worker, build_engine, deepspeed_config, init_local_group, load_model
 
     torch.set_num_threads(1)
     init_local_group(rank, 2, port)

@@ -1,4 +1,4 @@
-"""The fused SwiGLU activation (raytrain_cpu.mlp) against Hugging Face's Llama MLP: the same output
+"""The fused SwiGLU activation (raytrain_cpu.model.ops.mlp) against Hugging Face's Llama MLP: the same output
 and gradient bits, less kept for the backward, and installed only where a model runs Llama's MLP."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from aten_threads import aten_threads
 from conftest import forward_backward
 
-from raytrain_cpu import mlp
 from raytrain_cpu.bench import saved_tensor_bytes
+from raytrain_cpu.model.ops import mlp
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4)
 

@@ -17,8 +17,8 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
-from raytrain_cpu.model import _checkpoint_files, _read_own_partitions
-from raytrain_cpu.train import free_port
+from raytrain_cpu.model.loading import _checkpoint_files, _read_own_partitions
+from raytrain_cpu.trainer.loop import free_port
 
 WORLD = 2
 TENSORS = {
@@ -47,7 +47,7 @@ class _FakeModel:
 def _rank(rank: int, port: int, files: dict[str, str], out: str) -> None:
     import torch.distributed as dist
 
-    from raytrain_cpu.train import init_local_group
+    from raytrain_cpu.trainer.loop import init_local_group
 
     init_local_group(rank, WORLD, port)
     try:
@@ -102,8 +102,8 @@ def test_a_shape_mismatch_is_named(tmp_path):
 def test_a_tiny_model_too_big_to_build_here_is_refused_first():
     """model.tiny is built whole on the driver: a size past this machine's free memory is a
     ConfigError naming the size and the way out, not minutes of swapping."""
-    from raytrain_cpu.config import ConfigError, load_config
-    from raytrain_cpu.model import check_tiny_model_fits, tiny_llama_config
+    from raytrain_cpu.config.schema import ConfigError, load_config
+    from raytrain_cpu.model.loading import check_tiny_model_fits, tiny_llama_config
 
     check_tiny_model_fits(tiny_llama_config(load_config(), 2048, 0))  # the default tiny Llama
     shape = {"hidden_size": 32768, "intermediate_size": 131072, "num_layers": 64, "num_heads": 64, "num_kv_heads": 8}
@@ -126,7 +126,7 @@ def _model_dir(path, *, layers: int = 2, version: str = "5.0.0", shape: tuple[in
 
 def _run_with_checkpoint(storage, name: str, model: dict) -> None:
     """A run directory whose one checkpoint (in Ray Train's record) recorded `model`."""
-    from raytrain_cpu import checkpoint as ck
+    from raytrain_cpu.checkpoint import store as ck
 
     ckpt = storage / name / ck.checkpoint_dir_name(10)
     ckpt.mkdir(parents=True)
@@ -138,9 +138,9 @@ def _run_with_checkpoint(storage, name: str, model: dict) -> None:
 def test_a_local_model_changed_in_place_is_named_on_resume(tmp_path):
     """Its config and safetensors headers, hashed when the run starts and recorded in each
     manifest: a resume (the driver) and every restart (each worker) compare and name the files."""
-    from raytrain_cpu import checkpoint as ck
-    from raytrain_cpu.config import ConfigError, load_config
-    from raytrain_cpu.main import check_model_unchanged, newest_checkpoint
+    from raytrain_cpu.checkpoint import store as ck
+    from raytrain_cpu.config.schema import ConfigError, load_config
+    from raytrain_cpu.launch.driver import check_model_unchanged, newest_checkpoint
 
     model = _model_dir(tmp_path / "model")
     identity = ck.model_identity(str(model), model, None)
@@ -172,10 +172,10 @@ def test_a_hub_model_resumes_at_the_commit_its_checkpoint_recorded(tmp_path, mon
     resolved, and a resume downloads exactly that one (the resolver injected: no network)."""
     import huggingface_hub
 
-    from raytrain_cpu import checkpoint as ck
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.hub import snapshot_revision
-    from raytrain_cpu.main import check_model_unchanged, fetch_from_hub, newest_checkpoint
+    from raytrain_cpu.checkpoint import store as ck
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.launch.driver import check_model_unchanged, fetch_from_hub, newest_checkpoint
+    from raytrain_cpu.model.hub import snapshot_revision
 
     old, new = "a" * 40, "b" * 40
     asked = []

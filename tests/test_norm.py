@@ -1,4 +1,4 @@
-"""The fused RMSNorm (raytrain_cpu.norm) against Hugging Face's: the same output bits, gradients
+"""The fused RMSNorm (raytrain_cpu.model.ops.norm) against Hugging Face's: the same output bits, gradients
 as close to fp64's as Hugging Face's, and installed only where a model runs Llama's formula."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from aten_threads import aten_threads
 
-from raytrain_cpu import norm
+from raytrain_cpu.model.ops import norm
 
 
 def _norm_pair(dtype: torch.dtype, d: int = 96):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_cpu import plan
+from raytrain_cpu.planner import memory as plan
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIBRATION_JSON = ROOT / plan.CALIBRATION_FILE
@@ -63,7 +63,7 @@ def test_param_count_matches_transformers(shape):
 
 
 def test_tiny_shape_matches_the_project_default():
-    from raytrain_cpu.config import TinyModelConfig
+    from raytrain_cpu.config.schema import TinyModelConfig
 
     t, s = TinyModelConfig(), plan.KNOWN_SHAPES["tiny"]
     assert (s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads, s.intermediate_size) == (
@@ -190,7 +190,7 @@ def test_activation_formula_matches_autograd(fused):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from raytrain_cpu import attention, mlp, norm
+    from raytrain_cpu.model.ops import attention, mlp, norm
 
     shape = plan.ModelShape("probe", vocab_size=320, hidden_size=256, intermediate_size=704, num_layers=2,
                             num_heads=4, num_kv_heads=2)  # fmt: skip
@@ -251,7 +251,7 @@ def test_attention_probabilities_are_kept_while_they_add_at_most_a_quarter():
 
 
 def test_the_planners_block_sizes_are_the_attentions():
-    from raytrain_cpu import attention
+    from raytrain_cpu.model.ops import attention
 
     assert max(attention.BLOCKS) == plan.PROBS_BLOCK and plan.CAUSAL_BLOCKS_DEFAULT == attention.BLOCK
     for name in ("causal_blocks", "causal_blocks_128", "causal_blocks_32", "sdpa"):
@@ -320,7 +320,7 @@ def test_dpo_plans_a_reference_forward():
     """DPO (a preference config): the reference's forward gathers the frozen base once more at
     ZeRO-3 and adds a forward's FLOPs; it keeps no activations, so the peak is LoRA's. The
     config as shipped precomputes its reference: no forward beside training at all."""
-    from raytrain_cpu.config import load_config
+    from raytrain_cpu.config.schema import load_config
 
     config = ROOT / "configs/llama3-8b-dpo-c7i.yaml"
     assert plan.inputs_from_run_config(str(config))["dpo_reference"] == "precomputed"
@@ -340,7 +340,7 @@ def test_the_plan_says_how_a_dpo_run_keeps_its_reference(capsys):
     """`--dpo` plans the reference forward each micro batch (as before); `--dpo precomputed`
     (train.dpo_precompute_reference) plans training as SFT's and says why; a config tells which
     it is, and SimPO that it has no reference."""
-    from raytrain_cpu.config import load_config
+    from raytrain_cpu.config.schema import load_config
 
     def table(*argv: str) -> str:
         assert plan.main(["--model", "tiny", *argv]) == 0
@@ -538,8 +538,8 @@ def test_cli_says_a_model_file_is_missing_or_not_a_config(tmp_path, capsys):
 
 def test_deepspeed_settings_match_the_training_loop():
     """The planner models the ZeRO buckets the project's own DeepSpeed config asks for."""
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.train import deepspeed_config
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.trainer.loop import deepspeed_config
 
     zero = deepspeed_config(load_config(None, ["train.grad_accum_steps=1"]), 2)["zero_optimization"]
     assert zero["reduce_bucket_size"] == plan.DS_REDUCE_BUCKET_SIZE
@@ -584,14 +584,14 @@ def test_fits_leave_the_release_margin_free_on_every_rank(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["release_margin_gib"] == 0.0
     with pytest.raises(ValueError, match="free_memory_growth_mib must be >= 0"):
         plan.plan(LLAMA3_8B, 16, free_memory_growth_mib=-1)
-    from raytrain_cpu.config import ScalingConfig
+    from raytrain_cpu.config.schema import ScalingConfig
 
     assert ScalingConfig().free_memory_growth_mib == plan.FREE_MEMORY_GROWTH_MIB  # plans the default run
 
 
 def test_collective_buffers_only_when_all_ranks_share_a_node():
     """raytrain_cpu.collectives maps 2 x world slots on one machine; across nodes gloo maps none."""
-    from raytrain_cpu import collectives
+    from raytrain_cpu.trainer import collectives
 
     assert plan.SHM_SLOT_BYTES == collectives.DEFAULT_SLOT_BYTES
     one_node = plan.plan(plan.CALIBRATION_SHAPES["llama-37m"], world_size=2, ranks_per_node=2, kept_pages=False)
@@ -725,7 +725,7 @@ def test_lora_activation_change_matches_autograd(dtype, targets, dropout):
 
 
 def test_loss_chunk_mirrors_the_loss_module():
-    from raytrain_cpu import loss
+    from raytrain_cpu.model.ops import loss
 
     assert plan.LOSS_CHUNK_BYTES == loss.CHUNK_BYTES
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from raytrain_cpu.config import ConfigError
+from raytrain_cpu.config.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 def fake_run_dir(cfg, step: int = 2, world: int = 2) -> Path:
     """A run directory as run() leaves it after a checkpoint: config.yaml, a checkpoint with its
     manifest (the settings' hash, no shards), and Ray Train's snapshot naming it as the latest."""
-    from raytrain_cpu import checkpoint as ck
+    from raytrain_cpu.checkpoint import store as ck
 
     run_dir = cfg.run.run_dir
     ckpt = run_dir / ck.checkpoint_dir_name(step)
@@ -41,7 +41,7 @@ def fake_run_dir(cfg, step: int = 2, world: int = 2) -> Path:
 
 
 def test_changed_settings_are_named_before_ray(make_config):
-    from raytrain_cpu.main import validate_before_ray
+    from raytrain_cpu.launch.driver import validate_before_ray
 
     old = make_config("run.name=r")
     run_dir = fake_run_dir(old)
@@ -63,8 +63,8 @@ def test_changed_settings_are_named_before_ray(make_config):
 def test_lora_settings_are_hashed_only_when_lora_is_on(make_config):
     """A LoRA checkpoint holds adapter state for its rank and targets: changing them (or turning
     LoRA off) can't resume; a full fine-tuning run hashes as before LoRA existed."""
-    from raytrain_cpu.checkpoint import config_hash
-    from raytrain_cpu.main import validate_before_ray
+    from raytrain_cpu.checkpoint.store import config_hash
+    from raytrain_cpu.launch.driver import validate_before_ray
 
     assert config_hash(make_config().to_dict()) == config_hash(make_config("lora.alpha=64").to_dict())
     fake_run_dir(make_config("run.name=r", "lora.rank=4"))
@@ -78,8 +78,8 @@ def test_lora_settings_are_hashed_only_when_lora_is_on(make_config):
 def test_a_mixture_is_hashed_only_when_set_and_named_by_entry(make_config):
     """data.mix is part of the data a run trains on: a resume names the entry that changed, or
     how many there were; a run without one hashes as before mixtures existed."""
-    from raytrain_cpu.checkpoint import config_hash, hashed_settings
-    from raytrain_cpu.main import validate_before_ray
+    from raytrain_cpu.checkpoint.store import config_hash, hashed_settings
+    from raytrain_cpu.launch.driver import validate_before_ray
 
     assert "mix" not in hashed_settings(make_config().to_dict())["data"]
     mix = "data.mix=[{source: bundled, weight: 1}, {source: bundled, name: again, weight: %s}]"
@@ -95,8 +95,8 @@ def test_a_mixture_is_hashed_only_when_set_and_named_by_entry(make_config):
 def test_a_checkpoint_from_before_attention_span_resumes_as_it_trained(make_config):
     """Checkpoints made before data.attention_span existed attended across documents: a text run
     resumes as before ('auto' is 'block' for text), a chat run is told to keep 'block'."""
-    from raytrain_cpu.checkpoint import config_hash
-    from raytrain_cpu.main import validate_before_ray
+    from raytrain_cpu.checkpoint.store import config_hash
+    from raytrain_cpu.launch.driver import validate_before_ray
 
     for fmt, changed in (("text", None), ("chat", 'data.attention_span: "block" → "document"')):
         old = make_config("run.name=r", f"data.format={fmt}").to_dict()
@@ -116,7 +116,7 @@ def test_a_checkpoint_from_before_attention_span_resumes_as_it_trained(make_conf
 
 
 def test_without_config_yaml_the_hashes_are_named(make_config):
-    from raytrain_cpu.main import validate_before_ray
+    from raytrain_cpu.launch.driver import validate_before_ray
 
     run_dir = fake_run_dir(make_config("run.name=r"))
     (run_dir / "config.yaml").unlink()
@@ -127,7 +127,7 @@ def test_without_config_yaml_the_hashes_are_named(make_config):
 def test_another_worker_count_must_keep_the_global_batch(make_config):
     """A resume may change the worker count (the checkpoint is converted) and how the global batch
     splits over the workers, never the global batch: the error names the setting that keeps it."""
-    from raytrain_cpu.main import validate_before_ray
+    from raytrain_cpu.launch.driver import validate_before_ray
 
     fake_run_dir(make_config("run.name=r"), world=2)  # micro batch 4 x 2 workers: 8 blocks a step
     validate_before_ray(make_config("run.name=r", "scaling.num_workers=2"))
@@ -165,8 +165,8 @@ def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 def test_ranking_resumes_only_by_the_metric_its_checkpoints_were_scored_with(make_config, capsys):
     """Ray Train puts a checkpoint reported without a score first under a ranking, and compares
     scores of different metrics as one: the driver stops such a resume, naming what to set."""
-    from raytrain_cpu import checkpoint as ck
-    from raytrain_cpu.main import check_ranking
+    from raytrain_cpu.checkpoint import store as ck
+    from raytrain_cpu.launch.driver import check_ranking
 
     def scored(cfg, results: dict[str, str | None]) -> None:  # {checkpoint: its metric, or None: no score}
         run_dir = cfg.run.run_dir
@@ -229,7 +229,7 @@ def test_rerunning_a_finished_run_prints_its_summary_and_changes_nothing(make_co
     and fail printing them)."""
     from conftest import fast_overrides
 
-    from raytrain_cpu.main import main
+    from raytrain_cpu.launch.driver import main
 
     cfg = make_config("run.name=r", "train.max_steps=2")
     run_dir = fake_run_dir(cfg, step=2)
@@ -389,8 +389,8 @@ def test_a_hub_dataset_updated_under_the_same_file_names_is_new_data_to_the_cach
     import huggingface_hub
     from huggingface_hub import HfFileSystem
 
-    from raytrain_cpu.data import DataError, cache_key, source_specs
-    from raytrain_cpu.tokenizer import resolve_tokenizer_path
+    from raytrain_cpu.data.prepare import DataError, cache_key, source_specs
+    from raytrain_cpu.model.tokenizer import resolve_tokenizer_path
 
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", stub_hub)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
@@ -417,7 +417,7 @@ def test_a_run_without_evaluation_says_why():
     """Too little held-out text for one eval block per worker (a corpus of 24 documents holds
     out none at every 50th): the console says so and how to get one, rather than a summary
     with eval perplexity n/a and no word why (cache meta.json as prepare writes it)."""
-    from raytrain_cpu.main import no_evaluation
+    from raytrain_cpu.launch.driver import no_evaluation
 
     held_out = {"eval_source": "held out: every 50th document", "documents": 24, "eval_blocks": 0, "seq_len": 256}
     assert no_evaluation(held_out, 2) == (
@@ -434,7 +434,7 @@ def test_a_second_job_on_a_running_run_directory_stops(tmp_path):
     """The same run.name and storage submitted again while the first job runs: a ConfigError
     naming the job that holds it (a real flock), not two jobs writing the same checkpoints. Free
     again once the first ends; a run directory made for a job that wrote nothing goes again."""
-    from raytrain_cpu.main import RUN_LOCK, hold_run_dir
+    from raytrain_cpu.launch.driver import RUN_LOCK, hold_run_dir
 
     run_dir = tmp_path / "runs" / "r"
     with hold_run_dir(run_dir):
@@ -471,7 +471,7 @@ def test_worker_resources_no_node_of_a_local_ray_has_fail_at_once(ray_session, m
     """A cluster config's node-type resource on one machine (configs/llama3-8b-c7i.yaml's
     c7i_48xl): a local Ray never grows, so the error names it at once (Ray Train used to wait
     for it forever, printing "No available node types can fulfill resource request")."""
-    from raytrain_cpu.main import worker_nodes
+    from raytrain_cpu.launch.driver import worker_nodes
 
     cfg = make_config("scaling.num_workers=2", "scaling.resources_per_worker={c7i_48xl: 1}")
     with pytest.raises(ConfigError, match=r"^scaling: no node offers 2 workers \{'CPU': 1, 'c7i_48xl': 1.0\}") as e:
@@ -499,7 +499,7 @@ def model_dir(tmp_path: Path, **config) -> Path:
     ],
 )
 def test_seq_len_above_the_models_context(tmp_path, make_config, config, key):
-    from raytrain_cpu.main import validate_before_ray
+    from raytrain_cpu.launch.driver import validate_before_ray
 
     d = model_dir(tmp_path, **config)
     validate_before_ray(make_config(f"model.name_or_path={d}", "data.seq_len=1024"))
@@ -517,8 +517,8 @@ def test_a_tokenizer_must_fit_the_models_embedding(tmp_path, make_config):
     model without tokenizer files stop before Ray, naming the setting."""
     import shutil
 
-    from raytrain_cpu.main import check_tokenizer_fits
-    from raytrain_cpu.tokenizer import BUNDLED_TOKENIZER
+    from raytrain_cpu.launch.driver import check_tokenizer_fits
+    from raytrain_cpu.model.tokenizer import BUNDLED_TOKENIZER
 
     d = model_dir(tmp_path, model_type="llama", vocab_size=100)
     assert make_config(f"model.name_or_path={d}").model.tokenizer == ""  # 'auto': the model's own
@@ -544,7 +544,7 @@ def test_a_tokenizer_must_fit_the_models_embedding(tmp_path, make_config):
 
 
 def test_a_model_type_without_a_causal_lm_class(tmp_path, make_config):
-    from raytrain_cpu.main import validate_before_ray
+    from raytrain_cpu.launch.driver import validate_before_ray
 
     d = model_dir(tmp_path, model_type="t5", architectures=["T5ForConditionalGeneration"], n_positions=512)
     with pytest.raises(ConfigError, match=r"^model.name_or_path: .* holds a 't5' model \(T5ForConditionalGeneration\)"):
@@ -553,8 +553,8 @@ def test_a_model_type_without_a_causal_lm_class(tmp_path, make_config):
 
 def test_settings_recorded_in_the_manifest_win_over_config_yaml(make_config):
     """A manifest that records its hashed settings names the changes even when config.yaml was replaced."""
-    from raytrain_cpu import checkpoint as ck
-    from raytrain_cpu.main import validate_before_ray
+    from raytrain_cpu.checkpoint import store as ck
+    from raytrain_cpu.launch.driver import validate_before_ray
 
     old = make_config("run.name=r")
     run_dir = fake_run_dir(old)
@@ -570,8 +570,8 @@ def test_how_a_step_runs_may_change_on_a_resume_and_fields_added_since_do_not_bl
     """Activation checkpointing (to fit), compilation, the attention kernel and the data
     pipeline's parallelism may change between runs; so may the config grow a field: a
     checkpoint made before model.attention existed resumes. What the step computes may not."""
-    from raytrain_cpu import checkpoint as ck
-    from raytrain_cpu.main import validate_before_ray
+    from raytrain_cpu.checkpoint import store as ck
+    from raytrain_cpu.launch.driver import validate_before_ray
 
     old = make_config("run.name=r")
     run_dir = fake_run_dir(old)
@@ -599,8 +599,8 @@ def test_how_a_step_runs_may_change_on_a_resume_and_fields_added_since_do_not_bl
 def test_a_resume_keeps_the_zero_stage_and_sub_groups_its_shards_were_laid_out_by(make_config):
     """The ZeRO stage and (at ZeRO-3) the sub-group size shape the optimizer shards: a resume that
     changes them stops before Ray, naming the old values; a manifest that predates a key skips it."""
-    from raytrain_cpu import checkpoint as ck
-    from raytrain_cpu.main import validate_before_ray
+    from raytrain_cpu.checkpoint import store as ck
+    from raytrain_cpu.launch.driver import validate_before_ray
 
     run_dir = fake_run_dir(make_config("run.name=r"))
     manifest_path = run_dir / "checkpoint_000002" / ck.MANIFEST
@@ -617,7 +617,7 @@ def test_a_resume_keeps_the_zero_stage_and_sub_groups_its_shards_were_laid_out_b
 
 def test_workers_must_leave_ray_data_a_cpu():
     """Ray Data needs a whole CPU beside the workers, or they wait for their first batch forever."""
-    from raytrain_cpu.main import check_data_cpus
+    from raytrain_cpu.launch.driver import check_data_cpus
 
     check_data_cpus(2, 2, 0.5)  # this project's 2-vCPU default: 1 CPU left
     check_data_cpus(192, 1, 184)
@@ -627,8 +627,8 @@ def test_workers_must_leave_ray_data_a_cpu():
 
 def test_local_ray_offers_the_mask_but_at_least_two_cpus(one_vcpu):
     """Under a 1-vCPU mask a local Ray offers 2 CPUs: the workers and Ray Data share the one."""
-    from raytrain_cpu.cpu import affinity_cpus
-    from raytrain_cpu.main import local_ray_cpus
+    from raytrain_cpu.host.cpu import affinity_cpus
+    from raytrain_cpu.launch.driver import local_ray_cpus
 
     assert affinity_cpus() == 1 and local_ray_cpus() == 2
 
@@ -637,8 +637,8 @@ def test_a_run_that_cannot_fit_a_node_stops_before_it_loads(tmp_path, make_confi
     """Llama-3-8B's shape at world size 4 with the planner's peak per rank against a node's
     memory: it stops above the node's memory (Ray's monitor would kill each restart after its
     load), warns above what the planner leaves a node, and says nothing when it fits."""
-    from raytrain_cpu import plan
-    from raytrain_cpu.main import check_memory
+    from raytrain_cpu.launch.driver import check_memory
+    from raytrain_cpu.planner import memory as plan
 
     s = plan.resolve_shape("meta-llama/Meta-Llama-3-8B")
     d = model_dir(
@@ -667,7 +667,7 @@ def test_a_run_that_cannot_fit_a_node_stops_before_it_loads(tmp_path, make_confi
 
 
 def test_node_memory_is_the_smaller_of_memtotal_and_the_cgroup_limit(tmp_path):
-    from raytrain_cpu.cpu import memory_bytes
+    from raytrain_cpu.host.cpu import memory_bytes
 
     (tmp_path / "meminfo").write_text("MemTotal:       65536000 kB\nMemFree:        1000 kB\n")
     (tmp_path / "cg").mkdir()
@@ -683,7 +683,7 @@ def test_auto_workers_resume_with_the_checkpoints_count(make_config):
     """scaling.num_workers=0 follows the cluster's nodes, which may differ by the time a run
     resumes (an autoscaler still starting them, a lost node): a resume takes the checkpoint's
     worker count instead, as its shards need; an explicit count stays and is checked."""
-    from raytrain_cpu.main import resume_world
+    from raytrain_cpu.launch.driver import resume_world
 
     cfg = make_config("run.name=r")
     assert resume_world(cfg) is cfg  # no checkpoint yet
@@ -698,7 +698,7 @@ def test_storage_without_room_for_a_checkpoint_stops_before_training(make_config
     import collections
     import shutil
 
-    from raytrain_cpu.main import check_checkpoint_room
+    from raytrain_cpu.launch.driver import check_checkpoint_room
 
     cfg = make_config("run.name=r")
     cfg.run.run_dir.mkdir(parents=True)
@@ -726,7 +726,7 @@ def test_mlflow_asked_for_but_not_installed(make_config, monkeypatch):
     """metrics.mlflow_tracking_uri without mlflow stops before Ray (rank 0 warned and trained on)."""
     import importlib.util
 
-    from raytrain_cpu.main import validate_before_ray
+    from raytrain_cpu.launch.driver import validate_before_ray
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else find_spec(name, *a))
@@ -737,8 +737,8 @@ def test_mlflow_asked_for_but_not_installed(make_config, monkeypatch):
 def test_an_allocator_asked_for_but_not_installed(make_config, monkeypatch):
     """An explicit scaling.allocator the machine lacks stops before Ray (the workers ran on glibc's
     malloc, and only their start-up line said so); auto falls back as it always has."""
-    from raytrain_cpu import cpu
-    from raytrain_cpu.main import validate_before_ray
+    from raytrain_cpu.host import cpu
+    from raytrain_cpu.launch.driver import validate_before_ray
 
     monkeypatch.setattr(cpu, "find_allocator", lambda choice="auto", search_dirs=(): ("system", ""))
     with pytest.raises(ConfigError, match=r"^scaling.allocator: tcmalloc is not installed here"):
@@ -749,7 +749,7 @@ def test_an_allocator_asked_for_but_not_installed(make_config, monkeypatch):
 def test_compile_asked_for_without_a_cpp_compiler(make_config, monkeypatch):
     """model.compile=true where inductor finds no C++ compiler stops before Ray (inductor failed
     in the first step on every worker, with a page of its own traceback)."""
-    from raytrain_cpu.main import validate_before_ray
+    from raytrain_cpu.launch.driver import validate_before_ray
 
     monkeypatch.setenv("CXX", "no-such-compiler++")
     with pytest.raises(ConfigError, match=r"^model.compile: true, .* no C\+\+ compiler \(no-such-compiler\+\+ is not"):

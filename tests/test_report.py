@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import CLI_STEPS as STEPS
 
-from raytrain_cpu import metrics as obs
-from raytrain_cpu.report import PLOTS, key_figures, load_run, plot_loss, plot_lr, plot_memory, write_report
+from raytrain_cpu.obs import metrics as obs
+from raytrain_cpu.obs.report import PLOTS, key_figures, load_run, plot_loss, plot_lr, plot_memory, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,7 +155,7 @@ def test_report_on_a_resumed_run_keeps_the_last_attempt(run_dir, tmp_path):
 
 
 def test_report_names_a_change_of_worker_count():
-    from raytrain_cpu.report import worker_counts
+    from raytrain_cpu.obs.report import worker_counts
 
     rows = [{"step": s, "workers": 2} for s in (10, 20)] + [{"step": s, "workers": 1} for s in (30, 40)]
     assert worker_counts(rows) == "2 (to step 20) → 1 (from step 30)"
@@ -180,7 +180,7 @@ def test_report_on_a_still_running_run(run_dir, tmp_path):
 
 
 def test_report_names_an_early_stop_and_the_best_checkpoint(tmp_path):
-    from raytrain_cpu.report import key_figures
+    from raytrain_cpu.obs.report import key_figures
 
     rows = [{"step": 2, "loss": 5.0, "tokens_seen": 512}, {"step": 2, "eval_loss": 4.5, "eval_perplexity": 90.0}]
     rows += [{"step": 4, "loss": 4.0, "tokens_seen": 1024}, {"step": 4, "eval_loss": 4.7, "eval_perplexity": 110.0}]
@@ -198,7 +198,7 @@ def test_report_names_an_early_stop_and_the_best_checkpoint(tmp_path):
 def test_a_dpo_runs_report_plots_its_loss_and_reward_accuracy(tmp_path):
     """A preference run: the loss plot's eval curve is DPO's (its eval_loss is the chosen answers'
     cross-entropy, another scale), rewards.png shows the reward accuracy, the table both."""
-    from raytrain_cpu.report import key_figures, plot_chosen_loss, plot_rewards
+    from raytrain_cpu.obs.report import key_figures, plot_chosen_loss, plot_rewards
 
     dpo = {"eval_dpo_loss": 0.69, "eval_reward_accuracy": 0.0, "eval_pairs": 16}
     rows = [{"step": 0, "eval_loss": 7.6, "eval_perplexity": 2000.0, **dpo}]
@@ -251,7 +251,7 @@ def _hand_made_run(run_dir: Path, config: str = "run:\n  name: r\ntrain:\n  max_
 
 
 def test_report_cli_refuses_a_file_as_out(tmp_path, capsys):
-    from raytrain_cpu.report import main
+    from raytrain_cpu.obs.report import main
 
     run_dir = _hand_made_run(tmp_path / "rrep")
     (tmp_path / "afile.txt").write_text("")
@@ -267,7 +267,7 @@ def test_report_cli_refuses_a_file_as_out(tmp_path, capsys):
     [("run: [a\n  b: :\n", "is not valid YAML at line 2, column 4"), ("- a\n", "holds a list, not a mapping")],
 )
 def test_report_cli_names_a_config_yaml_it_cannot_read(tmp_path, capsys, text, why):
-    from raytrain_cpu.report import main
+    from raytrain_cpu.obs.report import main
 
     run_dir = _hand_made_run(tmp_path / "rrep", config=text)
     assert main([str(run_dir)]) == 2
@@ -279,7 +279,7 @@ def test_report_cli_names_a_config_yaml_it_cannot_read(tmp_path, capsys, text, w
 @pytest.mark.parametrize("text", ["", "garbage\n", '[1, 2]\n{"loss": 3.0}\n'])
 def test_report_cli_of_no_readable_rows_keeps_the_earlier_report(tmp_path, capsys, text):
     """An empty or unreadable metrics.jsonl is an error, and the report written before stays."""
-    from raytrain_cpu.report import main
+    from raytrain_cpu.obs.report import main
 
     run_dir = _hand_made_run(tmp_path / "rrep")
     (run_dir / "metrics.jsonl").write_text(text)

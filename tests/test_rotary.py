@@ -6,9 +6,9 @@ import torch
 from aten_threads import aten_threads
 from transformers.models.llama import modeling_llama
 
-from raytrain_cpu import attention, rotary
-from raytrain_cpu.config import load_config
-from raytrain_cpu.model import tiny_llama_config
+from raytrain_cpu.config.schema import load_config
+from raytrain_cpu.model.loading import tiny_llama_config
+from raytrain_cpu.model.ops import attention, rotary
 
 
 def _rotated_and_grads(apply, q, k, cos, sin, grads, projected):
@@ -53,7 +53,7 @@ def test_at_two_threads_the_chunks_split_among_them_give_hugging_faces_bits(monk
     """A chunk is CHUNK_ELEMENTS a thread (norm.chunk_elements), each of its passes ATen's, split
     among the threads: at 2 threads, chunks large enough to split (1,400 of q's 6,000 tokens, a
     ragged last one), the output and gradients are still Hugging Face's bits."""
-    from raytrain_cpu import norm
+    from raytrain_cpu.model.ops import norm
 
     shape = (2, 4, 2, 3000, 16)
     monkeypatch.setattr(norm, "CHUNK_ELEMENTS", 700 * 4 * 16)

@@ -14,9 +14,9 @@ import shutil
 import numpy as np
 import pytest
 
-from raytrain_cpu.config import ConfigError, DataConfig
-from raytrain_cpu.data import DataError, SourceSpec, Tokenize, _ExampleWriter, file_examples
-from raytrain_cpu.sft import (
+from raytrain_cpu.config.schema import ConfigError, DataConfig
+from raytrain_cpu.data.prepare import DataError, SourceSpec, Tokenize, _ExampleWriter, file_examples
+from raytrain_cpu.model.chat import (
     IGNORE,
     PLAIN_TEMPLATE,
     chat_template_for,
@@ -25,7 +25,7 @@ from raytrain_cpu.sft import (
     row_messages,
     template_for_dir,
 )
-from raytrain_cpu.tokenizer import BUNDLED_SFT, BUNDLED_TOKENIZER, EOS
+from raytrain_cpu.model.tokenizer import BUNDLED_SFT, BUNDLED_TOKENIZER, EOS
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -151,7 +151,7 @@ def test_an_alpaca_json_array_file_gives_its_examples():
     """alpaca_data.json as Stanford ships it: one JSON array of instruction/input/output rows."""
     import json
 
-    from raytrain_cpu.data import SourceSpec, file_documents
+    from raytrain_cpu.data.prepare import SourceSpec, file_documents
 
     rows = [
         {"instruction": "Name a poet.", "input": "", "output": "Du Fu."},
@@ -396,8 +396,8 @@ def test_config_validation():
 
 
 def test_cache_key_changes_with_format_template_and_train_on_prompt(make_config, tmp_path):
-    from raytrain_cpu.data import cache_key, source_specs
-    from raytrain_cpu.tokenizer import resolve_tokenizer_path
+    from raytrain_cpu.data.prepare import cache_key, source_specs
+    from raytrain_cpu.model.tokenizer import resolve_tokenizer_path
 
     jinja = tmp_path / "t.jinja"
     jinja.write_text(CHATML)
@@ -425,7 +425,7 @@ def test_cache_key_changes_with_format_template_and_train_on_prompt(make_config,
 def test_prepare_chat_cache_has_labels_streams_yield_them_bad_rows(ray_session, make_config, tmp_path, tok, eos_id):
     import pyarrow.parquet as pq
 
-    from raytrain_cpu.data import StreamPlan, eval_stream, prepare, read_meta, train_stream
+    from raytrain_cpu.data.prepare import StreamPlan, eval_stream, prepare, read_meta, train_stream
 
     # The bundled chat examples, as tests/test_finetune.py trains on them (same key: the cache is shared).
     cache = prepare(make_config("data.format=chat", "data.seq_len=128"))

@@ -11,8 +11,12 @@ import shutil
 import pytest
 import torch
 
-from raytrain_cpu import bench, cpu, dpo, model, plan
-from raytrain_cpu.config import ConfigError
+from raytrain_cpu import bench
+from raytrain_cpu.config.schema import ConfigError
+from raytrain_cpu.host import cpu
+from raytrain_cpu.model import loading as model
+from raytrain_cpu.planner import memory as plan
+from raytrain_cpu.trainer import dpo
 
 # google/gemma-7b's config.json (its head_dim is not hidden // heads = 192; it ties its head).
 GEMMA_7B = {
@@ -179,7 +183,7 @@ def test_short_reads_are_read_on_until_the_tensor_is_whole(tmp_path, monkeypatch
 
 @pytest.fixture
 def tiny_tokenizer():
-    from raytrain_cpu.tokenizer import load_tokenizer, resolve_tokenizer_path
+    from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
 
     return load_tokenizer(resolve_tokenizer_path("bundled", "tiny"))
 
@@ -187,7 +191,7 @@ def tiny_tokenizer():
 def test_a_tiny_base_model_from_other_settings_is_rebuilt_or_refused(tmp_path, tiny_tokenizer):
     """A base_model left in the run directory was reused whatever model.tiny said (asked for
     hidden 128, trained the old 64, no word)."""
-    from raytrain_cpu.config import load_config
+    from raytrain_cpu.config.schema import load_config
 
     out, lines = tmp_path / "run" / "base_model", []
     model.write_tiny_model(load_config(None, []), tiny_tokenizer, out, log=lines.append)
@@ -218,7 +222,7 @@ def test_a_tiny_base_model_from_other_settings_is_rebuilt_or_refused(tmp_path, t
 
 
 def test_a_base_model_written_before_the_record_is_compared_by_its_config(tmp_path, tiny_tokenizer):
-    from raytrain_cpu.config import load_config
+    from raytrain_cpu.config.schema import load_config
 
     out = tmp_path / "base_model"
     model.write_tiny_model(load_config(None, []), tiny_tokenizer, out)
@@ -247,7 +251,7 @@ def test_a_base_model_written_before_the_record_is_compared_by_its_config(tmp_pa
 def test_the_reference_rows_are_keyed_by_the_model(tmp_path, tiny_tokenizer):
     """reference_logps/ was keyed by block content only: another model.name_or_path under the
     same run.name read the old model's log-probabilities."""
-    from raytrain_cpu.config import load_config
+    from raytrain_cpu.config.schema import load_config
 
     base = tmp_path / "a"
     model.write_tiny_model(load_config(None, []), tiny_tokenizer, base)

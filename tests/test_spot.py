@@ -1,4 +1,4 @@
-"""The spot-notice watcher (raytrain_cpu.spot) against a stand-in for EC2's IMDS (conftest.FakeIMDS).
+"""The spot-notice watcher (raytrain_cpu.launch.spot) against a stand-in for EC2's IMDS (conftest.FakeIMDS).
 
 What a drain does to a training run, on a Ray Cluster: tests/test_fault_tolerance.py's elastic
 scenario, whose spot notice comes through this watcher.
@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 from conftest import FakeIMDS
 
-from raytrain_cpu import spot
+from raytrain_cpu.launch import spot
 
 
 @pytest.fixture
@@ -194,7 +194,7 @@ def test_the_node_to_drain_is_the_one_at_this_machines_ip(ray_session):
 
 
 def test_what_the_workers_say_of_a_notice():
-    from raytrain_cpu.train import spot_notice_line
+    from raytrain_cpu.trainer.loop import spot_notice_line
 
     line = spot_notice_line(["cf1fee43d76f928a3afc5482367c94fa"], 1_800_000_000_000, now=1_799_999_990.0)
     assert line == (

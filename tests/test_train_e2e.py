@@ -21,9 +21,9 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_path, capsys):
-    from raytrain_cpu.data import global_order, read_meta
-    from raytrain_cpu.main import run
-    from raytrain_cpu.train import lr_factor
+    from raytrain_cpu.data.prepare import global_order, read_meta
+    from raytrain_cpu.launch.driver import run
+    from raytrain_cpu.trainer.loop import lr_factor
 
     overrides = [
         "scaling.num_workers=2",
@@ -67,7 +67,7 @@ def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_p
         assert key in summary, key
     assert summary == {**summary, "steps": 6, "world_size": 2, "resumed_from_step": None}
     # bf16 (model.dtype=auto's pick where bf16 GEMMs are faster) trains on the kernel where it builds
-    from raytrain_cpu import linear
+    from raytrain_cpu.model.ops import linear
 
     bf16 = summary["cpu"]["dtype"]["dtype"] == "bf16"
     assert summary["weight_grad_kernel"] == (bf16 and linear.kernel() is not None)
@@ -135,10 +135,10 @@ def test_the_best_checkpoint_is_kept_and_a_run_stops_early(ray_session, make_con
     resume (which trains with the config's new learning rate); running the stopped run again
     trains nothing; `evaluate` measures the best checkpoint as the run did. One worker: ZeRO-3's
     edge case, whose checkpoints hold one rank's partitions."""
-    from raytrain_cpu.evaluate import main as evaluate_main
-    from raytrain_cpu.export import main as export_main
-    from raytrain_cpu.main import print_summary, run
-    from raytrain_cpu.train import lr_factor
+    from raytrain_cpu.launch.driver import print_summary, run
+    from raytrain_cpu.launch.evaluate import main as evaluate_main
+    from raytrain_cpu.model.export import main as export_main
+    from raytrain_cpu.trainer.loop import lr_factor
 
     overrides = [
         "scaling.num_workers=1",
@@ -221,9 +221,9 @@ def test_the_best_checkpoint_is_kept_and_a_run_stops_early(ray_session, make_con
 def test_epochs_train_every_block_each_pass_and_a_resume_adds_passes(ray_session, make_config, tmp_path, capsys):
     """train.epochs: the steps come from the packed blocks (ceil, so one epoch trains every block);
     the same command again has nothing to train, and train.epochs=2 resumes for the second pass."""
-    from raytrain_cpu.data import read_meta
-    from raytrain_cpu.main import run
-    from raytrain_cpu.tokenizer import BUNDLED_WIKITEXT
+    from raytrain_cpu.data.prepare import read_meta
+    from raytrain_cpu.launch.driver import run
+    from raytrain_cpu.model.tokenizer import BUNDLED_WIKITEXT
 
     lines = (BUNDLED_WIKITEXT / "valid.txt").read_text().splitlines(keepends=True)
     (tmp_path / "short.txt").write_text("".join(lines[:40]))
@@ -270,9 +270,9 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     cache, the text's from its EOS tokens."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from raytrain_cpu.main import run
-    from raytrain_cpu.report import key_figures, load_run, plot_loss
-    from raytrain_cpu.tokenizer import BUNDLED_WIKITEXT
+    from raytrain_cpu.launch.driver import run
+    from raytrain_cpu.model.tokenizer import BUNDLED_WIKITEXT
+    from raytrain_cpu.obs.report import key_figures, load_run, plot_loss
 
     lines = (BUNDLED_WIKITEXT / "valid.txt").read_text().splitlines(keepends=True)
     (tmp_path / "notes.txt").write_text("".join(lines[:300]))
@@ -341,7 +341,7 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
     assert any(tag.startswith("sample") for tag in events.Tags()["tensors"])
 
     # `evaluate` measures each source as the run's last evaluation did (its blocks: 2 workers x 2 x 4)
-    from raytrain_cpu.evaluate import main as evaluate_main
+    from raytrain_cpu.launch.evaluate import main as evaluate_main
 
     capsys.readouterr()
     assert evaluate_main([str(run_dir), "--max-blocks=16"]) == 0
@@ -353,8 +353,8 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
 def test_compiled_layers_train_as_eager_does(straight, tmp_path, shared_cache):
     """model.compile: each decoder layer compiled, gathered whole by ZeRO-3; the losses follow the
     eager straight run's (conftest.py), checkpoints included."""
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.main import run
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.launch.driver import run
 
     extra = ["model.compile=true", f"model.compile_cache_dir={tmp_path / 'ic'}"]
     summary = run(load_config(None, straight_overrides("compiled", tmp_path, shared_cache, *extra)))
@@ -371,9 +371,9 @@ def _check_sharded_load(loop_config: dict) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from raytrain_cpu.config import Config
-    from raytrain_cpu.model import load_sharded
-    from raytrain_cpu.train import deepspeed_config, init_deepspeed
+    from raytrain_cpu.config.schema import Config
+    from raytrain_cpu.model.loading import load_sharded
+    from raytrain_cpu.trainer.loop import deepspeed_config, init_deepspeed
 
     world = ray.train.get_context().get_world_size()
     init_deepspeed()
@@ -407,8 +407,8 @@ def test_sharded_loading_is_exact_and_partitioned(ray_session, make_config, tmp_
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raytrain_cpu.model import write_tiny_model
-    from raytrain_cpu.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
+    from raytrain_cpu.model.loading import write_tiny_model
+    from raytrain_cpu.model.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
 
     cfg = make_config()
     model_dir = write_tiny_model(cfg, load_tokenizer(str(BUNDLED_TOKENIZER)), tmp_path / "model")

@@ -10,10 +10,10 @@ import types
 import numpy as np
 import pytest
 
-from raytrain_cpu import cpu
-from raytrain_cpu.data import StreamPlan, _BlockWriter
-from raytrain_cpu.metrics import ThroughputWindow
-from raytrain_cpu.train import (
+from raytrain_cpu.data.prepare import StreamPlan, _BlockWriter
+from raytrain_cpu.host import cpu
+from raytrain_cpu.obs.metrics import ThroughputWindow
+from raytrain_cpu.trainer.loop import (
     Loop,
     apply_optimizer_settings,
     check_resumed_stream,
@@ -156,7 +156,7 @@ def test_a_resume_names_the_learning_rate_before_and_after():
     the resume names both; an LR the schedule keeps is named too."""
     import torch
 
-    from raytrain_cpu.config import load_config
+    from raytrain_cpu.config.schema import load_config
 
     def train_settings(steps: int):
         return load_config(None, [f"train.max_steps={steps}"]).train

@@ -15,9 +15,10 @@ def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> N
     import torch
     from conftest import fp32_partition_bits, zero3_steps
 
-    from raytrain_cpu import plan, train
-    from raytrain_cpu.config import load_config
-    from raytrain_cpu.train import Worker, build_engine, deepspeed_config, init_local_group, load_model
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.planner import memory as plan
+    from raytrain_cpu.trainer import loop as train
+    from raytrain_cpu.trainer.loop import Worker, build_engine, deepspeed_config, init_local_group, load_model
 
     torch.set_num_threads(1)
     init_local_group(rank, 2, port)

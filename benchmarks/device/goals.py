@@ -25,7 +25,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from raytrain_cpu.cpu import cpu_features
+from raytrain_cpu.host.cpu import cpu_features
 
 HERE = Path(__file__).resolve().parent
 

@@ -22,12 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from raytrain_cpu import checkpoint as ckpt_io
-from raytrain_cpu import export as export_io
-from raytrain_cpu import metrics as obs
-from raytrain_cpu.config import Config
-from raytrain_cpu.guards import StabilityGuard
-from raytrain_cpu.tokenizer import resolve_tokenizer_path
+from raytrain_cpu.checkpoint import store as ckpt_io
+from raytrain_cpu.config.schema import Config
+from raytrain_cpu.model import export as export_io
+from raytrain_cpu.model.tokenizer import resolve_tokenizer_path
+from raytrain_cpu.obs import metrics as obs
+from raytrain_cpu.obs.guards import StabilityGuard
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -117,7 +117,7 @@ def init_deepspeed(shm: bool = False, timeout_s: float = 600, log: Callable[[str
 
     DeepSpeed's own shared-memory all-reduce serves inference only, and would JIT-compile C++
     in every process at start-up (~30 s of CPU on 2 cores). `shm` routes the training
-    collectives through raytrain_cpu.collectives instead, where all ranks share one machine.
+    collectives through raytrain_cpu.trainer.collectives instead, where all ranks share one machine.
     """
     import deepspeed
 
@@ -127,7 +127,7 @@ def init_deepspeed(shm: bool = False, timeout_s: float = 600, log: Callable[[str
     keep_muon_unimported()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     if shm:
-        from raytrain_cpu import collectives
+        from raytrain_cpu.trainer import collectives
 
         collectives.install(timeout_s, log)
 
@@ -265,7 +265,7 @@ def pair_eval_sums(
     """dpo.SUM_NAMES' sums over batches of preference eval blocks, the first `max_batches` (0:
     all); the `reference` (a dpo.Reference) runs beside the model, as in training.
     `loss_settings`: dpo.settings'."""
-    from raytrain_cpu import dpo
+    from raytrain_cpu.trainer import dpo
 
     sums = [0.0] * len(dpo.SUM_NAMES)
     for batch in itertools.islice(batches, max_batches or None):
@@ -275,9 +275,9 @@ def pair_eval_sums(
 
 
 def pair_eval_metrics(sums: list[float]) -> dict[str, float]:
-    """eval_dpo_loss, eval_reward_accuracy, ... (raytrain_cpu.dpo) from pair_eval_sums' sums, and
+    """eval_dpo_loss, eval_reward_accuracy, ... (raytrain_cpu.trainer.dpo) from pair_eval_sums' sums, and
     eval_loss / eval_perplexity / eval_tokens over the chosen answers."""
-    from raytrain_cpu import dpo
+    from raytrain_cpu.trainer import dpo
 
     nll, tokens = sums[dpo.SUM_NAMES.index("chosen_nll")], sums[dpo.SUM_NAMES.index("chosen_tokens")]
     return eval_metrics([""], [nll, tokens]) | dpo.metrics(sums, prefix="eval_")
@@ -356,7 +356,7 @@ class Worker:
     loss_sources: tuple[str, ...] = ()
     weight_grad_kernel: bool = False  # model.weight_grad_kernel in use (the MFU probe times its weight gradients)
     weight_grad_timings: dict[str, float] = field(default_factory=dict)  # what its 'auto' timed (summary.json)
-    fused_loss: bool = False  # the fused output layer and loss are installed (raytrain_cpu.loss)
+    fused_loss: bool = False  # the fused output layer and loss are installed (raytrain_cpu.model.ops.loss)
     reference: Any = None  # DPO's reference (a dpo.Reference), set once the engine exists
     # train.dpo_precompute_reference's pass: {"blocks", "computed", "seconds"} (summary.json)
     reference_pass: dict[str, Any] | None = None
@@ -367,7 +367,7 @@ class Worker:
 
     @property
     def preference(self) -> bool:
-        """DPO on preference pairs (raytrain_cpu.dpo) instead of the language-model loss."""
+        """DPO on preference pairs (raytrain_cpu.trainer.dpo) instead of the language-model loss."""
         return self.cfg.data.format == "preference"
 
     @property
@@ -384,7 +384,7 @@ class Worker:
     def dpo_settings(self) -> dict[str, Any] | None:
         """The preference loss settings (dpo.settings) a DPO run records in its manifests and
         summary, for `evaluate` and the closing summary; None for other data."""
-        from raytrain_cpu import dpo
+        from raytrain_cpu.trainer import dpo
 
         return dpo.settings(self.cfg.train) if self.preference else None
 
@@ -547,8 +547,8 @@ class Sampler:
 
     @classmethod
     def for_run(cls, w: Worker) -> Sampler | None:
-        from raytrain_cpu.generate import prompt_ids
-        from raytrain_cpu.tokenizer import load_tokenizer
+        from raytrain_cpu.model.generate import prompt_ids
+        from raytrain_cpu.model.tokenizer import load_tokenizer
 
         t = w.cfg.train
         if not t.sample_prompt:
@@ -644,7 +644,7 @@ def setup_cpu(w: Worker) -> dict[str, Any]:
     """Threads on the physical cores this worker owns, and the dtype this CPU runs fastest."""
     import ray.train
 
-    from raytrain_cpu import cpu
+    from raytrain_cpu.host import cpu
 
     ctx = ray.train.get_context()
     setup = cpu.setup_worker(
@@ -667,7 +667,7 @@ def resolve_compile(w: Worker) -> None:
     """model.compile=auto as this run's true or false (cpu.compile_auto: where compiling pays),
     once the dtype is known; rank 0 says why not where only the data, the dtype or this
     machine keep a model of that size uncompiled."""
-    from raytrain_cpu import cpu
+    from raytrain_cpu.host import cpu
 
     m = w.cfg.model
     if m.compile != "auto":
@@ -687,7 +687,7 @@ def time_mfu_peak(w: Worker, cpu_setup: dict[str, Any]) -> None:
     start-up (the logged MFU then read 120-147%), and the second timing while the host ran at
     half speed for a while (429 GFLOP/s against the start-up probe's 782 and `bench train`'s
     780: the console's MFU read 46-73% in a run whose MFU was 0.39)."""
-    from raytrain_cpu import cpu
+    from raytrain_cpu.host import cpu
 
     d = cpu_setup["dtype"]
     d["start_probe_flops_per_s"] = d["peak_flops_per_s"]
@@ -703,7 +703,7 @@ def time_mfu_peak(w: Worker, cpu_setup: dict[str, Any]) -> None:
 
 def _model_gemms(w: Worker) -> list:
     """The model's GEMMs at one micro batch's tokens (cpu.gemms_for_model)."""
-    from raytrain_cpu import cpu
+    from raytrain_cpu.host import cpu
 
     return cpu.gemms_for_model(w.loop_config["model_dir"], w.cfg.train.micro_batch_size * w.cfg.data.seq_len)
 
@@ -720,11 +720,11 @@ def retime_mfu_peak(w: Worker, st: Loop, dtype: str, clock) -> None:
     this step's line on; the step-time breakdown's weighs each timed step by the timing after
     it). The whole training mix, timed as `bench train`'s peak is; the summary keeps its mean
     rate too (cpu.time_training_mix says why)."""
-    from raytrain_cpu import cpu
+    from raytrain_cpu.host import cpu
 
     kernel = None
     if w.weight_grad_kernel:  # the mix as the model runs it
-        from raytrain_cpu.linear import weight_grad as kernel
+        from raytrain_cpu.model.ops.linear import weight_grad as kernel
     peak, mean = cpu.time_training_mix(_model_gemms(w), dtype, agree=_rank_mean(w), weight_grad=kernel)
     w.loop_config["peak_flops"] = peak
     clock.peak(peak, mean)
@@ -747,8 +747,9 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
     """The model, loaded straight into ZeRO-3 partitions; LoRA adapters on top when asked."""
     import torch
 
-    from raytrain_cpu import cpu, lora
-    from raytrain_cpu.model import load_sharded
+    from raytrain_cpu.host import cpu
+    from raytrain_cpu.model import lora
+    from raytrain_cpu.model.loading import load_sharded
 
     cfg, model_dir = w.cfg, w.loop_config["model_dir"]
     ckpt_io.check_model_dir(model_dir, w.loop_config.get("model"))  # as the run found it at its start
@@ -789,10 +790,11 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
 
 def choose_attention(w: Worker, model) -> str:
     """model.attention on this model: 'auto' times SDPA, the causal blocks and the fused kernel here
-    and every rank takes the fastest by the summed timings (raytrain_cpu.attention); a resumed
+    and every rank takes the fastest by the summed timings (raytrain_cpu.model.ops.attention); a resumed
     'auto' run keeps the attention (and block size) its checkpoint trained with, so its losses
     continue bit for bit, unless that was the fused kernel and it does not build here."""
-    from raytrain_cpu import attention, plan
+    from raytrain_cpu.model.ops import attention
+    from raytrain_cpu.planner import memory as plan
 
     m = w.cfg.model
     resumed = w.resumed.get("attention")
@@ -835,9 +837,9 @@ def choose_attention(w: Worker, model) -> str:
 
 
 def install_fused_loss(w: Worker, model) -> None:
-    """model.fused_loss: the output layer and the loss as one chunked operation (raytrain_cpu.loss)."""
-    from raytrain_cpu import loss
-    from raytrain_cpu.model import unwrapped
+    """model.fused_loss: the output layer and the loss as one chunked operation (raytrain_cpu.model.ops.loss)."""
+    from raytrain_cpu.model.loading import unwrapped
+    from raytrain_cpu.model.ops import loss
 
     if not w.cfg.model.fused_loss:
         w.log("[model] loss: Hugging Face's (model.fused_loss=false)")
@@ -856,10 +858,10 @@ def install_fused_loss(w: Worker, model) -> None:
 
 def install_fused_layer_ops(w: Worker, model, log: Callable[[str], None] | None = None) -> None:
     """model.fused_norm, model.fused_rotary, model.fused_mlp: Llama-style RMSNorms
-    (raytrain_cpu.norm), rotary embeddings (raytrain_cpu.rotary) and SwiGLU activations
-    (raytrain_cpu.mlp) as one autograd operation each; compiled models keep Hugging Face's,
+    (raytrain_cpu.model.ops.norm), rotary embeddings (raytrain_cpu.model.ops.rotary) and SwiGLU activations
+    (raytrain_cpu.model.ops.mlp) as one autograd operation each; compiled models keep Hugging Face's,
     which inductor fuses itself. `log`: w.log unless given."""
-    from raytrain_cpu import mlp, norm, rotary
+    from raytrain_cpu.model.ops import mlp, norm, rotary
 
     m, log = w.cfg.model, log or w.log
     for what, on, setting, install, kind in (
@@ -876,10 +878,10 @@ def install_fused_layer_ops(w: Worker, model, log: Callable[[str], None] | None 
 
 
 def install_weight_grad_kernel(w: Worker, model) -> bool:
-    """model.weight_grad_kernel: the bf16 linear layers' weight gradients on raytrain_cpu.linear's
+    """model.weight_grad_kernel: the bf16 linear layers' weight gradients on raytrain_cpu.model.ops.linear's
     kernel (linear.choose: 'auto' on AMX for models of 20M parameters or more where it times faster
     than autograd's at the worker's threads and the model's shapes). Whether it is in use."""
-    from raytrain_cpu import linear
+    from raytrain_cpu.model.ops import linear
 
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: the whole size
     tokens = w.cfg.train.micro_batch_size * w.cfg.data.seq_len
@@ -902,8 +904,8 @@ def build_engine(w: Worker, model, ds_config: dict[str, Any]):
     import deepspeed
     import torch
 
-    from raytrain_cpu import cpu
-    from raytrain_cpu.model import decoder_layers, mark_layers_as_zero3_leaves
+    from raytrain_cpu.host import cpu
+    from raytrain_cpu.model.loading import decoder_layers, mark_layers_as_zero3_leaves
 
     t, m = w.cfg.train, w.cfg.model
     layers = decoder_layers(model)
@@ -959,8 +961,9 @@ def build_reference(w: Worker, loaded: Loaded, engine, ds_config: dict[str, Any]
     import deepspeed
     from deepspeed.utils import set_z3_leaf_module
 
-    from raytrain_cpu import dpo, loss
-    from raytrain_cpu.model import decoder_layers, unwrapped
+    from raytrain_cpu.model.loading import decoder_layers, unwrapped
+    from raytrain_cpu.model.ops import loss
+    from raytrain_cpu.trainer import dpo
 
     if not w.preference:
         return None
@@ -994,7 +997,7 @@ def reference_batches(w: Worker) -> list[tuple[int, str, np.ndarray]]:
     the run), then of every evaluation's (data.eval_stream: rank r evaluates r, r + W, ..., each
     rank ceil(n/W) rows, the last one padding where W does not divide n), in that order, each as
     the run composes it."""
-    from raytrain_cpu.data import eval_blocks_per_rank, global_order, read_meta
+    from raytrain_cpu.data.prepare import eval_blocks_per_rank, global_order, read_meta
 
     cfg, t, world, m = w.cfg, w.cfg.train, w.world, w.cfg.train.micro_batch_size
     cache = Path(w.loop_config["data_cache"])
@@ -1028,7 +1031,7 @@ def precompute_reference(w: Worker, engine):
     is not computed again."""
     import torch.distributed as dist
 
-    from raytrain_cpu import dpo
+    from raytrain_cpu.trainer import dpo
 
     t0 = time.perf_counter()
     key = dpo.reference_key(w.cfg.model.name_or_path, w.loop_config["model_dir"])
@@ -1061,7 +1064,7 @@ def _block_reader(w: Worker) -> Callable[[str, np.ndarray], dict[str, Any]]:
     (the eval split's ids past its end: eval_stream's padding rows)."""
     import torch
 
-    from raytrain_cpu.data import documents_eos, read_blocks, read_eval_blocks, read_meta
+    from raytrain_cpu.data.prepare import documents_eos, read_blocks, read_eval_blocks, read_meta
 
     eos = documents_eos(w.cfg)
     n_eval = read_meta(Path(w.loop_config["data_cache"]))["eval_blocks"]
@@ -1087,7 +1090,7 @@ def _compute_reference_rows(
     import torch
     import torch.distributed as dist
 
-    from raytrain_cpu import dpo
+    from raytrain_cpu.trainer import dpo
 
     mine = [b for b in sorted(rows) if batches[b][0] == w.rank]
     forwards = max(Counter(batches[b][0] for b in rows).values())
@@ -1392,7 +1395,7 @@ def step_counts(w: Worker, micro_batches: list[dict[str, Any]]) -> tuple[list[li
     their weights are all 1: totals None, and no all-reduce (every rank's stream has the same
     columns, so every rank skips it alike)."""
     if w.preference:
-        from raytrain_cpu import dpo
+        from raytrain_cpu.trainer import dpo
 
         counts = [dpo.counts(b["labels"], b["position_ids"]) for b in micro_batches]
     elif any("labels" in b for b in micro_batches):
@@ -1409,7 +1412,7 @@ def step_counts(w: Worker, micro_batches: list[dict[str, Any]]) -> tuple[list[li
 def preference_loss(w: Worker, st: Loop, engine, inputs: dict[str, Any], per: list[float] | None = None):
     """A micro batch's DPO loss (the reference forward first), its sums divided by `per`
     (`step_counts`' totals); its sums go to the next log row."""
-    from raytrain_cpu import dpo
+    from raytrain_cpu.trainer import dpo
 
     loss, sums = dpo.micro_batch_loss(engine, w.reference, inputs, w.fused_loss, **w.dpo_settings, per=per)
     st.pair_sums = [a + b for a, b in zip(st.pair_sums, sums)] if st.pair_sums else sums
@@ -1421,7 +1424,7 @@ def pair_metrics(w: Worker, st: Loop) -> dict[str, float]:
     chosen answers' per-token loss) since the last log row, over every rank (an all-reduce every
     rank joins); {} for other data. The row's loss is DPO's, or with train.dpo_sft_weight the sum
     (and dpo_loss is logged beside it)."""
-    from raytrain_cpu import dpo
+    from raytrain_cpu.trainer import dpo
 
     if not w.preference:
         return {}
@@ -1462,7 +1465,7 @@ def profiled(w: Worker, step: int):
         return
     from torch.profiler import ProfilerActivity, profile
 
-    from raytrain_cpu import cpu
+    from raytrain_cpu.host import cpu
 
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -1537,7 +1540,7 @@ def evaluate_and_log(w: Worker, st: Loop, engine, shards: dict[str, Any], sink, 
 def release_free_pages(w: Worker, st: Loop, free_pages: FreePages) -> None:
     """scaling.free_memory_growth_mib, on this rank alone (no collective: a release costs the
     next step its page faults, nothing else)."""
-    from raytrain_cpu import cpu
+    from raytrain_cpu.host import cpu
 
     if not free_pages.limit:  # off: not even the /proc read
         return
@@ -1604,7 +1607,7 @@ def room_to_grow(w: Worker, st: Loop) -> bool:
     for a moment. Rank 0 counts; every rank follows."""
     import ray
 
-    from raytrain_cpu.main import workers_that_fit
+    from raytrain_cpu.planner.sizing import workers_that_fit
 
     if w.world >= w.most_workers:  # fixed (0), or at its most already
         return False
@@ -1621,7 +1624,7 @@ def room_to_grow(w: Worker, st: Loop) -> bool:
 
 def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, block_log) -> None:
     """Every rank saves its shard; rank 0 writes the manifest; all report to Ray Train."""
-    from raytrain_cpu import cpu
+    from raytrain_cpu.host import cpu
 
     cfg = w.cfg
     st.watch.checkpointed(ckpt_io.free_checkpoint_name(Path(ray_storage_path()), st.step), st.step)
@@ -1672,7 +1675,7 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
 def next_block_ids(w: Worker, step: int) -> list[int]:
     """The block ids of the global batch after `step` steps (stream positions step x G ... + G),
     from the data cache's block counts, train.seed and data.shuffle_window as they are now."""
-    from raytrain_cpu.data import mixture_sources, read_meta
+    from raytrain_cpu.data.prepare import mixture_sources, read_meta
 
     cache = Path(w.loop_config["data_cache"])
     meta = read_meta(cache)
@@ -1691,7 +1694,7 @@ def stream_block_ids(
     the sources before it); only the ids, no block read. Each epoch's order is made afresh and
     dropped (global_order's uncached function): at a checkpoint now and then, a large corpus's
     order (8 bytes a block) is not worth keeping in the training process."""
-    from raytrain_cpu.data import global_order, mix_positions, source_block_ids
+    from raytrain_cpu.data.prepare import global_order, mix_positions, source_block_ids
 
     src, src_pos = mix_positions(positions, pattern)
     first_id = np.cumsum((0, *n_blocks))
@@ -1831,8 +1834,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from raytrain_cpu import cpu
-    from raytrain_cpu.data import eval_dataset
+    from raytrain_cpu.data.prepare import eval_dataset
+    from raytrain_cpu.host import cpu
 
     # ---- config and CPU
     w = setup_worker(loop_config)

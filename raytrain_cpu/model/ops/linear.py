@@ -34,7 +34,7 @@ SOURCE = Path(__file__).parent / "csrc" / "weight_grad.cpp"
 
 def _build():
     """(the loaded extension, '') or (None, why it is unavailable): fused_attention.build_kernel."""
-    from raytrain_cpu.fused_attention import build_kernel
+    from raytrain_cpu.model.ops.fused_attention import build_kernel
 
     return build_kernel("raytrain_weight_grad", SOURCE)
 
@@ -94,8 +94,8 @@ def wanted(setting: bool | str, dtype: str, n_params: int) -> tuple[bool, str]:
     not ('' where there is nothing to say: 'auto' on a model too small to win back the build).
     'auto' passes only on AMX, where oneDNN's micro-kernels run it (elsewhere they fall back to a
     plain GEMM), for models of COMPILE_AUTO_MIN_PARAMS or more; `choose` then times it."""
-    from raytrain_cpu import cpu
-    from raytrain_cpu.config import COMPILE_AUTO_MIN_PARAMS
+    from raytrain_cpu.config.schema import COMPILE_AUTO_MIN_PARAMS
+    from raytrain_cpu.host import cpu
 
     if setting is False:
         return False, "model.weight_grad_kernel=false"
@@ -231,6 +231,6 @@ def install(model) -> int:
     """Swaps in the kernel's backward on every nn.Linear of `model` with a bf16 weight that
     trains (not LoRA's frozen base layers, not GPT-2's Conv1D) and its own forward (not the
     output layer under model.fused_loss, which runs its GEMMs a chunk at a time); how many."""
-    from raytrain_cpu.model import install_forward
+    from raytrain_cpu.model.loading import install_forward
 
     return install_forward(model, _takes, _forward)

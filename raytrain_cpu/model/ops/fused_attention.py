@@ -1,6 +1,6 @@
 """model.attention=fused: causal self-attention as one C++ kernel (raytrain_cpu/csrc/fused_attention.cpp).
 
-Why a kernel of our own: on AMX the causal blocks (raytrain_cpu.attention) ran forward +
+Why a kernel of our own: on AMX the causal blocks (raytrain_cpu.model.ops.attention) ran forward +
 backward at ~90 useful GFLOP/s against the host's ~1,100 for a plain GEMM, because each step
 between their batched GEMMs is a pass over memory; SDPA's CPU flash kernel fuses its forward
 (faster than the blocks') but not its backward (2-3x slower than theirs). The kernel here runs
@@ -32,7 +32,7 @@ def _capability() -> tuple[str, list[str]]:
     CPU_CAPABILITY builds): AVX-512 where the CPU has it (with AVX512-BF16's conversions where it
     has those too: Intel's Cooper Lake on, every AMX host, AMD's Zen 4 on), else AVX2, else
     plain C++."""
-    from raytrain_cpu import cpu
+    from raytrain_cpu.host import cpu
 
     flags = cpu.cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:

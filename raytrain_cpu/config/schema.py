@@ -25,23 +25,30 @@ from typing import Any
 
 import yaml
 
-from raytrain_cpu.cpu import GLIBC_HEAP_THRESHOLD
-
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key and the fix."""
 
 
 # model.attention's causal blocks: 'causal_blocks' runs this many queries a block,
-# 'causal_blocks_<N>' N (raytrain_cpu.attention; parsed here, where nothing imports torch, for
+# 'causal_blocks_<N>' N (raytrain_cpu.model.ops.attention; parsed here, where nothing imports torch, for
 # the config check, the attention module and the planner alike).
 CAUSAL_BLOCKS_DEFAULT = 64
-# model.attention's fused kernel (raytrain_cpu.fused_attention)
+# model.attention's fused kernel (raytrain_cpu.model.ops.fused_attention)
 FUSED = "fused"
 # model.compile=auto compiles models of at least this many parameters: per-layer compile paid on
 # the 53M bench model on every host measured, and lost on the embedded default's ~0.4M one; 20M
 # lies between, where the compile's fixed tens of seconds are a small share of a real run.
 COMPILE_AUTO_MIN_PARAMS = 20_000_000
+
+# The workers' default: glibc's dynamic threshold at its ceiling from the first step, with its
+# trim threshold (twice it, as glibc's dynamic rule sets it). The dynamic pair trims the heap
+# whenever its free top passes twice the largest block freed so far, so the next step faults
+# those pages in again: the embedded default ran at 19.9k and 27.5k tokens/s (fused loss)
+# against 33.7k and 35.9k with this pair; with Hugging Face's loss 32.2k and 32.9k against
+# 32.1k and 30.7k (the same perplexity). The 50M bench model: 1,344 and 1,323 against 1,307
+# and 1,346, at 2.84 GB peak per rank against 2.87.
+GLIBC_HEAP_THRESHOLD = 32 << 20
 
 
 def causal_blocks_size(name: str | None) -> int | None:
@@ -145,10 +152,10 @@ class ModelConfig:
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory (costs ~1/3 more compute)."""
     attention: str = "auto"
-    """Causal self-attention: 'causal_blocks' (raytrain_cpu.attention: 64 queries at a time
+    """Causal self-attention: 'causal_blocks' (raytrain_cpu.model.ops.attention: 64 queries at a time
     against their key prefix, as GEMMs; 2x the speed of SDPA's CPU flash kernel on an AVX-512
     host at seq 512), 'causal_blocks_<N>' (N queries at a time: 128 is faster on AMX), 'sdpa',
-    'fused' (raytrain_cpu.fused_attention: one C++ kernel on oneDNN's AMX micro-kernels, built at
+    'fused' (raytrain_cpu.model.ops.fused_attention: one C++ kernel on oneDNN's AMX micro-kernels, built at
     first use; bf16 only; keeps no probabilities), or 'auto': every rank times SDPA, the blocks
     at 64 and 128 queries and (in bf16, where it builds) the fused kernel at the run's shape at
     start-up and all take the fastest (one more than 3% faster than those before it); a resumed
@@ -162,24 +169,24 @@ class ModelConfig:
     checkpointing; `python -m raytrain_cpu.plan` counts them). SDPA is not affected."""
     fused_loss: bool = True
     """Compute the output layer and the cross-entropy loss together, a chunk of tokens at a time,
-    with their gradients in the forward (raytrain_cpu.loss): no full-size logits, their fp32
+    with their gradients in the forward (raytrain_cpu.model.ops.loss): no full-size logits, their fp32
     copy or their gradient (~14 bytes per token per vocabulary entry: 3.4 GiB per 2,048 tokens
     for Llama-3's vocabulary), the same gradients to the last bit. Llama, Mistral, Qwen2/3,
     Phi-3, OLMo-2 and Gemma heads; other models keep Hugging Face's loss."""
     fused_norm: bool = True
-    """Run Llama-style RMSNorms as one autograd operation (raytrain_cpu.norm): Hugging Face's
+    """Run Llama-style RMSNorms as one autograd operation (raytrain_cpu.model.ops.norm): Hugging Face's
     forward, the same output bits, a closed-form fp32 backward; keeps 2 bytes per element where
     Hugging Face's keeps 6 (two norms per layer) and runs 2.2-2.6x faster alone, a chunk of rows
     at a time (benchmarks/norm.py, AMD Zen 4). OLMo-2 and
     Gemma norms, and compiled models (inductor fuses them itself), keep Hugging Face's."""
     fused_rotary: bool = True
     """Apply the rotary position embedding to q and k as one autograd operation a chunk of rows
-    at a time (raytrain_cpu.rotary): Hugging Face's products and sums in the same order (the same
+    at a time (raytrain_cpu.model.ops.rotary): Hugging Face's products and sums in the same order (the same
     bits), about two passes over memory where its five operators and their backward make about
     a dozen; 1.9-2.0x Hugging Face's alone at the bench model's and Llama-3-8B's shapes (AMD Zen
     4). Llama's attention; other attention classes and compiled models keep Hugging Face's."""
     fused_mlp: bool = False
-    """Run the SwiGLU MLP's silu(gate) * up as one autograd operation (raytrain_cpu.mlp) that
+    """Run the SwiGLU MLP's silu(gate) * up as one autograd operation (raytrain_cpu.model.ops.mlp) that
     recomputes silu(gate) in the backward instead of keeping it: the same bits, 2 bytes per
     intermediate unit per token per layer less (7 GiB per rank for Llama-3-8B at 8,192 tokens
     a rank without activation checkpointing; `plan --fused-mlp` counts it). Off by default:
@@ -187,7 +194,7 @@ class ModelConfig:
     and a Python autograd call per layer); turn it on where activations limit an uncompiled
     run. Llama-style MLPs with SiLU; compiled models keep Hugging Face's."""
     weight_grad_kernel: bool | str = "auto"
-    """Run each bf16 linear layer's weight gradient on a kernel of our own (raytrain_cpu.linear,
+    """Run each bf16 linear layer's weight gradient on a kernel of our own (raytrain_cpu.model.ops.linear,
     csrc/weight_grad.cpp): autograd's runs at about half the forward's rate on AMX, the kernel
     faster than it at the ~50M bench model's shapes (benchmarks/weight_grad.py,
     benchmarks/kernel_threads.py). true, false or 'auto': on AMX (oneDNN's AMX micro-kernels) for
@@ -1027,7 +1034,7 @@ class DeepSpeedSettings:
     both peaks."""
     shm_collectives: bool = True
     """DeepSpeed's all-gathers, reduce-scatters and all-reduces go through shared memory when
-    every rank runs on one machine (raytrain_cpu.collectives): gloo sends each byte through
+    every rank runs on one machine (raytrain_cpu.trainer.collectives): gloo sends each byte through
     the loopback TCP stack, 4-7x slower at ZeRO-3's sizes. Ranks on several machines, or no
     room in /dev/shm, keep gloo; false always uses gloo."""
     sub_group_size: int = 100_000_000

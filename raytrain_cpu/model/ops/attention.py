@@ -10,7 +10,7 @@ each block's probabilities from q and k (flash attention's way: it keeps the out
 log-sum-exp besides) or, with `keep_probs` (model.attention_probs), reads what the forward kept:
 one batched GEMM of seven, the causal mask and the softmax's forward fewer, the same bits, for
 heads x ~seq/2 elements a token (1.18x the attention's forward and backward at the bench
-model's shape and at Llama-3-8B's, AMD Zen 4; raytrain_cpu.plan decides 'auto').
+model's shape and at Llama-3-8B's, AMD Zen 4; raytrain_cpu.planner.memory decides 'auto').
 
 The scores come out of the GEMM in the inputs' dtype (as in transformers' eager attention);
 softmax and its backward run in fp32 inside, and dK, dV accumulate in fp32 over the blocks.
@@ -18,7 +18,7 @@ The relative error against an fp64 reference is within 1.5x of the flash kernel'
 (tests/test_attention.py).
 
 Which one runs is `model.attention`: "auto" times SDPA, the blocks at each of BLOCKS queries
-and, in bf16 where it builds, the fused kernel (raytrain_cpu.fused_attention: the same
+and, in bf16 where it builds, the fused kernel (raytrain_cpu.model.ops.fused_attention: the same
 arithmetic in one C++ kernel per head, its GEMMs on oneDNN's micro-kernels) at the run's shape
 on every rank at start-up, and all ranks take the fastest by their summed times, so each host
 (AVX2, AVX-512, AMX) keeps what is fastest on it. Among the blocks, on AMX 128 queries a block
@@ -43,8 +43,9 @@ from typing import Any
 
 import torch
 
-from raytrain_cpu import fused_attention, plan
-from raytrain_cpu.config import CAUSAL_BLOCKS_DEFAULT, FUSED, causal_blocks_size
+from raytrain_cpu.config.schema import CAUSAL_BLOCKS_DEFAULT, FUSED, causal_blocks_size
+from raytrain_cpu.model.ops import fused_attention
+from raytrain_cpu.planner import memory as plan
 
 BLOCK = CAUSAL_BLOCKS_DEFAULT  # queries per block of model.attention=causal_blocks
 NAME = "raytrain_causal_blocks"  # its name in transformers' attention interfaces (register)
@@ -360,7 +361,7 @@ def attention_forward(
     **kwargs,
 ):
     """transformers' attention-function signature: (B, H, S, D) in, (B, S, H, D) out. `fused`:
-    the fused kernel (raytrain_cpu.fused_attention) where it applies, the blocks for a document
+    the fused kernel (raytrain_cpu.model.ops.fused_attention) where it applies, the blocks for a document
     mask (the kernel is plainly causal) and for what it does not compute (fp32)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

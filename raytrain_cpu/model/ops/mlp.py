@@ -61,7 +61,7 @@ def install(model) -> int:
     from transformers.activations import SiLUActivation
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from raytrain_cpu.model import install_forward, same_forward
+    from raytrain_cpu.model.loading import install_forward, same_forward
 
     silu = (SiLUActivation, torch.nn.SiLU)  # hidden_act "silu" and "swish"
     return install_forward(

@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from raytrain_cpu.config.schema import GLIBC_HEAP_THRESHOLD
+
 # ----------------------------------------------------------------------------- features
 
 # Flags from /proc/cpuinfo that change what runs fast, strongest first.
@@ -291,7 +293,7 @@ def llama_gemms(
     Forward is x[t,in] @ Wᵀ; backward adds the input gradient g[t,out] @ W and the weight
     gradient gᵀ[out,t] @ x[t,in]. Same-shape products are merged into one row with a count.
     """
-    from raytrain_cpu.plan import ModelShape
+    from raytrain_cpu.planner.memory import ModelShape
 
     shape = ModelShape("", 0, hidden, intermediate, num_layers, num_heads, num_kv_heads, attention_head_dim=head_dim)
     q, kv = shape.q_dim, shape.kv_dim
@@ -356,7 +358,7 @@ def time_gemm(
 ) -> tuple[float, float]:
     """(best, mean) seconds per call of one GEMM (time_calls), its operands laid out as autograd
     has them; a weight gradient by `weight_grad(dy, x)` instead where the model runs one
-    (model.weight_grad_kernel: raytrain_cpu.linear.weight_grad)."""
+    (model.weight_grad_kernel: raytrain_cpu.model.ops.linear.weight_grad)."""
     import torch
 
     if weight_grad is not None and g.name.startswith("wgrad"):
@@ -517,7 +519,7 @@ def time_training_mix(
 def gemms_for_model(model_dir: str, tokens: int) -> list[Gemm]:
     """llama_gemms for a Hugging Face model directory (config.json only, no weights; GPT-2 style
     key names too). Cached: the start-up probe and MFU's second timing read the same config."""
-    from raytrain_cpu.model import model_dims
+    from raytrain_cpu.model.loading import model_dims
 
     d = model_dims(model_dir)
     return llama_gemms(
@@ -733,14 +735,6 @@ def find_allocator(choice: str = "auto", search_dirs: Sequence[str] = ()) -> tup
 # GiB at 8 MiB; on the ~50M bench model the fixed 1 MiB ran at 0.73-0.77x the dynamic one's
 # tokens/s. So it is opt-in (scaling.glibc_mmap_threshold) and the planner's calibration.
 GLIBC_MMAP_THRESHOLD = 1 << 20
-# The workers' default: glibc's dynamic threshold at its ceiling from the first step, with its
-# trim threshold (twice it, as glibc's dynamic rule sets it). The dynamic pair trims the heap
-# whenever its free top passes twice the largest block freed so far, so the next step faults
-# those pages in again: the embedded default ran at 19.9k and 27.5k tokens/s (fused loss)
-# against 33.7k and 35.9k with this pair; with Hugging Face's loss 32.2k and 32.9k against
-# 32.1k and 30.7k (the same perplexity). The 50M bench model: 1,344 and 1,323 against 1,307
-# and 1,346, at 2.84 GB peak per rank against 2.87.
-GLIBC_HEAP_THRESHOLD = 32 << 20
 
 
 def preload_env(
@@ -907,7 +901,7 @@ def compile_auto(n_params: int, dtype: str, attention_span: str, compiler: str) 
     lies between). In fp32 (a CPU without bf16 GEMMs) the GEMMs take more of the step and the one
     measurement lost (0.89x, AMD AVX2). Document masks send a compiled layer's attention to SDPA.
     """
-    from raytrain_cpu.config import COMPILE_AUTO_MIN_PARAMS
+    from raytrain_cpu.config.schema import COMPILE_AUTO_MIN_PARAMS
 
     if n_params < COMPILE_AUTO_MIN_PARAMS:
         return False, ""
@@ -1148,7 +1142,7 @@ OP_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "GEMM",
         ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm", "mkldnn", "raytrain::weight_grad"),
     ),
-    # raytrain_cpu.attention's and fused_attention's operators count with everything they run (their GEMMs, softmax).
+    # raytrain_cpu.model.ops.attention's and fused_attention's operators count with everything they run (their GEMMs, softmax).
     (
         "attention",
         (
@@ -1186,7 +1180,7 @@ def op_time_by_kind(events, step_wall_s: float) -> list[dict[str, Any]]:
     no operator accounts for (Python, waiting for gloo's background collectives) is its own row.
 
     `events`: the profiler's events (`prof.events()`); an operator run inside an attention
-    operator (raytrain_cpu.attention's GEMMs and softmax) counts as attention."""
+    operator (raytrain_cpu.model.ops.attention's GEMMs and softmax) counts as attention."""
     seconds: dict[str, float] = {kind: 0.0 for kind, _ in OP_KINDS} | {"other operators": 0.0}
     for ev in events:
         kind = "attention" if _inside_attention(ev) else _op_kind(getattr(ev, "name", None) or ev.key)

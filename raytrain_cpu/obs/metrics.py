@@ -412,7 +412,7 @@ class MetricsSink:
 
     @classmethod
     def for_run(cls, cfg, run_dir: str | os.PathLike, resume_step: int = 0, log=print) -> MetricsSink:
-        """The sinks a run config asks for (cfg: raytrain_cpu.config.Config)."""
+        """The sinks a run config asks for (cfg: raytrain_cpu.config.schema.Config)."""
         m = cfg.metrics
         return cls(
             run_dir,

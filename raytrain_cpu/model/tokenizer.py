@@ -3,7 +3,7 @@
 The bundled tokenizer is a 2048-token byte-level BPE trained on the bundled wikitext-2
 training text, small enough that a few-hundred-thousand-parameter model spends most of its
 parameters on layers rather than on the embedding. Rebuild it with
-`python -m raytrain_cpu.tokenizer`.
+`python -m raytrain_cpu.model.tokenizer`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"
 BUNDLED_TOKENIZER = ASSETS / "tokenizer"
 BUNDLED_WIKITEXT = ASSETS / "wikitext-2"
 BUNDLED_SFT = ASSETS / "sft"  # chat and instruction examples made from the bundled wikitext

@@ -46,8 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from raytrain_cpu.checkpoint import fsync_dir, fsync_file, out_of_space
-from raytrain_cpu.config import (
+from raytrain_cpu.checkpoint.store import fsync_dir, fsync_file, out_of_space
+from raytrain_cpu.config.schema import (
     COMPRESSED,
     Config,
     ConfigError,
@@ -58,8 +58,14 @@ from raytrain_cpu.config import (
     mix_counts,
     mix_entry_keys,
 )
-from raytrain_cpu.hub import download_tokenizer, hub_errors, is_hub_id
-from raytrain_cpu.tokenizer import BUNDLED_SFT, BUNDLED_WIKITEXT, load_tokenizer, resolve_tokenizer_path, save_tokenizer
+from raytrain_cpu.model.hub import download_tokenizer, hub_errors, is_hub_id
+from raytrain_cpu.model.tokenizer import (
+    BUNDLED_SFT,
+    BUNDLED_WIKITEXT,
+    load_tokenizer,
+    resolve_tokenizer_path,
+    save_tokenizer,
+)
 
 CACHE_FORMAT = 1
 BLOCKS_PER_FILE = 8192
@@ -316,7 +322,7 @@ def _jsonl_rows(raw: bytes, path: str, bad_rows: str) -> tuple[list[tuple[str, i
 def file_examples(path: str, raw: bytes, spec: SourceSpec, data: DataConfig) -> tuple[list[str], int]:
     """Chat/instruction rows of one file as JSON payloads {ref, messages} for the tokenizer actors;
     a row without messages/prompt fails naming file and row, or is skipped and counted."""
-    from raytrain_cpu.sft import RowError, row_messages, row_pair
+    from raytrain_cpu.model.chat import RowError, row_messages, row_pair
 
     if spec.kind == "jsonl":
         rows, skipped = _jsonl_rows(raw, path, spec.bad_rows)
@@ -441,7 +447,7 @@ class Tokenize:
         self.eos = eos_id
         self.sft = None
         if sft is not None:  # chat/instruction: render with the run's template, label the responses
-            from raytrain_cpu.sft import template_for_dir
+            from raytrain_cpu.model.chat import template_for_dir
 
             self.data = DataConfig(**sft)
             self.sft = template_for_dir(Path(tokenizer_json).parent, self.data)
@@ -475,7 +481,7 @@ class Tokenize:
         alone fills data.seq_len fails naming its file and row, or is skipped and counted."""
         import pyarrow as pa
 
-        from raytrain_cpu.sft import RowError, example_tokens
+        from raytrain_cpu.model.chat import RowError, example_tokens
 
         d = self.data
         skipped = [int(x) for x in batch["skipped"]]
@@ -593,7 +599,7 @@ def _console_errors_held() -> Iterator[list]:
     task (bad input) reaches the user as one line naming the file and the fix; Ray Data also logs
     it with the task's whole stack, three times (~150 lines), calling it an internal error. Its own
     log file (ray-data.log) keeps every record either way."""
-    from raytrain_cpu.metrics import ray_console_handlers
+    from raytrain_cpu.obs.metrics import ray_console_handlers
 
     held: list[tuple[logging.Handler, logging.LogRecord]] = []
 
@@ -689,7 +695,7 @@ def cache_key(
     if eval_only:  # no training blocks: a cache of its own, never taken for one that trains
         payload["eval_only"] = True
     if d.format != "text":  # text caches keep their old keys
-        from raytrain_cpu.sft import template_fingerprint
+        from raytrain_cpu.model.chat import template_fingerprint
 
         payload["sft"] = {
             "format": d.format,
@@ -1692,7 +1698,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import ray
 
-    from raytrain_cpu.main import quiet_local_console
+    from raytrain_cpu.obs.console import quiet_local_console
 
     quiet_local_console()  # a Ray of its own; its progress and notices go to its log files
     ray.init(address=cfg.run.ray_init_address, log_to_driver=False, include_dashboard=False)

@@ -21,9 +21,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.config import Config, ConfigError
-from raytrain_cpu.hub import is_hub_id
-from raytrain_cpu.plan import config_head_dim
+from raytrain_cpu.config.schema import Config, ConfigError
+from raytrain_cpu.model.hub import is_hub_id
+from raytrain_cpu.planner.memory import config_head_dim
 
 
 def tiny_llama_config(cfg: Config, vocab_size: int, eos_token_id: int):
@@ -146,7 +146,7 @@ def check_tiny_model_fits(config) -> None:
     has free would push it into swap (or the OOM killer) with nothing said; refuse it instead."""
     import psutil
 
-    from raytrain_cpu.plan import shape_of_model_config
+    from raytrain_cpu.planner.memory import shape_of_model_config
 
     n = sum(shape_of_model_config(config).param_numels())
     need, free = n * TINY_WRITE_BYTES_PER_PARAM, psutil.virtual_memory().available

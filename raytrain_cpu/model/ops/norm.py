@@ -115,7 +115,7 @@ def install(model) -> int:
     """Swaps in the fused norm on every module of `model` that runs Llama's RMSNorm; how many."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from raytrain_cpu.model import install_forward, same_forward
+    from raytrain_cpu.model.loading import install_forward, same_forward
 
     def runs_llama_norm(module) -> bool:
         cls = type(module)

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from raytrain_cpu.norm import chunk_elements
+from raytrain_cpu.model.ops.norm import chunk_elements
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward: bool) -> torch.Tensor:
@@ -126,7 +126,7 @@ def install(model) -> int:
     with Llama's rotary embedding; how many."""
     from transformers.models.llama import modeling_llama
 
-    from raytrain_cpu.model import install_forward, same_forward, same_source
+    from raytrain_cpu.model.loading import install_forward, same_forward, same_source
 
     def runs_llama_attention(m) -> bool:
         module = sys.modules[type(m).__module__]

@@ -1,0 +1,1 @@
+"""Checkpoints: writing, manifest and verification, universal conversion."""

@@ -1,0 +1,1 @@
+"""Observability: metrics, console, progress, run reports and stability guards."""

@@ -1,0 +1,1 @@
+"""The per-worker training loop: DeepSpeed engine, steps, evaluation, DPO reference, collectives."""
