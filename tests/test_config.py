@@ -30,7 +30,7 @@ def test_cluster_config_loads():
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
-    """What the README and the configs' own comments tell users to run: the keys are known and
+    """What the README, docs/ and the configs' own comments tell users to run: the keys are known and
     every check the config makes of itself passes."""
     load_config(path)
 

@@ -765,9 +765,9 @@ def test_micro_batch_advice_trades_accumulation_for_fewer_gathers():
 
 
 def test_readme_planner_figures_are_todays_planner():
-    """The README's "Planning memory" figures, each recomputed: a change to the memory model
-    that moves one fails here until the README says the new figure."""
-    readme = " ".join((ROOT / "README.md").read_text().split())  # line breaks as spaces
+    """The "Planning memory" figures of docs/memory-planning.md, each recomputed: a change to the
+    memory model that moves one fails here until the docs say the new figure."""
+    readme = " ".join((ROOT / "docs/memory-planning.md").read_text().split())  # line breaks as spaces
     w4 = plan.plan(LLAMA3_8B, 4)
     m = w4["memory_gib"]
 
@@ -797,4 +797,5 @@ def test_readme_planner_figures_are_todays_planner():
         f"peaks at {peak(world=1, **lora)} GiB on one rank ({peak(world=1, fused_loss=False, **lora)} with",
     ]
     missing = [phrase for phrase in expected if phrase not in readme]
-    assert not missing, "README.md's planner figures are out of date; today's planner says:\n" + "\n".join(missing)
+    stale = "docs/memory-planning.md's planner figures are out of date; today's planner says:\n"
+    assert not missing, stale + "\n".join(missing)

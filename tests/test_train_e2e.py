@@ -205,7 +205,9 @@ def test_the_best_checkpoint_is_kept_and_a_run_stops_early(ray_session, make_con
     assert evaluate_main([str(tmp_path / "best"), f"--max-blocks={blocks}"]) == 0
     assert json.loads(capsys.readouterr().out)["eval_loss"] == pytest.approx(ours["eval_loss"], abs=1e-6)
     notes = tmp_path / "notes.txt"
-    notes.write_text((Path(__file__).parents[1] / "README.md").read_text()[:20000])
+    root = Path(__file__).parents[1]
+    docs = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    notes.write_text("\n".join(p.read_text() for p in docs)[:20000])
     assert evaluate_main([str(run_dir), "--best", f"data.eval_path={notes}"]) == 0
     out = capsys.readouterr()
     assert "packing its evaluation text, not its training text" in out.err

@@ -152,7 +152,7 @@ def test_the_first_batchs_wait_leaves_the_steps_time():
 
 def test_a_resume_names_the_learning_rate_before_and_after():
     """Raising train.max_steps reshapes the schedule on purpose: cosine to the default floor of
-    0.1, 1,000 steps raised to 2,000, moves the LR at step 1,000 5.6x (README's example), and
+    0.1, 1,000 steps raised to 2,000, moves the LR at step 1,000 5.6x (docs/configuration.md's example), and
     the resume names both; an LR the schedule keeps is named too."""
     import torch
 
