@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raytrain_cpu.config.schema import ConfigError, load_config
+from raytrain_cpu.config.checks import ConfigError
+from raytrain_cpu.config.schema import load_config
 from raytrain_cpu.model.loading import tiny_llama_config
 from raytrain_cpu.model.ops import attention, fused_attention
 from raytrain_cpu.planner import memory as plan

@@ -17,7 +17,9 @@ import pytest
 import torch
 from conftest import FUSED_VOCAB, fused_llama_pair
 
-from raytrain_cpu.config.schema import ConfigError, DataConfig, load_config
+from raytrain_cpu.config.checks import ConfigError
+from raytrain_cpu.config.data import DataConfig
+from raytrain_cpu.config.schema import load_config
 from raytrain_cpu.data.prepare import DataError, SourceSpec, Tokenize, _ExampleWriter, file_examples
 from raytrain_cpu.model.chat import IGNORE, RowError, row_pair
 from raytrain_cpu.model.tokenizer import BUNDLED_SFT, BUNDLED_TOKENIZER, EOS

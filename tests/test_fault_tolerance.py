@@ -59,7 +59,8 @@ from conftest import (
 )
 
 from raytrain_cpu.checkpoint import store as ck
-from raytrain_cpu.config.schema import ConfigError, load_config
+from raytrain_cpu.config.checks import ConfigError
+from raytrain_cpu.config.schema import load_config
 
 HANG_TIMEOUT_S = 12  # run.gloo_timeout_s of the fault run
 # The elastic scenario's spot notice: the node goes RECLAIM_S after it (whole seconds: 6-7 s), and

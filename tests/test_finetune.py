@@ -248,7 +248,8 @@ def test_lora_on_a_layer_peft_cannot_wrap_fails_before_ray(capsys, tmp_path):
 
 
 def test_lora_settings_are_validated():
-    from raytrain_cpu.config.schema import ConfigError, load_config
+    from raytrain_cpu.config.checks import ConfigError
+    from raytrain_cpu.config.schema import load_config
 
     with pytest.raises(ConfigError, match="lora.rank"):
         load_config(None, ["lora.rank=-1"])

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_cpu.config.schema import ConfigError, GuardConfig, load_config
+from raytrain_cpu.config.checks import ConfigError
+from raytrain_cpu.config.schema import load_config
+from raytrain_cpu.config.training import GuardConfig
 from raytrain_cpu.obs.guards import LossWindow, StabilityGuard, classify_loss, parse_inject
 from raytrain_cpu.trainer.loop import free_port
 
@@ -214,7 +216,7 @@ RANK_SCRIPT = textwrap.dedent(
     import torch
     import deepspeed
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
-    from raytrain_cpu.config.schema import GuardConfig
+    from raytrain_cpu.config.training import GuardConfig
     from raytrain_cpu.obs.guards import StabilityGuard
     from raytrain_cpu.trainer.loop import init_deepspeed, init_local_group
 

@@ -102,7 +102,8 @@ def test_a_shape_mismatch_is_named(tmp_path):
 def test_a_tiny_model_too_big_to_build_here_is_refused_first():
     """model.tiny is built whole on the driver: a size past this machine's free memory is a
     ConfigError naming the size and the way out, not minutes of swapping."""
-    from raytrain_cpu.config.schema import ConfigError, load_config
+    from raytrain_cpu.config.checks import ConfigError
+    from raytrain_cpu.config.schema import load_config
     from raytrain_cpu.model.loading import check_tiny_model_fits, tiny_llama_config
 
     check_tiny_model_fits(tiny_llama_config(load_config(), 2048, 0))  # the default tiny Llama
@@ -139,7 +140,8 @@ def test_a_local_model_changed_in_place_is_named_on_resume(tmp_path):
     """Its config and safetensors headers, hashed when the run starts and recorded in each
     manifest: a resume (the driver) and every restart (each worker) compare and name the files."""
     from raytrain_cpu.checkpoint import store as ck
-    from raytrain_cpu.config.schema import ConfigError, load_config
+    from raytrain_cpu.config.checks import ConfigError
+    from raytrain_cpu.config.schema import load_config
     from raytrain_cpu.launch.driver import check_model_unchanged, newest_checkpoint
 
     model = _model_dir(tmp_path / "model")

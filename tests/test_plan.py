@@ -63,7 +63,7 @@ def test_param_count_matches_transformers(shape):
 
 
 def test_tiny_shape_matches_the_project_default():
-    from raytrain_cpu.config.schema import TinyModelConfig
+    from raytrain_cpu.config.model import TinyModelConfig
 
     t, s = TinyModelConfig(), plan.KNOWN_SHAPES["tiny"]
     assert (s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads, s.intermediate_size) == (
@@ -584,7 +584,7 @@ def test_fits_leave_the_release_margin_free_on_every_rank(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["release_margin_gib"] == 0.0
     with pytest.raises(ValueError, match="free_memory_growth_mib must be >= 0"):
         plan.plan(LLAMA3_8B, 16, free_memory_growth_mib=-1)
-    from raytrain_cpu.config.schema import ScalingConfig
+    from raytrain_cpu.config.scaling import ScalingConfig
 
     assert ScalingConfig().free_memory_growth_mib == plan.FREE_MEMORY_GROWTH_MIB  # plans the default run
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from raytrain_cpu.config.schema import ConfigError
+from raytrain_cpu.config.checks import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 

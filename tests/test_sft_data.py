@@ -14,7 +14,8 @@ import shutil
 import numpy as np
 import pytest
 
-from raytrain_cpu.config.schema import ConfigError, DataConfig
+from raytrain_cpu.config.checks import ConfigError
+from raytrain_cpu.config.data import DataConfig
 from raytrain_cpu.data.prepare import DataError, SourceSpec, Tokenize, _ExampleWriter, file_examples
 from raytrain_cpu.model.chat import (
     IGNORE,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from raytrain_cpu import bench
-from raytrain_cpu.config.schema import ConfigError
+from raytrain_cpu.config.checks import ConfigError
 from raytrain_cpu.host import cpu
 from raytrain_cpu.model import loading as model
 from raytrain_cpu.planner import memory as plan

@@ -47,17 +47,9 @@ from typing import Any
 import numpy as np
 
 from raytrain_cpu.checkpoint.store import fsync_dir, fsync_file, out_of_space
-from raytrain_cpu.config.schema import (
-    COMPRESSED,
-    Config,
-    ConfigError,
-    DataConfig,
-    data_suffixes,
-    is_glob,
-    load_config,
-    mix_counts,
-    mix_entry_keys,
-)
+from raytrain_cpu.config.checks import ConfigError, is_glob
+from raytrain_cpu.config.data import COMPRESSED, DataConfig, data_suffixes, mix_counts, mix_entry_keys
+from raytrain_cpu.config.schema import Config, load_config
 from raytrain_cpu.model.hub import download_tokenizer, hub_errors, is_hub_id
 from raytrain_cpu.model.tokenizer import (
     BUNDLED_SFT,

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.config.schema import GLIBC_HEAP_THRESHOLD
+from raytrain_cpu.config.scaling import GLIBC_HEAP_THRESHOLD
 
 # ----------------------------------------------------------------------------- features
 
@@ -901,7 +901,7 @@ def compile_auto(n_params: int, dtype: str, attention_span: str, compiler: str) 
     lies between). In fp32 (a CPU without bf16 GEMMs) the GEMMs take more of the step and the one
     measurement lost (0.89x, AMD AVX2). Document masks send a compiled layer's attention to SDPA.
     """
-    from raytrain_cpu.config.schema import COMPILE_AUTO_MIN_PARAMS
+    from raytrain_cpu.config.model import COMPILE_AUTO_MIN_PARAMS
 
     if n_params < COMPILE_AUTO_MIN_PARAMS:
         return False, ""

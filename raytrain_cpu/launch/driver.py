@@ -28,7 +28,9 @@ from typing import Any
 
 import yaml
 
-from raytrain_cpu.config.schema import Config, ConfigError, is_url, load_config, options_help
+from raytrain_cpu.config.checks import ConfigError, is_url
+from raytrain_cpu.config.help import options_help
+from raytrain_cpu.config.schema import Config, load_config
 from raytrain_cpu.model.hub import download_model, is_hub_id
 from raytrain_cpu.obs.console import (
     failure_reason,

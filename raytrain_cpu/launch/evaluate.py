@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_cpu.checkpoint.store import BEST_HELP, MANIFEST, CheckpointError, best_of, read_manifest
-from raytrain_cpu.config.schema import Config, ConfigError, _set_dotted, parse_override
+from raytrain_cpu.config.checks import ConfigError
+from raytrain_cpu.config.load import parse_override, set_dotted
+from raytrain_cpu.config.schema import Config
 
 MICRO_BATCH = 8  # blocks a forward: the loss sums do not depend on it
 
@@ -84,7 +86,7 @@ def evaluation_config(path: Path, model_dir: Path, overrides: list[str], info: d
         "run": {"storage_path": str(run_dir.parent) if run_dir else "./runs"},
     }
     for key, value in given.items():
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     if _eval_path_alone(given):
         # "Evaluate on this file": only it is read (prepare_evaluation packs it alone), but the
         # config wants training text of the same kind: the file stands in for it.
@@ -170,7 +172,7 @@ def _reference(model, info: dict[str, Any], log, given: str = ""):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from raytrain_cpu.config.schema import REFERENCE_FREE_LOSSES
+    from raytrain_cpu.config.training import REFERENCE_FREE_LOSSES
     from raytrain_cpu.trainer import dpo
 
     if (info.get("dpo") or {}).get("loss") in REFERENCE_FREE_LOSSES:

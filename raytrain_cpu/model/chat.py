@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.config.schema import DataConfig
+from raytrain_cpu.config.data import DataConfig
 
 IGNORE = -100  # the label of a token without loss (PyTorch's cross-entropy ignore_index)
 PLAIN_ROLES = ("system", "user", "assistant")

@@ -147,7 +147,7 @@ def _write_tokenizer(out: Path, tokenizer: str, manifest: dict[str, Any]) -> Non
     tok = load_tokenizer(tokenizer)
     data = manifest.get("data") or {}
     if data.get("format", "text") != "text":
-        from raytrain_cpu.config.schema import DataConfig
+        from raytrain_cpu.config.data import DataConfig
         from raytrain_cpu.model.chat import chat_template_for
 
         tok.chat_template = chat_template_for(tok, DataConfig(**data))

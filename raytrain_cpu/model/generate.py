@@ -54,7 +54,7 @@ def prompt_ids(tokenizer, run_info: dict[str, Any], prompt: str | None, messages
         if not tokenizer.chat_template:
             raise ValueError("--chat: this model was trained on plain text and its tokenizer has no chat template")
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    from raytrain_cpu.config.schema import DataConfig
+    from raytrain_cpu.config.data import DataConfig
     from raytrain_cpu.model.chat import render_generation_prompt
 
     return render_generation_prompt(tokenizer, DataConfig(**data), prompt=prompt, messages=messages)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from raytrain_cpu.config.schema import ConfigError
+from raytrain_cpu.config.checks import ConfigError
 
 # What to do instead of reaching the hub, by what the id names.
 _MODEL_COPY = "download it where there is network (hf download {repo} --local-dir DIR) and set {key}=DIR"

@@ -21,7 +21,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.config.schema import Config, ConfigError
+from raytrain_cpu.config.checks import ConfigError
+from raytrain_cpu.config.schema import Config
 from raytrain_cpu.model.hub import is_hub_id
 from raytrain_cpu.planner.memory import config_head_dim
 

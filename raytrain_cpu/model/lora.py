@@ -27,7 +27,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from raytrain_cpu.config.schema import ConfigError, LoraSettings
+from raytrain_cpu.config.checks import ConfigError
+from raytrain_cpu.config.model import LoraSettings
 
 ADAPTER = "default"  # peft's adapter name; the only adapter a run trains
 PEFT_PREFIX = "base_model.model."

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from raytrain_cpu.config.schema import GuardConfig
+from raytrain_cpu.config.training import GuardConfig
 
 Reduce = Callable[[list[float]], list[float]]
 """Sums a short list of floats over all ranks (an all-reduce; the identity on one process)."""

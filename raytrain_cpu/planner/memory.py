@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.config import schema as config_module
+from raytrain_cpu.config import model as config_module
 
 GIB = 2**30
 
@@ -128,7 +128,7 @@ _TINYLLAMA = dict(v=32000, h=2048, i=5632, layers=22, heads=32, kv=4)
 
 # Hub ids whose config.json we know, so planning needs no download (ids are matched
 # case-insensitively). 'tiny' is the project's default model with the bundled 2048-token
-# tokenizer (raytrain_cpu.config.schema.TinyModelConfig defaults).
+# tokenizer (raytrain_cpu.config.model.TinyModelConfig defaults).
 KNOWN_SHAPES: dict[str, ModelShape] = {
     s.name.lower(): s
     for s in [

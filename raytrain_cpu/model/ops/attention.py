@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from raytrain_cpu.config.schema import CAUSAL_BLOCKS_DEFAULT, FUSED, causal_blocks_size
+from raytrain_cpu.config.model import CAUSAL_BLOCKS_DEFAULT, FUSED, causal_blocks_size
 from raytrain_cpu.model.ops import fused_attention
 from raytrain_cpu.planner import memory as plan
 

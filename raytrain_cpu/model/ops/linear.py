@@ -94,7 +94,7 @@ def wanted(setting: bool | str, dtype: str, n_params: int) -> tuple[bool, str]:
     not ('' where there is nothing to say: 'auto' on a model too small to win back the build).
     'auto' passes only on AMX, where oneDNN's micro-kernels run it (elsewhere they fall back to a
     plain GEMM), for models of COMPILE_AUTO_MIN_PARAMS or more; `choose` then times it."""
-    from raytrain_cpu.config.schema import COMPILE_AUTO_MIN_PARAMS
+    from raytrain_cpu.config.model import COMPILE_AUTO_MIN_PARAMS
     from raytrain_cpu.host import cpu
 
     if setting is False:

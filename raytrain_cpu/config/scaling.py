@@ -1,0 +1,187 @@
+"""scaling: and deepspeed: settings: the workers, what each reserves, and the DeepSpeed engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from raytrain_cpu.config.checks import absolute, choice, require
+
+# The workers' default: glibc's dynamic threshold at its ceiling from the first step, with its
+# trim threshold (twice it, as glibc's dynamic rule sets it). The dynamic pair trims the heap
+# whenever its free top passes twice the largest block freed so far, so the next step faults
+# those pages in again: the embedded default ran at 19.9k and 27.5k tokens/s (fused loss)
+# against 33.7k and 35.9k with this pair; with Hugging Face's loss 32.2k and 32.9k against
+# 32.1k and 30.7k (the same perplexity). The 50M bench model: 1,344 and 1,323 against 1,307
+# and 1,346, at 2.84 GB peak per rank against 2.87.
+GLIBC_HEAP_THRESHOLD = 32 << 20
+
+
+# ----------------------------------------------------------------------------- scaling
+
+
+@dataclass
+class ScalingConfig:
+    """How many Ray Train workers, and what each reserves."""
+
+    num_workers: int = 0
+    """Training workers (ranks); 0 derives it: one per node with CPUs, or 2 on a single
+    machine with at least 2 CPUs; a resume keeps its checkpoint's. Another count resumes too,
+    when micro batch x accumulation keep the checkpoint's global batch."""
+    min_workers: int = 0
+    """Elastic training when above 0 and below scaling.num_workers: the run starts with as many
+    workers as the cluster holds in [min_workers, num_workers], goes on with fewer when nodes
+    go (a spot node reclaimed for good) and grows back when nodes come, each time from the
+    latest checkpoint. The global batch stays num_workers x micro_batch_size x
+    grad_accum_steps: fewer workers accumulate more micro batches, so every worker count in
+    the range must split it into micro batches. 0: always num_workers."""
+    resize_check_s: float = 60.0
+    """Elastic training: how often Ray Train looks for room for more workers. A resize restarts
+    the workers from the latest checkpoint, so the steps since it are trained again."""
+    cpus_per_worker: float = 0.0
+    """Ray CPUs each worker reserves; 0 derives it from what Ray reports, leaving
+    scaling.data_cpus free for Ray Data."""
+    data_cpus: float = 0.0
+    """CPUs per node left unreserved so Ray Data can read and prefetch next to training;
+    0 derives it: 1 on machines with up to 16 CPUs, 2 above."""
+    threads_per_worker: int = 0
+    """torch intra-op threads per worker; 0 uses the physical cores behind the worker's CPUs."""
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    """Extra Ray resources each worker needs, e.g. {c7i_worker: 1}, to land on given nodes."""
+    node_wait_s: int = 1800
+    """On a cluster that has no node for the workers yet (an autoscaler starts them on demand,
+    as cluster/aws-c7i.yaml's worker types start at 0), how long the driver asks for them and
+    waits before it stops; 0 stops at once. Needs scaling.num_workers."""
+    check_memory: bool = True
+    """Before data preparation, compare the planner's training peak per rank (times the ranks
+    on a node) with the worker nodes' memory, and stop a run that cannot fit: Ray's memory
+    monitor would kill its workers after loading, and again on every restart. false skips it."""
+    pin_cores: bool = False
+    """Pin each worker's threads to its own physical cores (split by local rank; one socket
+    per rank on multi-socket nodes). Pays on a dedicated node; hurts on a shared one."""
+    allocator: str = "auto"
+    """malloc of the training workers: 'auto' preloads jemalloc (the system's, apt-get install
+    libjemalloc2, else the one Ray's wheel ships), else tcmalloc; 'jemalloc', 'tcmalloc' or
+    'system' (glibc)."""
+    jemalloc_conf: str = ""
+    """The workers' MALLOC_CONF when jemalloc is preloaded; '' is raytrain's (cpu.JEMALLOC_CONF:
+    freed pages stay for the next step and go back to the OS at phase ends). A MALLOC_CONF in
+    the driver's environment (the cluster images') wins over both."""
+    glibc_mmap_threshold: int = GLIBC_HEAP_THRESHOLD
+    """With glibc malloc (no jemalloc/tcmalloc): allocations at least this many bytes get their
+    own mapping, returned to the OS when freed and faulted in afresh when made again; smaller
+    ones come from the heap, which keeps up to twice this free before trimming (glibc's own
+    dynamic rule, at its 32 MiB ceiling by default), so a step reuses the last step's
+    activations without page faults. 1048576 keeps RSS near live memory (the planner's
+    calibration) at the cost of faults on every large tensor; 0 leaves both to glibc's dynamic
+    thresholds, which trim the heap and fault: the embedded default ran 1.2-1.7x slower with
+    them. The planner's estimate is for jemalloc (the cluster images preload it) or 1 MiB."""
+    free_memory_growth_mib: int = 512
+    """Hand malloc's free pages back to the OS when a worker's resident memory has grown this
+    many MiB past its size after the first steps (or after the last such release): a bound on
+    whatever an allocator keeps and does not reuse. Before cpu.JEMALLOC_CONF let jemalloc reuse
+    any kept extent, its kept pages grew every step in some runs (10-20 MiB a step on a
+    16-layer model, to twice the live memory in 100 steps). The next step faults its pages in
+    again. 0: never. The planner (`python -m raytrain_cpu.plan`) leaves this much free per rank
+    in every fit."""
+
+    def __post_init__(self) -> None:
+        require(self.num_workers >= 0, "scaling.num_workers", "must be >= 0 (0 = auto).")
+        require(self.min_workers >= 0, "scaling.min_workers", "must be >= 0 (0 = not elastic).")
+        if self.min_workers:
+            require(
+                self.num_workers > 0,
+                "scaling.min_workers",
+                "elastic training needs scaling.num_workers, the most workers the run may have.",
+            )
+            require(
+                self.min_workers <= self.num_workers,
+                "scaling.min_workers",
+                f"{self.min_workers} is above scaling.num_workers={self.num_workers}, the most workers.",
+            )
+        require(self.resize_check_s > 0, "scaling.resize_check_s", "must be > 0 seconds.")
+        require(self.free_memory_growth_mib >= 0, "scaling.free_memory_growth_mib", "must be >= 0 (0 = never).")
+        choice(self.allocator, "scaling.allocator", ("auto", "jemalloc", "tcmalloc", "system"))
+        require(
+            self.glibc_mmap_threshold >= 0, "scaling.glibc_mmap_threshold", "must be >= 0 (0 = glibc's dynamic one)."
+        )
+        require(self.cpus_per_worker >= 0, "scaling.cpus_per_worker", "must be >= 0 (0 = auto).")
+        require(self.data_cpus >= 0, "scaling.data_cpus", "must be >= 0 (0 = auto).")
+        require(self.threads_per_worker >= 0, "scaling.threads_per_worker", "must be >= 0 (0 = auto).")
+        require(self.node_wait_s >= 0, "scaling.node_wait_s", "must be >= 0 (0 = don't wait).")
+        for k, v in self.resources_per_worker.items():
+            require(
+                isinstance(v, (int, float)) and v > 0,
+                f"scaling.resources_per_worker.{k}",
+                "must be a positive number.",
+            )
+
+
+# ----------------------------------------------------------------------------- deepspeed
+
+
+@dataclass
+class DeepSpeedSettings:
+    """DeepSpeed engine settings; a JSON file can add or override raw DeepSpeed keys."""
+
+    zero_stage: int = 3
+    """ZeRO stage: 3 shards parameters, gradients and optimizer states (and loads sharded);
+    1 and 2 shard only optimizer states (and gradients)."""
+    config_file: str = ""
+    """Optional DeepSpeed JSON merged over the generated config (batch sizes, precision and
+    optimizer are always set from this config; a ZeRO key or gradient_clipping that a
+    deepspeed.* or train.* key also sets must agree with it, or be "auto")."""
+    overlap_comm: bool = False
+    """Overlap gradient reduction with backward (helps with real networks, not on one host)."""
+    param_persistence_threshold: int = 10000
+    """ZeRO-3: parameters smaller than this many elements stay whole on every rank."""
+    max_live_parameters: int = 1_000_000_000
+    """ZeRO-3: parameters kept gathered at once. Forward's gathers stay live for the backward up
+    to this many; lower saves memory (1e8 instead of 1e9: 1.3 GiB per rank at 0.5B) but
+    re-gathers in the backward (+16% step time there). `python -m raytrain_cpu.plan` shows
+    both peaks."""
+    shm_collectives: bool = True
+    """DeepSpeed's all-gathers, reduce-scatters and all-reduces go through shared memory when
+    every rank runs on one machine (raytrain_cpu.trainer.collectives): gloo sends each byte through
+    the loopback TCP stack, 4-7x slower at ZeRO-3's sizes. Ranks on several machines, or no
+    room in /dev/shm, keep gloo; false always uses gloo."""
+    sub_group_size: int = 100_000_000
+    """ZeRO-3: elements of this rank's partition the optimizer updates at a time (DeepSpeed's
+    sub groups). One sub group's fp32 gradient exists at a time, so this bounds it: 0.49 GiB
+    per rank for Llama-3-8B at 4 ranks (its largest sub group) instead of the whole fp32
+    gradient's 7.5 GiB. Checkpoints hold one entry per sub group: resume with the value the
+    run started with (DeepSpeed's default, 1e9, for runs made before raytrain_cpu set this);
+    the manifest records it, and another value stops the run before Ray starts."""
+    reuse_fp32_grad_buffer: bool = True
+    """ZeRO-3: cast each sub group's gradients into one fp32 buffer kept between steps, instead
+    of DeepSpeed's fresh flattened copy and fresh fp32 copy every step, whose new pages each
+    cost a fault (optimizer phase 0.06 s against 0.15 s on the ~50M bench model). The buffer
+    is the size of the largest sub group and stays resident; the planner counts it."""
+    reuse_reduce_buffer: bool = True
+    """ZeRO-3: flatten each gradient bucket for its reduce-scatter into one buffer kept between
+    buckets and steps, instead of DeepSpeed's new tensor per bucket (same bits; 107 MB flattened
+    in 12-14 ms instead of 69-78 on the AMD host). Resident: one reduce bucket (5e7 elements)."""
+    gather_whole_layers: bool = True
+    """ZeRO-3: gather each decoder layer's parameters at once when the layer starts (DeepSpeed
+    leaf modules), instead of each projection and norm as it runs: one hook pair and one
+    all-gather per layer instead of about thirteen. ZeRO-3's per-step Python is what it saves
+    (0.1 s a step at 16 layers: 1.45x on a 16-layer model of hidden size 64, 1.006x on the
+    ~50M bench model, AMD Zen 4), and LoRA, whose adapters each carry hooks otherwise, trained
+    1.1-1.3x faster with it. A gathered layer (plus the next, prefetched) is what the planner
+    counts live anyway. model.compile (compile_scope 'layers') needs it: the gathers must stay
+    outside the compiled layer."""
+
+    def __post_init__(self) -> None:
+        choice(str(self.zero_stage), "deepspeed.zero_stage", ("1", "2", "3"))
+        if self.config_file:
+            require(
+                Path(self.config_file).is_file(),
+                "deepspeed.config_file",
+                f"{self.config_file!r} does not exist; give the path of a DeepSpeed JSON file or ''.",
+            )
+            self.config_file = absolute(self.config_file)  # the workers read it
+        require(self.param_persistence_threshold >= 0, "deepspeed.param_persistence_threshold", "must be >= 0.")
+        require(
+            self.max_live_parameters > 0, "deepspeed.max_live_parameters", "must be > 0 (DeepSpeed's default is 1e9)."
+        )
+        require(self.sub_group_size > 0, "deepspeed.sub_group_size", "must be > 0 (raytrain_cpu's default is 1e8).")
