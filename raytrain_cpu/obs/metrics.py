@@ -212,9 +212,45 @@ its workers and actors, the driver's default console shows only lines like these
 (main.quiet_ray_console); run.verbose=true shows the rest too."""
 
 
+CHOICE_LINE = re.compile(r"^\[rank \d+\] (?:cpu: |collectives: |\[(?:model|engine)\] |\[load\] loading )")
+"""A worker's line saying which kernel or path a choice took (CPU, dtype, threads, allocator,
+collectives, attention, loss, norms, weight gradients, compile, ZeRO-3 gathers): once the worker
+knows its run directory (log_choices), these go to its run.log rather than the console, which
+keeps progress, evaluation and the summary."""
+
+RUN_LOG = "run.log"
+_choice_log: list[Path] = []  # this process's run.log, once log_choices named it
+
+
+def log_choices(run_dir: str | Path) -> None:
+    """From now on this process's CHOICE_LINEs go to <run_dir>/run.log instead of stdout."""
+    _choice_log[:] = [Path(run_dir) / RUN_LOG]
+
+
+def read_choices(run_dir: str | Path, start: int = 0) -> list[str]:
+    """The choice lines written to <run_dir>/run.log from byte `start` on, each once (a restarted
+    worker group writes its own again), for summary.json."""
+    try:
+        with open(Path(run_dir) / RUN_LOG, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return list(dict.fromkeys(line for line in text.splitlines() if line))
+
+
+def run_log_size(run_dir: str | Path) -> int:
+    """run.log's size now: where this attempt's choices start (read_choices)."""
+    try:
+        return (Path(run_dir) / RUN_LOG).stat().st_size
+    except OSError:
+        return 0
+
+
 def console(msg: str) -> None:
     """Flushed line(s) on stdout, each starting "[rank N] " or "[raytrain] " (CONSOLE_LINE; a line
-    with neither gets the first line's prefix, or "[raytrain] "), so the driver's console shows them.
+    with neither gets the first line's prefix, or "[raytrain] "), so the driver's console shows them;
+    a choice line (CHOICE_LINE) goes to run.log instead, once log_choices has named it.
 
     Written to the stream, not with print(): Ray Train patches print() in its workers to also
     log through the root logger, so the driver (and `ray job logs`) would show every line twice.
@@ -222,7 +258,15 @@ def console(msg: str) -> None:
     lines = msg.split("\n")
     head = CONSOLE_LINE.match(lines[0])
     prefix = head.group(0) if head else "[raytrain] "
-    sys.stdout.write("".join(f"{line if CONSOLE_LINE.match(line) else prefix + line}\n" for line in lines))
+    lines = [line if CONSOLE_LINE.match(line) else prefix + line for line in lines]
+    if _choice_log and CHOICE_LINE.match(lines[0]):
+        try:
+            with open(_choice_log[0], "a") as f:
+                f.write("".join(f"{line}\n" for line in lines))
+            return
+        except OSError:
+            pass  # no run directory here after all: the console still has it
+    sys.stdout.write("".join(f"{line}\n" for line in lines))
     sys.stdout.flush()
 
 
