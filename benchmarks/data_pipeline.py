@@ -40,7 +40,8 @@ def make_corpus(out: Path, copies: int) -> list[str]:
 
 
 def bench_ray(files: list[str], cpus: int, work: Path) -> dict:
-    from raytrain_cpu.data.prepare import prepare, read_meta
+    from raytrain_cpu.data.prepare import prepare
+    from raytrain_cpu.data.stream import read_meta
 
     cfg = load_config(
         None,

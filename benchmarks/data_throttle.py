@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from raytrain_cpu.data import throttle as datathrottle
-from raytrain_cpu.data.prepare import StreamPlan, _BlockWriter, eval_stream, train_stream
+from raytrain_cpu.data.prepare import _BlockWriter
+from raytrain_cpu.data.stream import StreamPlan, eval_stream, train_stream
 from raytrain_cpu.host.cpu import cpu_features
 
 RESULTS = Path(__file__).parent / "results" / cpu_features().slug  # one folder per machine

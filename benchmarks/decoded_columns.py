@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from raytrain_cpu.bench import write_results  # noqa: E402
-from raytrain_cpu.data import prepare as data  # noqa: E402
+from raytrain_cpu.data import stream as data  # noqa: E402
 from raytrain_cpu.host.cpu import cpu_features  # noqa: E402
 from raytrain_cpu.obs.metrics import markdown_table  # noqa: E402
 

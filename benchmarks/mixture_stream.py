@@ -23,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from raytrain_cpu.data import prepare as data
-from raytrain_cpu.data.prepare import StreamPlan, _BlockWriter, mix_pattern
+from raytrain_cpu.data import stream as data
+from raytrain_cpu.data.prepare import _BlockWriter
+from raytrain_cpu.data.stream import StreamPlan, mix_pattern
 from raytrain_cpu.host.cpu import cpu_features
 
 RESULTS = Path(__file__).parent / "results" / cpu_features().slug  # one folder per machine

@@ -23,7 +23,7 @@ from collections.abc import Callable
 # verb -> (module holding main(argv), words put before the rest of the arguments, one line of help)
 VERBS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "train": ("raytrain_cpu.launch.driver", (), "train or fine-tune: the whole job, from this driver"),
-    "prepare": ("raytrain_cpu.data.prepare", ("prepare",), "tokenize and pack the data into the block cache"),
+    "prepare": ("raytrain_cpu.data.cli", ("prepare",), "tokenize and pack the data into the block cache"),
     "plan": ("raytrain_cpu.planner.memory", (), "memory per rank and the nodes a configuration needs"),
     "export": ("raytrain_cpu.model.export", (), "a checkpoint -> a Hugging Face model"),
     "generate": ("raytrain_cpu.model.generate", (), "sample text from a run, checkpoint or export"),

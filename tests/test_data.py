@@ -8,18 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from raytrain_cpu.data.prepare import (
-    DataError,
-    SourceSpec,
-    StreamPlan,
-    _BlockWriter,
-    _group_wikitext,
-    document_positions,
-    file_documents,
-    global_order,
-    mix_pattern,
-    mix_positions,
-)
+from raytrain_cpu.data.prepare import _BlockWriter
+from raytrain_cpu.data.sources import DataError, SourceSpec, _group_wikitext, file_documents
+from raytrain_cpu.data.stream import StreamPlan, document_positions, global_order, mix_pattern, mix_positions
 
 WIKI = "\n = Alpha = \n\n Alpha is a letter .\n\n = = History = = \n\n It is old .\n = Beta = \n\n Beta too .\n\n"
 
@@ -119,6 +110,7 @@ def test_cache_files_are_whole_and_blocks_are_read_by_each_files_own_rows(tmp_pa
     import pyarrow.parquet as pq
 
     from raytrain_cpu.data import prepare as data
+    from raytrain_cpu.data import stream
 
     monkeypatch.setattr(data, "BLOCKS_PER_FILE", 8)
     seq, start = 4, 0
@@ -136,16 +128,16 @@ def test_cache_files_are_whole_and_blocks_are_read_by_each_files_own_rows(tmp_pa
         old._flush(n)
     for split in ("new", "old"):
         ids = np.array([24, 0, 4, 5, 7, 8, 16, 17, 23, 9])
-        got = data.read_blocks(str(tmp_path / split), ids, has_labels=False)["input_ids"]
+        got = stream.read_blocks(str(tmp_path / split), ids, has_labels=False)["input_ids"]
         np.testing.assert_array_equal(got, np.repeat(ids[:, None], seq, axis=1), err_msg=split)
         with pytest.raises(IndexError, match="outside the 25 blocks"):
-            data.read_blocks(str(tmp_path / split), np.array([25]), has_labels=False)
+            stream.read_blocks(str(tmp_path / split), np.array([25]), has_labels=False)
 
 
 def test_decoded_columns_hold_the_windows_files_and_the_least_recent_go(tmp_path):
     """A file's columns stay decoded while its file is among the most recently read (three
     columns of a window's 8 files once did not fit 16 entries); a plan asks for its windows'."""
-    from raytrain_cpu.data import prepare as data
+    from raytrain_cpu.data import stream as data
 
     c, d, e = (f"{_cache_of(tmp_path / name, 30, 0)}/part-00000.parquet" for name in "cde")
     decoded = data._DecodedColumns(files=2)
@@ -337,7 +329,8 @@ def test_an_s3_object_rewritten_under_its_name_is_new_data_to_the_cache_key(make
 
     import pyarrow.fs as pafs
 
-    from raytrain_cpu.data.prepare import cache_key, source_specs
+    from raytrain_cpu.data.prepare import cache_key
+    from raytrain_cpu.data.sources import source_specs
     from raytrain_cpu.model.tokenizer import resolve_tokenizer_path
 
     bucket = tmp_path / "bucket"
@@ -365,7 +358,8 @@ def test_an_s3_object_rewritten_under_its_name_is_new_data_to_the_cache_key(make
 
 @pytest.mark.slow
 def test_prepare_cache_keyed_reused_and_bad_sources(ray_session, tmp_path, make_config, capfd):
-    from raytrain_cpu.data.prepare import prepare, read_meta
+    from raytrain_cpu.data.prepare import prepare
+    from raytrain_cpu.data.stream import read_meta
 
     text = tmp_path / "corpus.txt"
     text.write_bytes(WIKI.encode() * 120 + b" = Gamma = \n bad \xff line\n ok line .\n")
@@ -428,7 +422,8 @@ def test_prepare_packs_a_directorys_files_in_order_and_may_hold_nothing_out(
     import ray
 
     from raytrain_cpu.data import prepare as data
-    from raytrain_cpu.data.prepare import prepare, read_blocks, read_meta
+    from raytrain_cpu.data.prepare import prepare
+    from raytrain_cpu.data.stream import read_blocks, read_meta
     from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
 
     # As a fresh `prepare` process has it (the session's runs set it for their own reads).
@@ -581,7 +576,8 @@ def test_eval_streams_cover_every_block_once_whatever_the_worker_count(ray_sessi
     run's eval_loss depended on its worker count. A rank short of a block gets a padding row
     without targets (every label -100), and a text stream holding one carries labels for all its
     rows (their inputs), so its batches all have the same columns."""
-    from raytrain_cpu.data.prepare import _ExampleWriter, eval_stream
+    from raytrain_cpu.data.prepare import _ExampleWriter
+    from raytrain_cpu.data.stream import eval_stream
 
     n_eval, seq = 7, 4
     _cache_of(tmp_path / "text" / "eval", n_eval, 100, seq)  # block i holds 100 + i
@@ -634,7 +630,9 @@ def test_eval_examples_cut_to_seq_len_are_counted_too(ray_session, tmp_path, mak
     truncated_examples and on the console; the eval text's were truncated as silently: its
     count was dropped. meta.json's eval_truncated_examples counts them, from an eval file of
     its own and from the documents held out of the training text, and the console line says so."""
-    from raytrain_cpu.data.prepare import PREPARED_FIGURES, prepare, read_meta
+    from raytrain_cpu.data.cli import PREPARED_FIGURES
+    from raytrain_cpu.data.prepare import prepare
+    from raytrain_cpu.data.stream import read_meta
 
     def chat(answer: str) -> str:
         return json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}]})
@@ -736,7 +734,8 @@ def test_two_forced_rebuilds_at_once_end_with_the_same_cache(make_config, tmp_pa
 def test_a_forced_rebuild_never_moves_the_cache_a_run_reads(make_config, tmp_path, fake_packing):
     """--force used to delete the cache directory and rename a new one in its place: a run
     reading it died with FileNotFoundError. The rebuild is a new version; the old one stays."""
-    from raytrain_cpu.data.prepare import prepare, read_meta
+    from raytrain_cpu.data.prepare import prepare
+    from raytrain_cpu.data.stream import read_meta
 
     cfg = make_config(f"data.cache_dir={tmp_path / 'cache'}")
     lines: list[str] = []
@@ -768,7 +767,7 @@ def test_an_s3_prefix_lists_only_its_sources_files(tmp_path, monkeypatch):
     and Spark's .crc files as parquet. It keeps the kind's suffixes, as a local directory does."""
     import pyarrow.fs as pafs
 
-    from raytrain_cpu.data.prepare import _expand_s3
+    from raytrain_cpu.data.sources import _expand_s3
 
     bucket = tmp_path / "bucket"
     (bucket / "set" / "sub").mkdir(parents=True)

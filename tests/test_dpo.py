@@ -20,8 +20,10 @@ from conftest import FUSED_VOCAB, fused_llama_pair
 from raytrain_cpu.config.checks import ConfigError
 from raytrain_cpu.config.data import DataConfig
 from raytrain_cpu.config.schema import load_config
-from raytrain_cpu.data.prepare import DataError, SourceSpec, Tokenize, _ExampleWriter, file_examples
-from raytrain_cpu.model.chat import IGNORE, RowError, row_pair
+from raytrain_cpu.data.prepare import Tokenize, _ExampleWriter
+from raytrain_cpu.data.sft import IGNORE, row_pair
+from raytrain_cpu.data.sources import DataError, SourceSpec, file_examples
+from raytrain_cpu.model.chat import RowError
 from raytrain_cpu.model.tokenizer import BUNDLED_SFT, BUNDLED_TOKENIZER, EOS
 from raytrain_cpu.planner import memory as plan
 from raytrain_cpu.trainer import dpo

@@ -707,7 +707,7 @@ def _single_process_losses(cfg, run_dir: Path, cache: str, steps: int) -> dict[i
     import torch
     from transformers import AutoModelForCausalLM
 
-    from raytrain_cpu.data.prepare import StreamPlan, read_meta
+    from raytrain_cpu.data.stream import StreamPlan, read_meta
     from raytrain_cpu.trainer.loop import lr_factor
 
     t = cfg.train

@@ -129,7 +129,7 @@ def test_full_parameter_sft_under_zero2_resumes_and_exports(ray_session, make_co
 def _uneven_chat(path: Path) -> Path:
     """Chat rows whose answers are a word or a paragraph: packed blocks of one long answer (~120
     targets) and blocks of many short ones (a few targets each)."""
-    from raytrain_cpu.data.prepare import BUNDLED_WIKITEXT
+    from raytrain_cpu.model.tokenizer import BUNDLED_WIKITEXT
 
     paragraphs = [p for p in (BUNDLED_WIKITEXT / "test.txt").read_text().splitlines() if len(p) > 600]
     rows = []

@@ -389,7 +389,8 @@ def test_a_hub_dataset_updated_under_the_same_file_names_is_new_data_to_the_cach
     import huggingface_hub
     from huggingface_hub import HfFileSystem
 
-    from raytrain_cpu.data.prepare import DataError, cache_key, source_specs
+    from raytrain_cpu.data.prepare import cache_key
+    from raytrain_cpu.data.sources import DataError, source_specs
     from raytrain_cpu.model.tokenizer import resolve_tokenizer_path
 
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", stub_hub)

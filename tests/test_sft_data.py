@@ -16,16 +16,10 @@ import pytest
 
 from raytrain_cpu.config.checks import ConfigError
 from raytrain_cpu.config.data import DataConfig
-from raytrain_cpu.data.prepare import DataError, SourceSpec, Tokenize, _ExampleWriter, file_examples
-from raytrain_cpu.model.chat import (
-    IGNORE,
-    PLAIN_TEMPLATE,
-    chat_template_for,
-    example_tokens,
-    render_generation_prompt,
-    row_messages,
-    template_for_dir,
-)
+from raytrain_cpu.data.prepare import Tokenize, _ExampleWriter
+from raytrain_cpu.data.sft import IGNORE, example_tokens, row_messages
+from raytrain_cpu.data.sources import DataError, SourceSpec, file_examples
+from raytrain_cpu.model.chat import PLAIN_TEMPLATE, chat_template_for, render_generation_prompt, template_for_dir
 from raytrain_cpu.model.tokenizer import BUNDLED_SFT, BUNDLED_TOKENIZER, EOS
 
 CHAT = [
@@ -152,7 +146,7 @@ def test_an_alpaca_json_array_file_gives_its_examples():
     """alpaca_data.json as Stanford ships it: one JSON array of instruction/input/output rows."""
     import json
 
-    from raytrain_cpu.data.prepare import SourceSpec, file_documents
+    from raytrain_cpu.data.sources import SourceSpec, file_documents
 
     rows = [
         {"instruction": "Name a poet.", "input": "", "output": "Du Fu."},
@@ -397,7 +391,8 @@ def test_config_validation():
 
 
 def test_cache_key_changes_with_format_template_and_train_on_prompt(make_config, tmp_path):
-    from raytrain_cpu.data.prepare import cache_key, source_specs
+    from raytrain_cpu.data.prepare import cache_key
+    from raytrain_cpu.data.sources import source_specs
     from raytrain_cpu.model.tokenizer import resolve_tokenizer_path
 
     jinja = tmp_path / "t.jinja"
@@ -426,7 +421,8 @@ def test_cache_key_changes_with_format_template_and_train_on_prompt(make_config,
 def test_prepare_chat_cache_has_labels_streams_yield_them_bad_rows(ray_session, make_config, tmp_path, tok, eos_id):
     import pyarrow.parquet as pq
 
-    from raytrain_cpu.data.prepare import StreamPlan, eval_stream, prepare, read_meta, train_stream
+    from raytrain_cpu.data.prepare import prepare
+    from raytrain_cpu.data.stream import StreamPlan, eval_stream, read_meta, train_stream
 
     # The bundled chat examples, as tests/test_finetune.py trains on them (same key: the cache is shared).
     cache = prepare(make_config("data.format=chat", "data.seq_len=128"))

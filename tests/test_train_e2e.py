@@ -21,7 +21,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_path, capsys):
-    from raytrain_cpu.data.prepare import global_order, read_meta
+    from raytrain_cpu.data.stream import global_order, read_meta
     from raytrain_cpu.launch.driver import run
     from raytrain_cpu.trainer.loop import lr_factor
 
@@ -223,7 +223,7 @@ def test_the_best_checkpoint_is_kept_and_a_run_stops_early(ray_session, make_con
 def test_epochs_train_every_block_each_pass_and_a_resume_adds_passes(ray_session, make_config, tmp_path, capsys):
     """train.epochs: the steps come from the packed blocks (ceil, so one epoch trains every block);
     the same command again has nothing to train, and train.epochs=2 resumes for the second pass."""
-    from raytrain_cpu.data.prepare import read_meta
+    from raytrain_cpu.data.stream import read_meta
     from raytrain_cpu.launch.driver import run
     from raytrain_cpu.model.tokenizer import BUNDLED_WIKITEXT
 

@@ -10,7 +10,8 @@ import types
 import numpy as np
 import pytest
 
-from raytrain_cpu.data.prepare import StreamPlan, _BlockWriter
+from raytrain_cpu.data.prepare import _BlockWriter
+from raytrain_cpu.data.stream import StreamPlan
 from raytrain_cpu.host import cpu
 from raytrain_cpu.obs.metrics import ThroughputWindow
 from raytrain_cpu.trainer.loop import (

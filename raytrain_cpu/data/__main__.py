@@ -1,6 +1,6 @@
-"""`python -m raytrain_cpu.data prepare ...`: see raytrain_cpu.data.prepare."""
+"""`python -m raytrain_cpu.data prepare ...`: see raytrain_cpu.data.cli."""
 
-from raytrain_cpu.data.prepare import main
+from raytrain_cpu.data.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

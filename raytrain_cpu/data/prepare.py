@@ -1,30 +1,20 @@
-"""Data: text -> documents -> tokens (Ray Data) -> packed blocks (parquet cache) -> per-rank streams.
+"""What `prepare` builds: documents -> tokens (Ray Data) -> packed blocks -> a versioned parquet cache.
 
-The flow, top to bottom:
-
-1. **sources**: text files, JSONL, parquet (local, /fsx or s3://) or a hub dataset are read
-   as whole files with Ray Data, so a bad byte or a missing column can be reported with its
-   file and line. Wikitext-style line sources are regrouped into articles (a ` = Title = `
-   heading starts one); blank lines are dropped.
-2. **tokenize**: `map_batches` with a callable class, so each Ray Data actor loads the
+1. **tokenize**: `map_batches` with a callable class, so each Ray Data actor loads the
    tokenizer once; batched fast tokenization; every document ends with EOS.
-3. **pack**: documents are concatenated and cut into `seq_len` blocks: no padding anywhere,
+2. **pack**: documents are concatenated and cut into `seq_len` blocks: no padding anywhere,
    the EOS marks document boundaries. Labels are the inputs (the model shifts them), so the
-   target of each position is the next token of the same packed stream.
-4. **cache**: blocks are written as parquet under `<cache_dir>/<key>/`, where the key hashes
+   target of each position is the next token of the same packed stream. Chat, instruction and
+   preference examples are packed whole and padded (data.sft makes their tokens).
+3. **cache**: blocks are written as parquet under `<cache_dir>/<key>/`, where the key hashes
    the source, the tokenizer and seq_len. Written to a temporary directory and renamed, so a
    cache is either whole or absent. `python -m raytrain_cpu.data prepare --config ...` fills
-   it ahead of time; training fills it when missing.
-5. **stream**: each rank gets its own Ray Data pipeline over the cache holding exactly the
-   blocks it will train on, in a seeded order, starting at the first block not yet consumed.
-   A mixture (data.mix) packs each source into a cache of its own and interleaves them by
-   weight in the stream (`mix_positions`).
+   it ahead of time; training fills it when missing. A mixture (data.mix) packs each source
+   into a cache of its own; its own directory holds only their names and shares.
 """
 
 from __future__ import annotations
 
-import codecs
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -35,387 +25,29 @@ import logging
 import os
 import re
 import shutil
-import sys
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from raytrain_cpu.checkpoint.store import fsync_dir, fsync_file, out_of_space
-from raytrain_cpu.config.checks import ConfigError, is_glob
-from raytrain_cpu.config.data import COMPRESSED, DataConfig, data_suffixes, mix_counts, mix_entry_keys
-from raytrain_cpu.config.schema import Config, load_config
-from raytrain_cpu.model.hub import download_tokenizer, hub_errors, is_hub_id
+from raytrain_cpu.checkpoint.files import fsync_dir, fsync_file, out_of_space
+from raytrain_cpu.config.data import COMPRESSED, DataConfig, mix_counts, mix_entry_keys
+from raytrain_cpu.config.schema import Config
+from raytrain_cpu.data.sources import DataError, SourceSpec, arrow_filesystem, documents_batch, source_specs
+from raytrain_cpu.data.stream import BLOCKS_PER_FILE, mix_pattern, read_meta
+from raytrain_cpu.model.hub import download_tokenizer, is_hub_id
 from raytrain_cpu.model.tokenizer import (
-    BUNDLED_SFT,
-    BUNDLED_WIKITEXT,
     load_tokenizer,
     resolve_tokenizer_path,
     save_tokenizer,
 )
 
 CACHE_FORMAT = 1
-BLOCKS_PER_FILE = 8192
-_HEADING = re.compile(r"^ ?= [^=].*[^=] = ?$")
-
-
-class DataError(ValueError):
-    """Unusable input data; the message names the file (and line or row) and the fix."""
-
-
-# ----------------------------------------------------------------------------- sources
-
-
-@dataclass(frozen=True)
-class SourceSpec:
-    """One split of one source: which files, how to read them, how to cut documents."""
-
-    kind: str  # text | jsonl | parquet
-    paths: tuple[str, ...]
-    text_column: str
-    wikitext: bool  # regroup lines into articles at ` = Title = ` headings
-    bad_rows: str
-    filesystem: str = "local"  # local | s3 | hf
-    format: str = "text"  # text: documents | chat / instruction: rows that become examples (sft.py)
-    # A remote file's version from its listing, one per path (S3: size and modification time; the
-    # hub: its git blob id), so an object rewritten under the same name is new data to the cache
-    # key; () for local files, which are stat'ed when the key is made.
-    versions: tuple[str, ...] = ()
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "paths": list(self.paths),
-            "text_column": self.text_column,
-            "wikitext": self.wikitext,
-            "format": self.format,
-        }
-
-
-def _expand_local(path: str, kind: str, key: str) -> tuple[str, ...]:
-    suffix = data_suffixes(kind)
-    p = Path(path).expanduser()
-    if is_glob(path):
-        files = sorted(str(f) for f in Path(p.anchor or ".").glob(str(p.relative_to(p.anchor)) if p.anchor else path))
-    elif p.is_dir():
-        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.name.endswith(suffix))
-    elif p.is_file():
-        files = [str(p.absolute())]
-    else:
-        raise DataError(f"{key}: {path!r} does not exist. Point it at a {kind} file, a directory or a glob.")
-    if not files:
-        raise DataError(f"{key}: {path!r} holds no {'/'.join(suffix)} files; the source is empty.")
-    return tuple(str(Path(f).absolute()) for f in files)
-
-
-def _expand_s3(path: str, kind: str, key: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(s3:// paths, their versions) of an object or of every object under a prefix."""
-    import pyarrow.fs as pafs
-
-    try:
-        fs, root = pafs.FileSystem.from_uri(path)
-        info = fs.get_file_info(root)
-        if info.type == pafs.FileType.NotFound:
-            raise DataError(f"{key}: {path!r} does not exist (or is not readable with these credentials).")
-        if info.type == pafs.FileType.File:
-            return (path,), (_object_version(info),)
-        sel = pafs.FileSelector(root, recursive=True)
-        # A prefix's objects of this kind only, as a local directory's files (_SUCCESS, README.md,
-        # .crc files beside the data are no source).
-        found = sorted(
-            (f.path, f)
-            for f in fs.get_file_info(sel)
-            if f.type == pafs.FileType.File and f.base_name.endswith(data_suffixes(kind))
-        )
-    except OSError as e:  # S3 unreachable, an unknown bucket, credentials refused: AWS's words, one line
-        raise DataError(
-            f"{key}: cannot list {path!r} ({' '.join(str(e).split())}). Check the bucket's name, this machine's "
-            "network and its AWS credentials (the instance role on the cluster; AWS_PROFILE or AWS_ACCESS_KEY_ID)."
-        ) from None
-    if not found:
-        raise DataError(f"{key}: {path!r} holds no {'/'.join(data_suffixes(kind))} objects; the source is empty.")
-    return tuple(f"s3://{p}" for p, _ in found), tuple(_object_version(f) for _, f in found)
-
-
-def _object_version(info) -> str:
-    """An S3 object's size and last-modified time, as its listing gives them (no request more)."""
-    return f"{info.size}:{info.mtime_ns}"
-
-
-def _hub_files(cfg: DataConfig, split: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(hf:// paths, their versions) of a hub dataset split's parquet files (the hub's own parquet
-    conversion)."""
-    from huggingface_hub import HfFileSystem
-
-    fs = HfFileSystem()
-    base = f"datasets/{cfg.hub_id}"
-    candidates = [f"{base}/{cfg.hub_config}/{split}-*.parquet", f"{base}/{cfg.hub_config}/{split}/*.parquet"]
-    for pattern in candidates:
-        with hub_errors("data.hub_id", cfg.hub_id, "dataset"):
-            found = sorted(fs.glob(pattern, detail=True).items())
-        if found:
-            # A file's git blob id (an LFS file's pointer: its content hash) names its version:
-            # a dataset updated on the hub is new data.
-            versions = tuple(str(info.get("blob_id") or info["size"]) for _, info in found)
-            return tuple(f"hf://{f}" for f, _ in found), versions
-    raise DataError(
-        f"data.hub_id: no parquet files for {cfg.hub_id} / {cfg.hub_config} / split {split!r} on the hub "
-        f"(looked for {candidates}). Check data.hub_config and data.train_split/eval_split."
-    )
-
-
-def source_specs(cfg: DataConfig) -> tuple[SourceSpec, SourceSpec | None]:
-    """(train, eval) sources; eval is None when it is held out from train."""
-    train, evals = _source_specs(cfg)
-    # Rows become chat/instruction examples: never regrouped as wikitext lines.
-    fmt = {"format": cfg.format, "wikitext": False} if cfg.format != "text" else {}
-    return dataclasses.replace(train, **fmt), (dataclasses.replace(evals, **fmt) if evals else None)
-
-
-def check_sources(cfg: DataConfig) -> None:
-    """Lists every source's files (a mixture's each): a missing path, or a hub dataset's file
-    list, answers before Ray starts."""
-    for i, part in enumerate(cfg.parts()):
-        try:
-            source_specs(part)
-        except (ConfigError, DataError) as e:  # a hub's answer, a missing file: named as the entry's
-            if not cfg.mix:
-                raise
-            raise type(e)(mix_entry_keys(str(e), i)) from None
-
-
-def _source_specs(cfg: DataConfig) -> tuple[SourceSpec, SourceSpec | None]:
-    if cfg.source == "bundled" and cfg.format != "text":  # the examples made from the bundled wikitext
-
-        def mk(split: str) -> SourceSpec:
-            return SourceSpec("jsonl", (str(BUNDLED_SFT / f"{cfg.format}_{split}.jsonl"),), "", False, cfg.bad_rows)
-
-        return mk("train"), mk("eval")
-    if cfg.source == "bundled":
-        mk = lambda f: SourceSpec("text", (str(BUNDLED_WIKITEXT / f),), "text", True, cfg.bad_rows)  # noqa: E731
-        return mk("test.txt"), mk("valid.txt")
-    if cfg.source == "hub":
-        wikitext = "wikitext" in cfg.hub_id.lower()
-
-        def hub(split: str) -> SourceSpec:
-            paths, versions = _hub_files(cfg, split)
-            return SourceSpec("parquet", paths, cfg.text_column, wikitext, cfg.bad_rows, "hf", versions=versions)
-
-        return hub(cfg.train_split), (hub(cfg.eval_split) if cfg.eval_split else None)
-
-    def files(path: str, key: str) -> SourceSpec:
-        if path.startswith("s3://"):
-            paths, versions = _expand_s3(path, cfg.source, key)
-            fs = "s3"
-        else:
-            paths, versions, fs = _expand_local(path, cfg.source, key), (), "local"
-        return SourceSpec(cfg.source, paths, cfg.text_column, cfg.source == "text", cfg.bad_rows, fs, versions=versions)
-
-    return files(cfg.path, "data.path"), (files(cfg.eval_path, "data.eval_path") if cfg.eval_path else None)
-
-
-def _filesystem(name: str):
-    if name == "hf":
-        from huggingface_hub import HfFileSystem
-        from pyarrow.fs import FSSpecHandler, PyFileSystem
-
-        return PyFileSystem(FSSpecHandler(HfFileSystem()))
-    return None
-
-
-# ----------------------------------------------------------------------------- documents
-
-
-def _decode_lines(raw: bytes, path: str, bad_rows: str) -> tuple[list[str], int]:
-    """UTF-8 lines of a file; undecodable lines fail (naming file and line) or are skipped.
-    Files saved on Windows read as the same lines: a leading byte-order mark and CRLF endings are
-    dropped (a kept '\r' hides wikitext headings, and a BOM is not JSON)."""
-    raw = raw.removeprefix(codecs.BOM_UTF8).replace(b"\r\n", b"\n")
-    try:
-        return raw.decode("utf-8").split("\n"), 0
-    except UnicodeDecodeError as e:
-        if bad_rows == "error":
-            line = raw[: e.start].count(b"\n") + 1
-            col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-            raise DataError(
-                f"{path}, line {line}, column {col}: not valid UTF-8 (byte 0x{raw[e.start]:02x}). "
-                "Re-encode the file as UTF-8, or set data.bad_rows=skip to drop such lines."
-            ) from None
-    lines, skipped = [], 0
-    for chunk in raw.split(b"\n"):
-        try:
-            lines.append(chunk.decode("utf-8"))
-        except UnicodeDecodeError:
-            skipped += 1
-    return lines, skipped
-
-
-def _group_wikitext(lines: list[str]) -> list[str]:
-    """Articles: a top-level ` = Title = ` heading starts one; blank lines are dropped."""
-    docs: list[list[str]] = []
-    for line in lines:
-        if not line.strip():
-            continue
-        if _HEADING.match(line.rstrip("\n")) or not docs:
-            docs.append([])
-        docs[-1].append(line.strip())
-    return ["\n".join(d) for d in docs]
-
-
-def _records_text(
-    records: list[Any], column: str, path: str, first_row: int, bad_rows: str, what: str
-) -> tuple[list[str], int]:
-    texts, skipped = [], 0
-    for i, value in enumerate(records):
-        if isinstance(value, str):
-            texts.append(value)
-            continue
-        if bad_rows == "skip":
-            skipped += 1
-            continue
-        raise DataError(
-            f"{path}, {what} {first_row + i}: column {column!r} is {'missing' if value is None else type(value).__name__}, "
-            "not text. Fix the row, or set data.bad_rows=skip to drop such rows."
-        )
-    return texts, skipped
-
-
-def _jsonl_rows(raw: bytes, path: str, bad_rows: str) -> tuple[list[tuple[str, int, Any]], int]:
-    """("line", number, parsed object) of every non-blank line; bad JSON fails or is skipped. A
-    file holding one JSON array instead (as Alpaca's alpaca_data.json and many exports ship)
-    gives ("item", index, object) of its items."""
-    lines, skipped = _decode_lines(raw, path, bad_rows)
-    if next((ln.lstrip()[:1] for ln in lines if ln.strip()), "") == "[":
-        try:
-            items = json.loads("\n".join(lines))
-        except json.JSONDecodeError as e:  # one document: no row to skip
-            raise DataError(f"{path}, line {e.lineno}: not valid JSON ({e.msg}). Fix it.") from None
-        if isinstance(items, list):
-            return [("item", i, obj) for i, obj in enumerate(items)], skipped
-    rows = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(("line", n, json.loads(line)))
-        except json.JSONDecodeError as e:
-            if bad_rows == "skip":
-                skipped += 1
-                continue
-            raise DataError(f"{path}, line {n}: not valid JSON ({e.msg}). Fix it, or set data.bad_rows=skip.") from None
-    return rows, skipped
-
-
-def file_examples(path: str, raw: bytes, spec: SourceSpec, data: DataConfig) -> tuple[list[str], int]:
-    """Chat/instruction rows of one file as JSON payloads {ref, messages} for the tokenizer actors;
-    a row without messages/prompt fails naming file and row, or is skipped and counted."""
-    from raytrain_cpu.model.chat import RowError, row_messages, row_pair
-
-    if spec.kind == "jsonl":
-        rows, skipped = _jsonl_rows(raw, path, spec.bad_rows)
-        refs = [f"{path}, {what} {n}" for what, n, _ in rows]
-        objs = [o for _, _, o in rows]
-    else:
-        import io
-
-        import pyarrow.parquet as pq
-
-        objs, skipped = pq.read_table(io.BytesIO(raw)).to_pylist(), 0
-        refs = [f"{path}, row {i}" for i in range(len(objs))]
-    out = []
-    for ref, obj in zip(refs, objs):
-        try:
-            if not isinstance(obj, dict):
-                raise RowError(f"a {type(obj).__name__}, not an object with fields")
-            if data.format == "preference":
-                out.append(json.dumps({"ref": ref, "pair": row_pair(obj, data)}))
-            else:
-                out.append(json.dumps({"ref": ref, "messages": row_messages(obj, data)}))
-        except (RowError, ValueError) as e:
-            if spec.bad_rows == "skip":
-                skipped += 1
-                continue
-            raise DataError(f"{ref}: {e}. Fix the row, or set data.bad_rows=skip to drop such rows.") from None
-    return out, skipped
-
-
-def file_documents(path: str, raw: bytes, spec: SourceSpec, data: DataConfig | None = None) -> tuple[list[str], int]:
-    """(documents, skipped rows) of one whole file; for chat/instruction data, example payloads."""
-    if spec.format != "text":
-        return file_examples(path, raw, spec, data or DataConfig(format=spec.format, source="jsonl", path=path))
-    if spec.kind == "text":
-        lines, skipped = _decode_lines(raw, path, spec.bad_rows)
-        docs = _group_wikitext(lines) if spec.wikitext else ["\n".join(ln for ln in lines if ln.strip())]
-        return [d for d in docs if d.strip()], skipped
-    if spec.kind == "jsonl":
-        rows, skipped = _jsonl_rows(raw, path, spec.bad_rows)
-        texts = []
-        for what, n, obj in rows:
-            if not isinstance(obj, dict) or spec.text_column not in obj:
-                if spec.bad_rows == "skip":
-                    skipped += 1
-                    continue
-                keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                raise DataError(
-                    f"{path}, {what} {n}: no {spec.text_column!r} field (has {keys}). "
-                    "Set data.text_column to the field holding the text."
-                )
-            t, s = _records_text([obj[spec.text_column]], spec.text_column, path, n, spec.bad_rows, what)
-            texts += t
-            skipped += s
-        return _docs_from_texts(texts, spec), skipped
-    # parquet
-    import io
-
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(io.BytesIO(raw))
-    if spec.text_column not in table.column_names:
-        raise DataError(
-            f"{path}: no column {spec.text_column!r} (columns: {table.column_names}). "
-            "Set data.text_column to the column holding the text."
-        )
-    texts, skipped = _records_text(
-        table.column(spec.text_column).to_pylist(), spec.text_column, path, 0, spec.bad_rows, "row"
-    )
-    return _docs_from_texts(texts, spec), skipped
-
-
-def _docs_from_texts(texts: list[str], spec: SourceSpec) -> list[str]:
-    if spec.wikitext:  # line-per-row wikitext (the hub's layout): regroup into articles
-        return _group_wikitext([t.rstrip("\n") for t in texts])
-    return [t for t in texts if t.strip()]
-
-
-TOKENIZE_CHUNK_BYTES = 1 << 19  # text per tokenizer call: ~0.1-0.3 s of work, whatever the document size
-
-
-def _documents_batch(batch: dict[str, np.ndarray], spec: SourceSpec, max_docs: int, data: dict | None = None):
-    """Files -> documents, yielded in order as chunks of <= max_docs documents and ~512 KiB.
-
-    Runs fused with the read and the tokenizer inside one actor (see `_read_documents`): the
-    tokenizer takes each chunk as one call (batch_size=None), so a large file is tokenized
-    piece by piece with bounded memory, and work is spread over the actors file by file,
-    never held back to fill a document-count batch.
-    """
-    docs, skipped, size = [], [], 0
-    data_cfg = DataConfig(**data) if data else None
-    for path, raw in zip(batch["path"], batch["bytes"]):
-        d, s = file_documents(str(path), bytes(raw), spec, data_cfg)
-        for i, doc in enumerate(d or [""]):  # a file whose every row was skipped still reports its count
-            docs.append(doc)
-            skipped.append(s if i == 0 else 0)
-            size += len(doc)
-            if len(docs) >= max_docs or size >= TOKENIZE_CHUNK_BYTES:
-                yield {"text": docs, "skipped": np.asarray(skipped, dtype=np.int64)}
-                docs, skipped, size = [], [], 0
-    if docs:
-        yield {"text": docs, "skipped": np.asarray(skipped, dtype=np.int64)}
 
 
 # ----------------------------------------------------------------------------- tokenize
@@ -473,7 +105,8 @@ class Tokenize:
         alone fills data.seq_len fails naming its file and row, or is skipped and counted."""
         import pyarrow as pa
 
-        from raytrain_cpu.model.chat import RowError, example_tokens
+        from raytrain_cpu.data.sft import example_tokens
+        from raytrain_cpu.model.chat import RowError
 
         d = self.data
         skipped = [int(x) for x in batch["skipped"]]
@@ -983,13 +616,13 @@ def _read_documents(spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int
     ds = ray.data.read_binary_files(
         list(spec.paths),
         include_paths=True,
-        filesystem=_filesystem(spec.filesystem),
+        filesystem=arrow_filesystem(spec.filesystem),
         num_cpus=actor_cpus,
         override_num_blocks=min(len(spec.paths), 64 * actors),  # files per block >= 1: no split to unfuse
     )
     sft = dataclasses.asdict(cfg) if spec.format != "text" else None  # plain dicts cross the Ray boundary
     docs = ds.map_batches(
-        _documents_batch,
+        documents_batch,
         fn_kwargs={"spec": spec, "max_docs": cfg.tokenize_batch_size, "data": sft},
         batch_size=None,
         num_cpus=actor_cpus,
@@ -997,7 +630,7 @@ def _read_documents(spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int
     return docs.map_batches(
         Tokenize,
         fn_constructor_kwargs={"tokenizer_json": tokenizer[0], "eos_id": tokenizer[1], "sft": sft},
-        batch_size=None,  # one chunk per call, as _documents_batch cut them
+        batch_size=None,  # one chunk per call, as documents_batch cut them
         compute=ray.data.ActorPoolStrategy(size=actors),
         num_cpus=actor_cpus,
     )
@@ -1156,14 +789,6 @@ def prepare_evaluation(cfg: Config, *, log=print) -> Path:
     return _prepare_source(cfg, force=False, log=log, eval_only=eval_only, specs=(train, evals))
 
 
-def mix_pattern(counts: list[int]) -> list[int]:
-    """One period of a mixture: source i appears counts[i] times, spread evenly (slot k of source
-    i at (k + 1/2) / counts[i] of the period), so any stretch of the stream holds each source near
-    its share: counts 3 and 1 give [0, 0, 1, 0]."""
-    slots = sorted(((k + 0.5) / c, i) for i, c in enumerate(counts) for k in range(c))
-    return [i for _, i in slots]
-
-
 def _write_mixture(cfg: Config, caches: list[Path], log) -> Path:
     metas = [read_meta(c) for c in caches]
     formats = [m.get("data_format", "text") for m in metas]
@@ -1229,14 +854,6 @@ def _pack_training_text(
             f"{cfg.seq_len}; lower data.seq_len or add text."
         )
     return stats
-
-
-def mixture_sources(cache: Path, meta: dict) -> list[tuple[str, Path, dict]]:
-    """(name, cache directory, meta) of each source a prepared cache holds: a mixture's, or
-    ('', cache, meta) for a single source."""
-    if "sources" not in meta:
-        return [("", Path(cache), meta)]
-    return [(s["name"], Path(s["cache"]), read_meta(Path(s["cache"]))) for s in meta["sources"]]
 
 
 def _log_examples_packed(data: DataConfig, stats: dict[str, Any], eval_only: bool, log) -> None:
@@ -1335,400 +952,3 @@ def _prepare_source(
         f"[data] {stats['blocks']} train / {stats['eval_blocks']} eval blocks of {cfg.data.seq_len} tokens in {wall:.1f}s"
     )
     return final
-
-
-def read_meta(cache: Path) -> dict:
-    return json.loads((Path(cache) / "meta.json").read_text())
-
-
-# ----------------------------------------------------------------------------- streams
-
-
-@functools.lru_cache(maxsize=4)
-def global_order(n_blocks: int, seed: int, epoch: int, window: int) -> np.ndarray:
-    """Block ids in the order epoch `epoch` visits them.
-
-    A two-level seeded shuffle: windows of `window` consecutive blocks (a few cache files) are
-    visited in random order, and blocks are permuted within each window. A reader then needs
-    only one window of files at a time, however large the corpus; when the data fit in one
-    window (as wikitext-2 does) this is a plain global permutation.
-    """
-    rng = np.random.default_rng([seed, epoch])
-    n_win = -(-n_blocks // window)
-    parts = [rng.permutation(np.arange(w * window, min(n_blocks, (w + 1) * window))) for w in rng.permutation(n_win)]
-    return np.concatenate(parts)
-
-
-@functools.lru_cache(maxsize=16)
-def _split_files(split_dir: str) -> tuple[tuple[str, ...], np.ndarray]:
-    """A cache split's part files in order, and the block id each starts at (one more: the
-    total), from the files' own row counts. Caches written before 2026-11-30 hold more than
-    BLOCKS_PER_FILE rows in some files; counted so, they read right too."""
-    import pyarrow.parquet as pq
-
-    files = sorted(Path(split_dir).glob("part-*.parquet"), key=lambda f: int(f.stem.removeprefix("part-")))
-    rows = [pq.ParquetFile(f).metadata.num_rows for f in files]
-    return tuple(map(str, files)), np.concatenate(([0], np.cumsum(rows, dtype=np.int64)))
-
-
-class _DecodedColumns:
-    """Cache files' columns as decoded arrays, for the `files` most recently read files.
-
-    A reader goes through one shuffle window (data.shuffle_window blocks: 8 or 9 files) at a
-    time in random order, so it needs every file of the window decoded at once: a column each
-    for text, three for chat and DPO caches, and a window for each source of a mixture. Counted
-    in columns (16), three columns of 8 files decoded a whole file for every third block read:
-    18.1 ms a block against 0.43 counted in files (benchmarks/decoded_columns.py). A plan keeps
-    as many files as its windows span (`keep`), so a long run holds no more than that."""
-
-    def __init__(self, files: int) -> None:
-        self.files = files
-        self.held: collections.OrderedDict[str, dict[str, np.ndarray]] = collections.OrderedDict()
-
-    def keep(self, files: int) -> None:
-        """Holds at least `files` files from now on (a stream's windows, every source's)."""
-        self.files = max(self.files, files)
-
-    def __call__(self, path: str, column: str) -> np.ndarray:
-        columns = self.held.setdefault(path, {})
-        self.held.move_to_end(path)
-        if column not in columns:
-            import pyarrow.parquet as pq
-
-            col = pq.read_table(path, columns=[column]).column(column).combine_chunks()
-            columns[column] = col.values.to_numpy(zero_copy_only=False).reshape(len(col), -1)
-        while len(self.held) > self.files:
-            self.held.popitem(last=False)
-        return columns[column]
-
-    def clear(self) -> None:
-        self.held.clear()
-
-
-_decoded_columns = _DecodedColumns(files=16)  # a stream's plan asks for its windows' (StreamPlan.fetch)
-
-
-@functools.lru_cache(maxsize=4)
-def _pattern_counts(pattern: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A mixture's period as arrays: its sources, each source's count, and how many of each
-    source come before each slot."""
-    sources = np.asarray(pattern, dtype=np.int64)
-    one_hot = np.eye(sources.max() + 1, dtype=np.int64)[sources]
-    before = np.cumsum(one_hot, axis=0) - one_hot
-    return sources, one_hot.sum(axis=0), before
-
-
-def mix_positions(pos: np.ndarray, pattern: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """(source, position in that source's own order) of global stream positions: the pattern
-    (`mix_pattern`) repeats, so position p is slot p % P of period p // P. Each source's positions
-    run 0, 1, 2, ... without gaps, whatever range of the stream is asked for: a resumed run (or
-    one on another worker count) continues every source where it stopped."""
-    sources, counts, before = _pattern_counts(tuple(pattern))
-    period, slot = np.divmod(pos, len(sources))
-    src = sources[slot]
-    return src, period * counts[src] + before[slot, src]
-
-
-@dataclass(frozen=True)
-class StreamPlan:
-    """Which blocks rank `rank` trains on, in which order.
-
-    The global stream visits every block once per epoch (`global_order`); the run (or the
-    resumed part of it) consumes positions [start, end) in steps of G = micro x accum x W;
-    within a step, micro batch k of rank r holds positions (k*W + r)*m ... + m past the
-    step's first. So rank r's i-th block sits at start + ((i // m) * W + r) * m + i % m: a
-    resumed run continues with the first block not yet consumed, none repeated, none skipped,
-    even when the number of workers changed.
-
-    A mixture (several train_dirs) shares the positions out by `pattern` (`mix_positions`), and
-    each source goes through its own epochs: a small source repeats sooner than a large one. Its
-    block ids count on from the sources before it (source 1's block 0 is n_blocks[0]).
-    """
-
-    train_dirs: tuple[str, ...]
-    n_blocks: tuple[int, ...]
-    seed: int
-    window: int
-    micro: int
-    world_size: int
-    rank: int
-    start: int  # global positions already consumed (a multiple of the global batch)
-    end: int  # global positions the whole run consumes
-    pattern: tuple[int, ...] = (0,)  # a mixture's period (mix_pattern); one source: (0,)
-    # Which sources' caches carry labels (chat/instruction: -100 where no loss); () none. Where
-    # any does, a text source's labels are its inputs: every token a target.
-    source_labels: tuple[bool, ...] = ()
-    # data.attention_span=document: the EOS id that ends each text document, and the rows carry
-    # position_ids (read_blocks); None: they don't.
-    documents_eos: int | None = None
-
-    @property
-    def has_labels(self) -> bool:
-        return any(self.source_labels)
-
-    @property
-    def local_range(self) -> tuple[int, int]:
-        return 0, (self.end - self.start) // self.world_size
-
-    def positions(self, local: np.ndarray) -> np.ndarray:
-        m, w = self.micro, self.world_size
-        return self.start + ((local // m) * w + self.rank) * m + local % m
-
-    def files_in_windows(self) -> int:
-        """Cache files a reader of this plan needs decoded at once: each source's window and the
-        file a window's edge may cut (caches written before 2026-11-30 have uneven files), or
-        every file of the source where that is fewer."""
-        per_window = -(-self.window // BLOCKS_PER_FILE) + 1
-        return sum(min(-(-n // BLOCKS_PER_FILE) + 1, per_window) for n in self.n_blocks)
-
-    def fetch(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        _decoded_columns.keep(self.files_in_windows())  # in the reading process: Ray Data's task
-        pos = self.positions(batch["id"].astype(np.int64))
-        src, src_pos = mix_positions(pos, self.pattern)
-        first_id = np.cumsum((0, *self.n_blocks))
-        block_id = np.empty_like(pos)
-        rows: dict[str, np.ndarray] = {}
-        for s, sel, ids in source_block_ids(src, src_pos, self.n_blocks, self.seed, self.window):
-            block_id[sel] = first_id[s] + ids
-            labelled = self.has_labels and self.source_labels[s]
-            part = read_blocks(self.train_dirs[s], ids, labelled, self.documents_eos)
-            if self.has_labels and not labelled:
-                part["labels"] = part["input_ids"]
-            for column, values in part.items():
-                rows.setdefault(column, np.empty((len(pos), values.shape[1]), values.dtype))[sel] = values
-        if len(self.n_blocks) > 1:  # a mixture: each row's source, for the training loss by source
-            rows["source"] = src
-        return {"pos": pos, "block_id": block_id, **rows}
-
-
-def source_block_ids(
-    src: np.ndarray,
-    src_pos: np.ndarray,
-    n_blocks: tuple[int, ...],
-    seed: int,
-    window: int,
-    order: Callable[[int, int, int, int], np.ndarray] | None = None,
-) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """(source, its rows' mask, their block ids within it) for each source of a batch's rows
-    (mix_positions' `src`, `src_pos`): each source's positions through seeded epochs of its own.
-    One rule for the stream's reads and the checkpoint's record of them (train.stream_block_ids,
-    which passes global_order's uncached function as `order`)."""
-    order = order or global_order
-    for s in np.unique(src):
-        sel = src == s
-        epoch, within = np.divmod(src_pos[sel], n_blocks[s])
-        ids = np.empty_like(within)
-        for e in np.unique(epoch):
-            ids[epoch == e] = order(n_blocks[s], seed, int(e), window)[within[epoch == e]]
-        yield int(s), sel, ids
-
-
-def read_blocks(
-    split_dir: str, block_ids: np.ndarray, has_labels: bool, documents_eos: int | None = None
-) -> dict[str, np.ndarray]:
-    """Rows `block_ids` of a cache split (its parquet files in block order), stacked per column:
-    input_ids, labels where the cache has them (chat/instruction) and, given `documents_eos`,
-    position_ids: the cache's own where it has labels (examples' bounds), else counted from the
-    EOS that ends each text document (document_positions)."""
-    columns = ("input_ids", "labels") if has_labels else ("input_ids",)
-    if has_labels and documents_eos is not None:
-        columns += ("position_ids",)
-    files, starts = _split_files(split_dir)
-    ids = np.asarray(block_ids, dtype=np.int64)
-    if len(ids) and not 0 <= ids.min() <= ids.max() < starts[-1]:
-        raise IndexError(f"block ids {ids.min()}..{ids.max()} outside the {starts[-1]} blocks of {split_dir}")
-    rows: dict[str, list[np.ndarray]] = {c: [] for c in columns}
-    for b, f in zip(ids, np.searchsorted(starts, ids, side="right") - 1, strict=True):
-        for c in columns:
-            rows[c].append(_decoded_columns(files[f], c)[b - starts[f]])
-    out = {c: np.stack(v) for c, v in rows.items()}
-    if documents_eos is not None and not has_labels:
-        out["position_ids"] = document_positions(out["input_ids"], documents_eos)
-    return out
-
-
-def document_positions(ids: np.ndarray, eos_id: int) -> np.ndarray:
-    """Each token's position in its document for (N, S) text blocks: 0 after every EOS (which
-    ends the document before it) and at each block's start (where a document cut by the block
-    before goes on); int32."""
-    n, s = ids.shape
-    column = np.broadcast_to(np.arange(s, dtype=np.int32), (n, s))
-    starts = np.zeros((n, s), dtype=np.int32)
-    starts[:, 1:] = np.where(ids[:, :-1] == eos_id, column[:, 1:], 0)
-    return column - np.maximum.accumulate(starts, axis=1)
-
-
-def train_stream(plan: StreamPlan):
-    """The Ray Dataset rank `plan.rank` iterates: its blocks in global order, lazily fetched.
-
-    No shuffle stage: the order is arithmetic on a seeded permutation, so the dataset is a
-    `range` mapped to cache rows, deterministic and cheap to restart at any position.
-    """
-    import ray
-
-    lo, hi = plan.local_range
-    return ray.data.range(hi - lo, override_num_blocks=max(1, min(64, (hi - lo) // 256))).map_batches(
-        plan.fetch, batch_format="numpy", batch_size=256, num_cpus=0.25
-    )
-
-
-def eval_dataset(world_size: int, rank: int, source: str = "") -> str:
-    """The name of a rank's eval stream (of a mixture's source) among the trainer's datasets."""
-    return f"eval_w{world_size}_rank{rank}" + (f"_{source}" if source else "")
-
-
-def eval_blocks_per_rank(n_eval: int, world_size: int, max_blocks: int = 0) -> int:
-    """Eval rows each rank reads (eval_stream): ceil(n_eval / W), every rank the same count (ZeRO-3
-    needs every rank in every forward), at most `max_blocks` (0: no limit)."""
-    per_rank = -(-n_eval // world_size)
-    return min(per_rank, max_blocks) if max_blocks else per_rank
-
-
-def read_eval_blocks(
-    split_dir: str,
-    block_ids: np.ndarray,
-    n_eval: int,
-    has_labels: bool,
-    documents_eos: int | None = None,
-    labelled: bool = False,
-) -> dict[str, np.ndarray]:
-    """Eval rows `block_ids` (a rank's r, r+W, ...: eval_stream) as read_blocks reads them, with
-    block_id; an id past the split's `n_eval` blocks is padding: block n_eval-1's row in its place,
-    every label -100 (no target) and block_id -1. A text split's rows carry labels too (their
-    inputs; the padding's -100) where some are padding or `labelled` asks: every batch of a
-    stream that may hold padding needs them."""
-    ids = np.asarray(block_ids, dtype=np.int64)
-    padding = ids >= n_eval
-    rows = read_blocks(split_dir, np.where(padding, n_eval - 1, ids), has_labels, documents_eos)
-    if (labelled or padding.any()) and not has_labels:
-        rows["labels"] = rows["input_ids"].copy()
-    if padding.any():
-        rows["labels"][padding] = -100  # read_blocks stacks new arrays: the cache's rows are untouched
-    return {"block_id": np.where(padding, -1, ids), **rows}
-
-
-def eval_stream(
-    cache: Path,
-    world_size: int,
-    rank: int,
-    n_eval: int,
-    max_blocks: int = 0,
-    has_labels: bool = False,
-    documents_eos: int | None = None,
-):
-    """Rank r evaluates eval blocks r, r+W, ... (its first `max_blocks`; 0: all), so the ranks
-    together evaluate every block once, whatever W (`python -m raytrain_cpu.evaluate` on one
-    process measures the same targets). Every rank gets the same count, ceil(n_eval / W)
-    (eval_blocks_per_rank; ZeRO-3 needs every rank in every forward): where W does not divide
-    n_eval, the last row of the ranks past the split's end is padding (read_eval_blocks: a real
-    block's tokens, no target, block_id -1). Columns as in read_blocks, and block_id; a text
-    split's stream that holds padding carries labels for all its rows (their inputs where real),
-    so that every batch of the stream has the same columns.
-
-    Fetched by index like the training stream: an evaluation reads the blocks it evaluates,
-    not the whole split (reading and filtering the split cost seconds an evaluation).
-    """
-    import ray
-
-    per_rank = eval_blocks_per_rank(n_eval, world_size, max_blocks)
-    padded = per_rank > 0 and (per_rank - 1) * world_size + rank >= n_eval  # this rank's last row is padding
-    split_dir = str(Path(cache) / "eval")
-
-    def fetch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        block_id = batch["id"].astype(np.int64) * world_size + rank
-        return read_eval_blocks(split_dir, block_id, n_eval, has_labels, documents_eos, labelled=padded)
-
-    return ray.data.range(per_rank, override_num_blocks=max(1, min(64, per_rank // 256))).map_batches(
-        fetch, batch_format="numpy", batch_size=256, num_cpus=0.25
-    )
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-# What `python -m raytrain_cpu.data prepare` prints of a cache's meta.json, where it says them
-# (a mixture's has no tokens_per_s, a text cache no padding; only a mixture lists its sources).
-PREPARED_FIGURES = (
-    "blocks",
-    "eval_blocks",
-    "tokens",
-    "skipped_rows",
-    "tokens_per_s",
-    "truncated_examples",
-    "eval_truncated_examples",
-    "padding_frac",
-    "loss_tokens",
-    "sources",
-)
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(
-        prog="python -m raytrain_cpu.data",
-        description="Tokenize and pack a text source into the parquet block cache that training streams from.",
-    )
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="build the cache for a config (no-op when it exists)")
-    p.add_argument("--config", default=None, help="YAML config (default: the embedded local default)")
-    p.add_argument(
-        "--force",
-        action="store_true",
-        help="rebuild even if the cache exists (a new version; the old one stays for runs reading it)",
-    )
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.seq_len=512")
-    argv = sys.argv[1:] if argv is None else argv
-    # Overrides on both sides of --config, as main takes them (argparse mixes positionals and
-    # options only without subparsers, so the command's own parser reads the rest).
-    args = p.parse_intermixed_args(argv[1:]) if argv[:1] == ["prepare"] else ap.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        check_sources(cfg.data)  # fail on missing paths before Ray starts
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    import ray
-
-    from raytrain_cpu.obs.console import quiet_local_console
-
-    quiet_local_console()  # a Ray of its own; its progress and notices go to its log files
-    ray.init(address=cfg.run.ray_init_address, log_to_driver=False, include_dashboard=False)
-    try:
-        cache = prepare(cfg, force=args.force)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    meta = read_meta(cache)
-    print(
-        json.dumps(
-            {
-                "cache": str(cache),
-                **{k: meta[k] for k in PREPARED_FIGURES if k in meta},
-            },
-            indent=2,
-        )
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
-__all__ = [
-    "DataError",
-    "StreamPlan",
-    "cache_root",
-    "check_sources",
-    "eval_dataset",
-    "eval_stream",
-    "file_documents",
-    "global_order",
-    "mix_positions",
-    "mixture_sources",
-    "prepare",
-    "read_meta",
-    "source_specs",
-    "train_stream",
-]

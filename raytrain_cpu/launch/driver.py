@@ -160,7 +160,8 @@ def check_not_in_job_copy(cfg: Config) -> None:
 
 
 def validate_before_ray(cfg: Config) -> None:
-    from raytrain_cpu.data.prepare import DataError, cache_root, check_sources
+    from raytrain_cpu.data.prepare import cache_root
+    from raytrain_cpu.data.sources import DataError, check_sources
     from raytrain_cpu.model.loading import check_causal_lm, check_context_length, check_model_path
 
     if not cfg.model.is_tiny:
@@ -712,7 +713,8 @@ def build_datasets(
     from ray.data import DataContext
 
     from raytrain_cpu.data import throttle as datathrottle
-    from raytrain_cpu.data.prepare import StreamPlan, documents_eos, eval_dataset, eval_stream, train_stream
+    from raytrain_cpu.data.prepare import documents_eos
+    from raytrain_cpu.data.stream import StreamPlan, eval_dataset, eval_stream, train_stream
 
     # These streams' scheduling loops run inside the training workers: keep them from spinning.
     datathrottle.install(DataContext.get_current())
@@ -844,7 +846,8 @@ def fetch_from_hub(cfg: Config) -> str:
 def check_tokenizer_fits(cfg: Config, model_dir: str) -> None:
     """The tokenizer must load, and its ids must fit a given model's embedding (the tiny model is
     built for its tokenizer)."""
-    from raytrain_cpu.data.prepare import DataError, materialize_tokenizer
+    from raytrain_cpu.data.prepare import materialize_tokenizer
+    from raytrain_cpu.data.sources import DataError
     from raytrain_cpu.model.loading import check_vocab
     from raytrain_cpu.model.tokenizer import resolve_tokenizer_path
 
@@ -921,7 +924,8 @@ def ray_train_env(cfg: Config) -> dict[str, str]:
 
 def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     """The job once its files are here: Ray, the data, the model, the TorchTrainer, the summary."""
-    from raytrain_cpu.data.prepare import mixture_sources, prepare, read_meta
+    from raytrain_cpu.data.prepare import prepare
+    from raytrain_cpu.data.stream import mixture_sources, read_meta
     from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
 
     run_dir = cfg.run.run_dir
@@ -1334,7 +1338,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from raytrain_cpu.data.prepare import DataError
+    from raytrain_cpu.data.sources import DataError
 
     try:
         summary = run(cfg)

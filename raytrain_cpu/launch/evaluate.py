@@ -104,7 +104,7 @@ def check_data(cfg: Config, overrides: list[str]) -> None:
     """Lists the evaluation data's files (a missing path, a hub dataset's file list) before any
     export work. Where data.eval_path stands in for data.path, an error about data.path is about
     the data.eval_path the user set, and says so."""
-    from raytrain_cpu.data.prepare import DataError, check_sources
+    from raytrain_cpu.data.sources import DataError, check_sources
 
     try:
         check_sources(cfg.data)
@@ -118,7 +118,8 @@ def prepared_sources(cfg: Config, log) -> tuple[list[tuple[str, Path, dict]], in
     """Each source's packed cache (data.mixture_sources; check_data has listed their files),
     prepared on a local Ray when missing, and the EOS id that bounds documents under
     data.attention_span=document (else None)."""
-    from raytrain_cpu.data.prepare import documents_eos, mixture_sources, prepare_evaluation, read_meta
+    from raytrain_cpu.data.prepare import documents_eos, prepare_evaluation
+    from raytrain_cpu.data.stream import mixture_sources, read_meta
 
     cache = prepare_evaluation(cfg, log=log)
     return mixture_sources(cache, read_meta(cache)), documents_eos(cfg)
@@ -129,7 +130,7 @@ def _batches(cache: Path, meta: dict[str, Any], n_blocks: int, eos: int | None):
     import numpy as np
     import torch
 
-    from raytrain_cpu.data.prepare import read_blocks
+    from raytrain_cpu.data.stream import read_blocks
 
     has_labels = meta.get("data_format", "text") != "text"
     for lo in range(0, n_blocks, MICRO_BATCH):
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             f"error: {args.model!r} is not a directory; give a checkpoint, a run directory or a model", file=sys.stderr
         )
         return 2
-    from raytrain_cpu.data.prepare import DataError
+    from raytrain_cpu.data.sources import DataError
     from raytrain_cpu.model.export import progress_to_stderr
     from raytrain_cpu.obs.console import quiet_local_console
 

@@ -997,7 +997,7 @@ def reference_batches(w: Worker) -> list[tuple[int, str, np.ndarray]]:
     the run), then of every evaluation's (data.eval_stream: rank r evaluates r, r + W, ..., each
     rank ceil(n/W) rows, the last one padding where W does not divide n), in that order, each as
     the run composes it."""
-    from raytrain_cpu.data.prepare import eval_blocks_per_rank, global_order, read_meta
+    from raytrain_cpu.data.stream import eval_blocks_per_rank, global_order, read_meta
 
     cfg, t, world, m = w.cfg, w.cfg.train, w.world, w.cfg.train.micro_batch_size
     cache = Path(w.loop_config["data_cache"])
@@ -1064,7 +1064,8 @@ def _block_reader(w: Worker) -> Callable[[str, np.ndarray], dict[str, Any]]:
     (the eval split's ids past its end: eval_stream's padding rows)."""
     import torch
 
-    from raytrain_cpu.data.prepare import documents_eos, read_blocks, read_eval_blocks, read_meta
+    from raytrain_cpu.data.prepare import documents_eos
+    from raytrain_cpu.data.stream import read_blocks, read_eval_blocks, read_meta
 
     eos = documents_eos(w.cfg)
     n_eval = read_meta(Path(w.loop_config["data_cache"]))["eval_blocks"]
@@ -1675,7 +1676,7 @@ def save_checkpoint(w: Worker, st: Loop, engine, reason: str, loaded: Loaded, bl
 def next_block_ids(w: Worker, step: int) -> list[int]:
     """The block ids of the global batch after `step` steps (stream positions step x G ... + G),
     from the data cache's block counts, train.seed and data.shuffle_window as they are now."""
-    from raytrain_cpu.data.prepare import mixture_sources, read_meta
+    from raytrain_cpu.data.stream import mixture_sources, read_meta
 
     cache = Path(w.loop_config["data_cache"])
     meta = read_meta(cache)
@@ -1694,7 +1695,7 @@ def stream_block_ids(
     the sources before it); only the ids, no block read. Each epoch's order is made afresh and
     dropped (global_order's uncached function): at a checkpoint now and then, a large corpus's
     order (8 bytes a block) is not worth keeping in the training process."""
-    from raytrain_cpu.data.prepare import global_order, mix_positions, source_block_ids
+    from raytrain_cpu.data.stream import global_order, mix_positions, source_block_ids
 
     src, src_pos = mix_positions(positions, pattern)
     first_id = np.cumsum((0, *n_blocks))
@@ -1834,7 +1835,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from raytrain_cpu.data.prepare import eval_dataset
+    from raytrain_cpu.data.stream import eval_dataset
     from raytrain_cpu.host import cpu
 
     # ---- config and CPU
