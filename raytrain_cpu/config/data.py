@@ -222,7 +222,7 @@ class DataConfig:
     """Field holding the dispreferred response, for format 'preference' (as data.chosen_column)."""
     chat_template: str = ""
     """'' renders with the tokenizer's own chat template, or the plain template when it has none
-    (see raytrain_cpu/sft.py); else the path of a Jinja template file."""
+    (see raytrain_cpu.model.chat); else the path of a Jinja template file."""
     train_on_prompt: bool = False
     """Chat/instruction: also train on system, user and prompt tokens (padding never is)."""
     attention_span: str = "auto"

@@ -14,9 +14,9 @@ from raytrain_cpu.config.checks import absolute, choice, require, require_filesy
 CAUSAL_BLOCKS_DEFAULT = 64
 # model.attention's fused kernel (raytrain_cpu.model.ops.fused_attention)
 FUSED = "fused"
-# model.compile=auto compiles models of at least this many parameters: per-layer compile paid on
-# the 53M bench model on every host measured, and lost on the embedded default's ~0.4M one; 20M
-# lies between, where the compile's fixed tens of seconds are a small share of a real run.
+# model.compile=auto (and model.weight_grad_kernel=auto) start at this many parameters: below it a
+# run is too short to win back the compile's (or the kernel build's) fixed tens of seconds
+# (docs/performance.md has the timings).
 COMPILE_AUTO_MIN_PARAMS = 20_000_000
 
 
@@ -87,8 +87,8 @@ class ModelConfig:
     """Recompute activations in the backward pass to save memory (costs ~1/3 more compute)."""
     attention: str = "auto"
     """Causal self-attention: 'causal_blocks' (raytrain_cpu.model.ops.attention: 64 queries at a time
-    against their key prefix, as GEMMs; 2x the speed of SDPA's CPU flash kernel on an AVX-512
-    host at seq 512), 'causal_blocks_<N>' (N queries at a time: 128 is faster on AMX), 'sdpa',
+    against their key prefix, as GEMMs; faster than SDPA's CPU flash kernel where measured),
+    'causal_blocks_<N>' (N queries at a time: larger blocks can pay on AMX), 'sdpa',
     'fused' (raytrain_cpu.model.ops.fused_attention: one C++ kernel on oneDNN's AMX micro-kernels, built at
     first use; bf16 only; keeps no probabilities), or 'auto': every rank times SDPA, the blocks
     at 64 and 128 queries and (in bf16, where it builds) the fused kernel at the run's shape at
@@ -96,8 +96,7 @@ class ModelConfig:
     run keeps its checkpoint's pick, so its losses continue bit for bit. Padding-masked or cached attention always runs SDPA."""
     attention_probs: str = "auto"
     """What the causal blocks keep for the backward: 'keep' their probabilities (the backward
-    reads them: one batched GEMM of seven and half the softmax work fewer, about 1.2x the
-    attention's forward and backward, the same bits), 'recompute' them from q and k, or 'auto':
+    reads them: one batched GEMM of seven and half the softmax work fewer, the same bits), 'recompute' them from q and k, or 'auto':
     keep while they add at most a quarter to the activations the run keeps (heads x ~seq/2
     elements a token a layer: kept for Llama-3-8B up to seq 1,024, or 2,048 with activation
     checkpointing; `python -m raytrain_cpu.plan` counts them). SDPA is not affected."""
@@ -110,44 +109,40 @@ class ModelConfig:
     fused_norm: bool = True
     """Run Llama-style RMSNorms as one autograd operation (raytrain_cpu.model.ops.norm): Hugging Face's
     forward, the same output bits, a closed-form fp32 backward; keeps 2 bytes per element where
-    Hugging Face's keeps 6 (two norms per layer) and runs 2.2-2.6x faster alone, a chunk of rows
-    at a time (benchmarks/norm.py, AMD Zen 4). OLMo-2 and
-    Gemma norms, and compiled models (inductor fuses them itself), keep Hugging Face's."""
+    Hugging Face's keeps 6 (two norms per layer) and runs faster, a chunk of rows at a time
+    (benchmarks/norm.py). OLMo-2 and Gemma norms, and compiled models (inductor fuses them itself), keep Hugging Face's."""
     fused_rotary: bool = True
     """Apply the rotary position embedding to q and k as one autograd operation a chunk of rows
     at a time (raytrain_cpu.model.ops.rotary): Hugging Face's products and sums in the same order (the same
     bits), about two passes over memory where its five operators and their backward make about
-    a dozen; 1.9-2.0x Hugging Face's alone at the bench model's and Llama-3-8B's shapes (AMD Zen
-    4). Llama's attention; other attention classes and compiled models keep Hugging Face's."""
+    a dozen. Llama's attention; other attention classes and compiled models keep Hugging Face's."""
     fused_mlp: bool = False
     """Run the SwiGLU MLP's silu(gate) * up as one autograd operation (raytrain_cpu.model.ops.mlp) that
     recomputes silu(gate) in the backward instead of keeping it: the same bits, 2 bytes per
     intermediate unit per token per layer less (7 GiB per rank for Llama-3-8B at 8,192 tokens
     a rank without activation checkpointing; `plan --fused-mlp` counts it). Off by default:
-    it cost 0.97-0.98x on the 50M bench model and 0.89x on the embedded default (the recompute
-    and a Python autograd call per layer); turn it on where activations limit an uncompiled
+    the recompute and a Python autograd call per layer cost more time than they save where
+    measured; turn it on where activations limit an uncompiled
     run. Llama-style MLPs with SiLU; compiled models keep Hugging Face's."""
     weight_grad_kernel: bool | str = "auto"
     """Run each bf16 linear layer's weight gradient on a kernel of our own (raytrain_cpu.model.ops.linear,
-    csrc/weight_grad.cpp): autograd's runs at about half the forward's rate on AMX, the kernel
-    faster than it at the ~50M bench model's shapes (benchmarks/weight_grad.py,
-    benchmarks/kernel_threads.py). true, false or 'auto': on AMX (oneDNN's AMX micro-kernels) for
+    csrc/weight_grad.cpp): autograd's runs well below the forward's rate on AMX
+    (benchmarks/weight_grad.py, benchmarks/kernel_threads.py). true, false or 'auto': on AMX (oneDNN's AMX micro-kernels) for
     models of at least 20M parameters (COMPILE_AUTO_MIN_PARAMS: the first use builds the kernel,
-    about 30 s on 2 cores, which a tiny model would not win back), and then only where it beats
+    which a tiny model would not win back), and then only where it beats
     autograd's weight gradient timed at the model's linear shapes on the rank's own threads at
     start-up (linear.choose; all ranks take one pick): a speed-up measured at one thread says
-    nothing about a 92-thread rank. It needs a C++ compiler and ninja; where it does not build
+    nothing about a rank of many threads. It needs a C++ compiler and ninja; where it does not build
     the run keeps autograd's."""
     compile: bool | str = "auto"
     """torch.compile with inductor (model.compile_scope): true, false or 'auto', which compiles
     where it has paid: a model of at least 20M parameters (COMPILE_AUTO_MIN_PARAMS), trained in
     bf16 without document masks, on a machine with inductor's C++ compiler ($CXX, else g++). Per-layer
-    compile trained the ~50M bench model faster on every host measured in bf16 (README,
-    "Compilation"), but cost the embedded default's tiny model more than it saved (106 s against
-    79) and lost in fp32 (0.89x, AMD AVX2). Document masks (chat and instruction data) stay
+    compile has paid in bf16 on models of that size, and cost a tiny model or an fp32 run more
+    than it saved (docs/performance.md). Document masks (chat and instruction data) stay
     uncompiled under auto: the causal blocks take no mask inside a compiled graph, and SDPA's
-    attention costs more than compile saves. The first steps compile (tens of seconds at 50M on
-    2 cores; seconds from the cache after that)."""
+    attention costs more than compile saves. The first steps compile (tens of seconds; seconds
+    from the cache after that)."""
     compile_scope: str = "layers"
     """What model.compile compiles: 'layers' compiles each decoder layer's forward (one graph,
     reused by every layer; under ZeRO-3 the layers are gathered whole, so the gathers stay

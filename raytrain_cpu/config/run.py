@@ -40,7 +40,7 @@ class RunSettings:
     poll_interval_s: float = 0.5
     """Seconds between Ray Train's polls of the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S): each
     poll collects their reports (so registers checkpoints) and notices an attempt that finished or
-    failed. Ray's default, 2 s, kept every run ~2.3 s longer past its workers' end (the controller
+    failed. Ray's default, 2 s, kept every run seconds longer past its workers' end (the controller
     polls twice before it lets them go; benchmarks/poll_interval.py); a poll is one small call to
     each worker."""
     preemption_check_every: int = 1

@@ -10,10 +10,8 @@ from raytrain_cpu.config.checks import absolute, choice, require
 # The workers' default: glibc's dynamic threshold at its ceiling from the first step, with its
 # trim threshold (twice it, as glibc's dynamic rule sets it). The dynamic pair trims the heap
 # whenever its free top passes twice the largest block freed so far, so the next step faults
-# those pages in again: the embedded default ran at 19.9k and 27.5k tokens/s (fused loss)
-# against 33.7k and 35.9k with this pair; with Hugging Face's loss 32.2k and 32.9k against
-# 32.1k and 30.7k (the same perplexity). The 50M bench model: 1,344 and 1,323 against 1,307
-# and 1,346, at 2.84 GB peak per rank against 2.87.
+# those pages in again; this pair keeps them, at about the same peak memory
+# (docs/performance.md has the timings).
 GLIBC_HEAP_THRESHOLD = 32 << 20
 
 
@@ -64,7 +62,7 @@ class ScalingConfig:
     libjemalloc2, else the one Ray's wheel ships), else tcmalloc; 'jemalloc', 'tcmalloc' or
     'system' (glibc)."""
     jemalloc_conf: str = ""
-    """The workers' MALLOC_CONF when jemalloc is preloaded; '' is raytrain's (cpu.JEMALLOC_CONF:
+    """The workers' MALLOC_CONF when jemalloc is preloaded; '' is raytrain's (host.memory.JEMALLOC_CONF:
     freed pages stay for the next step and go back to the OS at phase ends). A MALLOC_CONF in
     the driver's environment (the cluster images') wins over both."""
     glibc_mmap_threshold: int = GLIBC_HEAP_THRESHOLD
@@ -74,12 +72,11 @@ class ScalingConfig:
     dynamic rule, at its 32 MiB ceiling by default), so a step reuses the last step's
     activations without page faults. 1048576 keeps RSS near live memory (the planner's
     calibration) at the cost of faults on every large tensor; 0 leaves both to glibc's dynamic
-    thresholds, which trim the heap and fault: the embedded default ran 1.2-1.7x slower with
-    them. The planner's estimate is for jemalloc (the cluster images preload it) or 1 MiB."""
+    thresholds, which trim the heap and fault every step (slower). The planner's estimate is for jemalloc (the cluster images preload it) or 1 MiB."""
     free_memory_growth_mib: int = 512
     """Hand malloc's free pages back to the OS when a worker's resident memory has grown this
     many MiB past its size after the first steps (or after the last such release): a bound on
-    whatever an allocator keeps and does not reuse. Before cpu.JEMALLOC_CONF let jemalloc reuse
+    whatever an allocator keeps and does not reuse. Before host.memory.JEMALLOC_CONF let jemalloc reuse
     any kept extent, its kept pages grew every step in some runs (10-20 MiB a step on a
     16-layer model, to twice the live memory in 100 steps). The next step faults its pages in
     again. 0: never. The planner (`python -m raytrain_cpu.plan`) leaves this much free per rank
@@ -143,7 +140,7 @@ class DeepSpeedSettings:
     shm_collectives: bool = True
     """DeepSpeed's all-gathers, reduce-scatters and all-reduces go through shared memory when
     every rank runs on one machine (raytrain_cpu.trainer.collectives): gloo sends each byte through
-    the loopback TCP stack, 4-7x slower at ZeRO-3's sizes. Ranks on several machines, or no
+    the loopback TCP stack, several times slower at ZeRO-3's sizes. Ranks on several machines, or no
     room in /dev/shm, keep gloo; false always uses gloo."""
     sub_group_size: int = 100_000_000
     """ZeRO-3: elements of this rank's partition the optimizer updates at a time (DeepSpeed's
@@ -155,19 +152,18 @@ class DeepSpeedSettings:
     reuse_fp32_grad_buffer: bool = True
     """ZeRO-3: cast each sub group's gradients into one fp32 buffer kept between steps, instead
     of DeepSpeed's fresh flattened copy and fresh fp32 copy every step, whose new pages each
-    cost a fault (optimizer phase 0.06 s against 0.15 s on the ~50M bench model). The buffer
+    cost a fault. The buffer
     is the size of the largest sub group and stays resident; the planner counts it."""
     reuse_reduce_buffer: bool = True
     """ZeRO-3: flatten each gradient bucket for its reduce-scatter into one buffer kept between
-    buckets and steps, instead of DeepSpeed's new tensor per bucket (same bits; 107 MB flattened
-    in 12-14 ms instead of 69-78 on the AMD host). Resident: one reduce bucket (5e7 elements)."""
+    buckets and steps, instead of DeepSpeed's new tensor per bucket (same bits; no fresh pages to
+    fault in). Resident: one reduce bucket (5e7 elements)."""
     gather_whole_layers: bool = True
     """ZeRO-3: gather each decoder layer's parameters at once when the layer starts (DeepSpeed
     leaf modules), instead of each projection and norm as it runs: one hook pair and one
     all-gather per layer instead of about thirteen. ZeRO-3's per-step Python is what it saves
-    (0.1 s a step at 16 layers: 1.45x on a 16-layer model of hidden size 64, 1.006x on the
-    ~50M bench model, AMD Zen 4), and LoRA, whose adapters each carry hooks otherwise, trained
-    1.1-1.3x faster with it. A gathered layer (plus the next, prefetched) is what the planner
+    (most on deep, narrow models), and LoRA, whose adapters each carry hooks otherwise, gains
+    more. A gathered layer (plus the next, prefetched) is what the planner
     counts live anyway. model.compile (compile_scope 'layers') needs it: the gathers must stay
     outside the compiled layer."""
 

@@ -56,9 +56,9 @@ class TrainConfig:
     """AdamW epsilon."""
     fused_adamw: bool = True
     """Use PyTorch's fused AdamW kernel (`torch.optim.AdamW(fused=True)`): one pass over each
-    parameter's state, with no temporaries. Measured on the fp32 partitions ZeRO updates:
-    8-12x faster optimizer steps and 8 bytes per parameter less peak memory per rank than
-    the per-tensor loop (false), whose sqrt and division make two partition-sized tensors."""
+    parameter's state, with no temporaries: on the fp32 partitions ZeRO updates, much faster
+    optimizer steps and 8 bytes per parameter less peak memory per rank than the per-tensor
+    loop (false), whose sqrt and division make two partition-sized tensors."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     seed: int = 1234
@@ -137,14 +137,14 @@ class TrainConfig:
     that step, which the run's tokens/s then includes."""
     mfu_probe_every: int = 0
     """Time the model's training GEMMs (forward, input and weight gradients, as `bench train`'s
-    peak, 0.2 s a shape: about 5 s on the ~50M model) after every this many optimizer steps
+    peak, 0.2 s a shape) after every this many optimizer steps
     (every rank at once, outside the step's clock and the logged tokens/s), and read MFU
     against the rate timed next to each step instead of at start-up. A shared host's GEMM
-    rate drifts (2x within minutes on a 2-vCPU cloud VM), and MFU against a rate timed minutes
+    rate drifts within minutes, and MFU against a rate timed minutes
     away follows the host, not the run: the console's MFU reads the latest timing,
     summary.json's step-time breakdown the timed steps' rates weighted by their time, both the
     best batches' (`peak_flops_per_s`) and every timed call's mean (`mean_gemm_flops_per_s`:
-    a host that slows in spells of ~100 ms gives the steps its average, not its best). `bench
+    a host that slows in short spells gives the steps its average, not its best). `bench
     train` sets 1. 0: the start-up timings only."""
 
     def __post_init__(self) -> None:

@@ -163,8 +163,8 @@ def _local_special_id(tokenizer_dir: Path, name: str) -> int | None:
     or None when they don't say.
 
     Reading tokenizer_config.json and tokenizer.json directly skips transformers'
-    AutoTokenizer machinery, whose first use costs ~2 s of imports (measured here), a
-    quarter of preparing 18 MB of text on 2 CPUs.
+    AutoTokenizer machinery, whose first use costs seconds of imports, a large share of
+    preparing a small corpus.
     """
     for fname in ("tokenizer_config.json", "special_tokens_map.json"):
         f = tokenizer_dir / fname
@@ -610,9 +610,8 @@ def _read_documents(spec: SourceSpec, cfg: DataConfig, tokenizer: tuple[str, int
     actor_cpus = max(0.1, min(1.0, (cpus - 1) / actors))
     # Read, split and tokenize carry the same resources and a task -> actor chain, so Ray Data
     # fuses them into one actor operator: a file is read, cut into documents and tokenized
-    # inside one tokenizer actor. Measured on 2 CPUs (8 wikitext files): 7.7 s against 12.9 s
-    # for separate read/split tasks, which each started Python workers of their own and
-    # handed every file across processes twice.
+    # inside one tokenizer actor: separate read/split tasks each started Python workers of
+    # their own and handed every file across processes twice, which took longer.
     ds = ray.data.read_binary_files(
         list(spec.paths),
         include_paths=True,
@@ -777,7 +776,7 @@ def prepare(cfg: Config, *, force: bool = False, log=print) -> Path:
 
 
 def prepare_evaluation(cfg: Config, *, log=print) -> Path:
-    """The cache of cfg's evaluation blocks for a command that only evaluates (evaluate.py): the
+    """The cache of cfg's evaluation blocks for a command that only evaluates (launch.evaluate): the
     one training made (or would make) where it is there, or where the evaluation is held out of
     the training text; else one of the evaluation text alone, packed without the training text."""
     if cfg.data.mix:

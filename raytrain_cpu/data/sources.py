@@ -46,7 +46,7 @@ class SourceSpec:
     wikitext: bool  # regroup lines into articles at ` = Title = ` headings
     bad_rows: str
     filesystem: str = "local"  # local | s3 | hf
-    format: str = "text"  # text: documents | chat / instruction: rows that become examples (sft.py)
+    format: str = "text"  # text: documents | chat / instruction: rows that become examples (data.sft)
     # A remote file's version from its listing, one per path (S3: size and modification time; the
     # hub: its git blob id), so an object rewritten under the same name is new data to the cache
     # key; () for local files, which are stat'ed when the key is made.

@@ -78,8 +78,8 @@ class _DecodedColumns:
     A reader goes through one shuffle window (data.shuffle_window blocks: 8 or 9 files) at a
     time in random order, so it needs every file of the window decoded at once: a column each
     for text, three for chat and DPO caches, and a window for each source of a mixture. Counted
-    in columns (16), three columns of 8 files decoded a whole file for every third block read:
-    18.1 ms a block against 0.43 counted in files (benchmarks/decoded_columns.py). A plan keeps
+    in columns (16), three columns of 8 files decoded a whole file for every third block read, many times
+    slower than counted in files (benchmarks/decoded_columns.py). A plan keeps
     as many files as its windows span (`keep`), so a long run holds no more than that."""
 
     def __init__(self, files: int) -> None:
@@ -212,7 +212,7 @@ def source_block_ids(
 ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """(source, its rows' mask, their block ids within it) for each source of a batch's rows
     (mix_positions' `src`, `src_pos`): each source's positions through seeded epochs of its own.
-    One rule for the stream's reads and the checkpoint's record of them (train.stream_block_ids,
+    One rule for the stream's reads and the checkpoint's record of them (trainer.batches.stream_block_ids,
     which passes global_order's uncached function as `order`)."""
     order = order or global_order
     for s in np.unique(src):

@@ -79,7 +79,7 @@ class Template:
 
     A Jinja template is rendered by transformers' own `apply_chat_template` (same sandbox,
     globals, special tokens and undefined-variable rules as at inference), on a tokenizer
-    loaded from `tokenizer_dir` the first time one is needed (~2 s of imports, once an actor).
+    loaded from `tokenizer_dir` the first time one is needed (seconds of imports, once an actor).
     """
 
     source: str | None  # Jinja source, or None for the plain template
