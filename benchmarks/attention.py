@@ -23,7 +23,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from raytrain_cpu.bench import (
+from bench.kernels import (
     against_baseline,
     attention_inputs,
     attention_shape_label,

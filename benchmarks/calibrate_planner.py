@@ -2,7 +2,7 @@
 
 Starts ``--world-size`` Ray Train workers (or plain processes, gloo on 127.0.0.1), and in each
 one does what a worker of this project does: start with the worker's allocator settings
-(``cpu.preload_env``), then the training loop's own ``train.load_model`` (the sharded loader:
+(``raytrain_cpu.host.memory.preload_env``), then the training loop's own ``train.load_model`` (the sharded loader:
 built under ZeRO-3's ``zero.Init``, each rank reading only its bytes; the attention pick) and
 ``train.build_engine`` (the project's DeepSpeed config, torch's fused AdamW, bf16, the kept
 gradient and reduce-scatter buffers), then a few optimizer steps on random tokens. Each rank
@@ -37,12 +37,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported a
 import torch
 import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
+from raytrain_cpu.host.features import cpu_features
+from raytrain_cpu.host.memory import GLIBC_MMAP_THRESHOLD, preload_env
+from raytrain_cpu.planner import memory as plan
+from raytrain_cpu.trainer.engine import free_port, init_local_group
 
-from raytrain_cpu.host.cpu import GLIBC_MMAP_THRESHOLD, cpu_features, preload_env  # noqa: E402
-from raytrain_cpu.planner import memory as plan  # noqa: E402
-from raytrain_cpu.trainer.loop import free_port, init_local_group  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 # jemalloc where installed, as on the cluster; else glibc with a fixed mmap threshold, which
 # measured the same peak RSS as jemalloc (its dynamic default fragments: ~30% more).
@@ -77,7 +77,7 @@ def _worker(rank: int, world_size: int, case: dict[str, Any], out_dir: str):
     """A worker of this project with this case's settings: the training loop's own load_model and
     build_engine run on it, so what is measured is what a worker does."""
     from raytrain_cpu.config.schema import load_config
-    from raytrain_cpu.trainer.loop import Worker
+    from raytrain_cpu.trainer.state import Worker
 
     cfg = load_config(
         None,
@@ -123,8 +123,10 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
     torch.set_num_threads(1)  # 2 cores shared by 2 ranks (and by other people's tests)
     importlib.import_module("torch._dynamo")  # before zero.Init patches Tensor.__new__
 
-    from raytrain_cpu.host.cpu import malloc_setting
-    from raytrain_cpu.trainer.loop import build_engine, deepspeed_config, kept_fp32_grad_buffer_bytes, load_model
+    from raytrain_cpu.compat.deepspeed_zero3 import kept_fp32_grad_buffer_bytes
+    from raytrain_cpu.host.memory import malloc_setting
+    from raytrain_cpu.trainer.engine import build_engine, deepspeed_config
+    from raytrain_cpu.trainer.loading import load_model
 
     points: dict[str, float] = {"imports": _rss_gib()}
     w = _worker(rank, torch.distributed.get_world_size(), case, out_dir)
@@ -206,9 +208,9 @@ def _launch_ray(world_size: int, case: dict[str, Any], out_dir: str) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    # Workers import this file as a module (a function from __main__ would be pickled by value).
+    # Workers import this file as a module (a function from __main__ would be pickled by value):
+    # here by its own folder, first on sys.path as for any script; there through PYTHONPATH.
     here = str(Path(__file__).parent)
-    sys.path.insert(0, here)
     calibrate = importlib.import_module(Path(__file__).stem)
     pythonpath = os.pathsep.join(p for p in (str(REPO), here, os.environ.get("PYTHONPATH", "")) if p)
     env = ALLOCATOR_ENV | {"PYTHONPATH": pythonpath}

@@ -7,7 +7,7 @@ two copies of the bench model (bf16 weights, one worker's micro batch of random 
 trainers' fused loss and causal blocks of 128 queries with their probabilities kept) train in
 one process on one worker's threads, a step of one then a step of the other, the order
 swapped every pair. The uncompiled copy runs the trainers' fused norms and rotary embeddings;
-the compiled one Hugging Face's, which inductor fuses (cpu.compile_layers, as the trainers
+the compiled one Hugging Face's, which inductor fuses (worker_setup.compile_layers, as the trainers
 compile). No DeepSpeed, no Ray: the compute of a step only. A shared machine's speed drifts by
 minutes (the native AMX host's defaults ran 916-1,466 tokens/s from step to step of one run),
 so separate runs of each, even interleaved, can't tell a 10% difference; adjacent steps can.
@@ -24,7 +24,7 @@ import tempfile
 import time
 from statistics import median
 
-from raytrain_cpu.bench import SIZES, VOCAB, bench_model_config, report_script
+from bench.common import SIZES, VOCAB, bench_model_config, report_script
 
 
 def build(size: str, cache_dir: str):
@@ -32,9 +32,9 @@ def build(size: str, cache_dir: str):
     import torch
     from transformers import LlamaForCausalLM
 
-    from raytrain_cpu.host import cpu
     from raytrain_cpu.model.ops import attention, norm, rotary
     from raytrain_cpu.model.ops import loss as fused_loss
+    from raytrain_cpu.trainer import setup as worker_setup
 
     spec = SIZES[size]
     _, config = bench_model_config(spec["model"], spec["seq_len"])
@@ -50,7 +50,7 @@ def build(size: str, cache_dir: str):
             norm.install(m)
             rotary.install(m)
         else:
-            cpu.compile_layers(m.model.layers, cache_dir)
+            worker_setup.compile_layers(m.model.layers, cache_dir)
         models[kind] = m
     return models
 

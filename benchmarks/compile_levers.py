@@ -28,8 +28,9 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from raytrain_cpu.bench import SIZES, VOCAB, _run_procs, bench_model_config, package_versions, write_results
-from raytrain_cpu.host.cpu import cpu_features
+from bench.common import SIZES, VOCAB, bench_model_config, package_versions, run_procs, write_results
+
+from raytrain_cpu.host.features import cpu_features
 
 LAYER_VARIANTS = {
     "eager": {},
@@ -143,7 +144,7 @@ def run_variant(name: str, args, cache_root: Path, rep: int) -> dict[str, Any]:
     spec = {"variant": LAYER_VARIANTS[name], "layers": args.layers, "threads": args.threads, "steps": args.steps}
     # A fresh cache per variant and repeat: every first step pays its own compile.
     env = {"TORCHINDUCTOR_CACHE_DIR": str(cache_root / f"{rep}-{list(LAYER_VARIANTS).index(name)}")}
-    (res,) = _run_procs(layer_child, 1, (spec,), env, timeout_s=1800)
+    (res,) = run_procs(layer_child, 1, (spec,), env, timeout_s=1800)
     print(f"[levers] {name} (run {rep + 1}): step {res['step_s']:.3f}s, first {res['first_step_s']:.1f}s", flush=True)
     return {"variant": name, "rep": rep, **res}
 

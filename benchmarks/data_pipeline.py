@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from raytrain_cpu.config.schema import load_config
-from raytrain_cpu.host.cpu import cpu_features
+from raytrain_cpu.host.features import cpu_features
 from raytrain_cpu.model.tokenizer import BUNDLED_TOKENIZER, BUNDLED_WIKITEXT
 
 RESULTS = Path(__file__).parent / "results" / cpu_features().slug  # one folder per machine

@@ -7,7 +7,7 @@ A rank's streams run Ray Data's streaming executor as a thread of the training p
 local Ray with 2 CPUs, alternating rounds (this machine is shared and noisy: compare the ratios):
 
 - `unspaced`: Ray's own loop;
-- `spaced`: every step at least 100 ms after the last (raytrain until 2026-11-29);
+- `spaced`: every step at least 100 ms after the last (raytrain's former throttle);
 - `spaced_unless_waited`: spaced only while no consumer waits on the stream's output (now).
 
 Measured per way, medians of the rounds:
@@ -34,7 +34,7 @@ import numpy as np
 from raytrain_cpu.data import throttle as datathrottle
 from raytrain_cpu.data.prepare import _BlockWriter
 from raytrain_cpu.data.stream import StreamPlan, eval_stream, train_stream
-from raytrain_cpu.host.cpu import cpu_features
+from raytrain_cpu.host.features import cpu_features
 
 RESULTS = Path(__file__).parent / "results" / cpu_features().slug  # one folder per machine
 WAYS = ("unspaced", "spaced", "spaced_unless_waited")

@@ -7,7 +7,7 @@ at a time, in random order. Each read needs its file's columns decoded: one for 
 three for chat and DPO caches (input_ids, labels, position_ids). This writes one window of each
 kind (8 files of 8,192 blocks), then reads `--blocks` of them in that order, 8 a call (a micro
 batch), each way in turn, `--reps` times. Writes milliseconds per block (medians) and the ratio
-to benchmarks/results/<machine>/decoded_columns.{json,md} (raytrain_cpu.bench.write_results).
+to benchmarks/results/<machine>/decoded_columns.{json,md} (bench.common.write_results).
 
     python benchmarks/decoded_columns.py     # about 2 minutes on 2 cores
 """
@@ -17,20 +17,16 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from bench.common import write_results
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
-
-from raytrain_cpu.bench import write_results  # noqa: E402
-from raytrain_cpu.data import stream as data  # noqa: E402
-from raytrain_cpu.host.cpu import cpu_features  # noqa: E402
-from raytrain_cpu.obs.metrics import markdown_table  # noqa: E402
+from raytrain_cpu.data import stream as data
+from raytrain_cpu.host.features import cpu_features
+from raytrain_cpu.obs.metrics import markdown_table
 
 FILES, SEQ, WINDOW = 8, 256, 65536
 EOS = 2

@@ -21,7 +21,7 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
-from raytrain_cpu.bench import (
+from bench.kernels import (
     against_baseline,
     attention_inputs,
     attention_shape_label,

@@ -8,7 +8,7 @@ partitions (one rank, a real gloo group) and builds the engine with the run's De
 "DeepSpeed's Muon import" imports the real module first, inside the timed span, which is what
 DeepSpeed does without the stand-in. The ways alternate, `--reps` times each. Writes the medians
 (set-up seconds, and the whole process from start to engine) and their ratios to
-benchmarks/results/<machine>/engine_setup.{json,md} (raytrain_cpu.bench.write_results).
+benchmarks/results/<machine>/engine_setup.{json,md} (bench.common.write_results).
 
     python benchmarks/engine_setup.py    # about 1 minute on 2 cores
 """
@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 WAYS = {"stand-in (keep_muon_unimported)": "stand_in", "DeepSpeed's Muon import (before)": "muon"}
 
@@ -36,7 +35,7 @@ def child(way: str, model_dir: str) -> None:
 
     from raytrain_cpu.config.schema import load_config
     from raytrain_cpu.model.loading import load_sharded
-    from raytrain_cpu.trainer.loop import _param_groups, deepspeed_config, free_port, init_deepspeed, init_local_group
+    from raytrain_cpu.trainer.engine import deepspeed_config, free_port, init_deepspeed, init_local_group, param_groups
 
     torch.set_num_threads(1)
     init_local_group(0, 1, free_port())
@@ -49,7 +48,7 @@ def child(way: str, model_dir: str) -> None:
     import deepspeed
 
     model, hf_ds_config = load_sharded(model_dir, ds_config, torch.bfloat16)
-    deepspeed.initialize(model=model, model_parameters=_param_groups(model, 0.1), config=ds_config)
+    deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.1), config=ds_config)
     setup_s = time.perf_counter() - t0
     print(json.dumps({"setup_s": setup_s, "inductor_loaded": "torch._inductor.compile_fx" in sys.modules}))
     del hf_ds_config
@@ -72,9 +71,10 @@ def main() -> None:
     if args.child:
         return child(*args.child)
 
-    from raytrain_cpu.bench import write_results
+    from bench.common import write_results
+
     from raytrain_cpu.config.schema import load_config
-    from raytrain_cpu.host.cpu import cpu_features
+    from raytrain_cpu.host.features import cpu_features
     from raytrain_cpu.model.loading import write_tiny_model
     from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
     from raytrain_cpu.obs.metrics import markdown_table

@@ -9,7 +9,7 @@ the weight gradient reduces over the T tokens, so oneDNN must first transpose it
 operand (dy) and repack both, every step. This measures that cost: each GEMM's rate, the weight
 gradient also with dy^T already contiguous (its transpose untimed), and what that transpose
 costs eagerly and compiled by inductor. Every round times every shape and layout in turn (the
-project's GEMM probe: cpu.time_gemm, the best of timed batches over --min-time); each figure is
+project's GEMM probe: host_gemm.time_gemm, the best of timed batches over --min-time); each figure is
 the median over --rounds, so a drifting host moves all of them alike. bf16, one worker's micro
 batch (T = micro batch x seq_len).
 
@@ -21,15 +21,16 @@ from __future__ import annotations
 import argparse
 from statistics import median
 
-from raytrain_cpu.bench import SIZES, VOCAB, report_script
-from raytrain_cpu.host import cpu
+from bench.common import SIZES, VOCAB, report_script
+
+from raytrain_cpu.host import gemm as host_gemm
 
 GEMMS = ("forward x @ W^T", "input grad dy @ W", "weight grad dy^T @ x", "weight grad, dy^T contiguous")
 TRANSPOSES = ("dy^T copy, eager", "dy^T copy, compiled")
 
 
 def shapes(size: str) -> dict[str, tuple[int, int]]:
-    """{name: (out, in)} of the model's linear layers (cpu.llama_gemms' shapes, by layer name)."""
+    """{name: (out, in)} of the model's linear layers (raytrain_cpu.model.shape.llama_gemms' shapes, by layer name)."""
     m = SIZES[size]["model"]
     d, f = m["hidden_size"], m["intermediate_size"]
     kv = m["num_kv_heads"] * (d // m["num_heads"])
@@ -37,14 +38,14 @@ def shapes(size: str) -> dict[str, tuple[int, int]]:
     return {**attention, f"gate, up {f}x{d}": (f, d), f"down {d}x{f}": (d, f), f"output {VOCAB}x{d}": (VOCAB, d)}
 
 
-def layer_gemms(tokens: int, out: int, inp: int) -> dict[str, cpu.Gemm]:
-    """A linear layer's GEMMs by GEMMS name, laid out by cpu.time_gemm as autograd has them
+def layer_gemms(tokens: int, out: int, inp: int) -> dict[str, host_gemm.Gemm]:
+    """A linear layer's GEMMs by GEMMS name, laid out by host_gemm.time_gemm as autograd has them
     (the weight gradient's dy as a transposed view); the last one's operands both contiguous."""
     return {
-        GEMMS[0]: cpu.Gemm("fwd", tokens, inp, out),
-        GEMMS[1]: cpu.Gemm("dgrad", tokens, out, inp),
-        GEMMS[2]: cpu.Gemm("wgrad", out, tokens, inp),
-        GEMMS[3]: cpu.Gemm("contiguous wgrad", out, tokens, inp),
+        GEMMS[0]: host_gemm.Gemm("fwd", tokens, inp, out),
+        GEMMS[1]: host_gemm.Gemm("dgrad", tokens, out, inp),
+        GEMMS[2]: host_gemm.Gemm("wgrad", out, tokens, inp),
+        GEMMS[3]: host_gemm.Gemm("contiguous wgrad", out, tokens, inp),
     }
 
 
@@ -54,14 +55,19 @@ def transpose_ms(tokens: int, out: int, compiled, min_time_s: float) -> list[flo
     import torch
 
     dy = torch.randn(tokens, out, dtype=torch.bfloat16)
-    return [1e3 * cpu.best_seconds(fn, min_time_s) for fn in (lambda: dy.t().contiguous(), lambda: compiled(dy))]
+    return [1e3 * host_gemm.best_seconds(fn, min_time_s) for fn in (lambda: dy.t().contiguous(), lambda: compiled(dy))]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=list(SIZES), default="50m")
     ap.add_argument("--rounds", type=int, default=3, help="every shape and layout once a round")
-    ap.add_argument("--min-time", type=float, default=0.2, help="seconds a timing takes at least (cpu.best_seconds)")
+    ap.add_argument(
+        "--min-time",
+        type=float,
+        default=0.2,
+        help="seconds a timing takes at least (raytrain_cpu.host.gemm.best_seconds)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads: one worker's share")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -75,7 +81,7 @@ def main() -> int:
     for r in range(args.rounds):
         for name, (out, inp) in named.items():
             for kind, g in layer_gemms(tokens, out, inp).items():
-                runs[name][kind].append(g.flops / cpu.time_gemm(g, torch.bfloat16, args.min_time)[0] / 1e9)
+                runs[name][kind].append(g.flops / host_gemm.time_gemm(g, torch.bfloat16, args.min_time)[0] / 1e9)
             for kind, ms in zip(TRANSPOSES, transpose_ms(tokens, out, transpose, args.min_time), strict=True):
                 runs[name][kind].append(ms)
         print(f"[gemm_layouts] round {r + 1} of {args.rounds} done", flush=True)
@@ -101,7 +107,7 @@ def main() -> int:
         runs=runs,
         tables={f"bf16, {tokens} tokens, {args.threads} thread(s), medians of {args.rounds} rounds": rows},
         notes=[
-            "GFLOP/s: 2 x tokens x out x in per call, the best of timed batches (cpu.time_gemm); 'dy^T contiguous': the weight "
+            "GFLOP/s: 2 x tokens x out x in per call, the best of timed batches (raytrain_cpu.host.gemm.time_gemm); 'dy^T contiguous': the weight "
             "gradient's GEMM alone, its operand transposed beforehand (untimed).",
             "dy^T copy: what making that operand contiguous costs, eagerly and compiled by inductor; the last two "
             "columns: the weight gradient as autograd runs it against that copy (compiled) plus the contiguous GEMM.",

@@ -12,7 +12,7 @@ their median and longest, ms); and how often the other operations were slow alon
 GEMM's call, against how often they were slow at all.
 
 Why: `bench train`'s GEMM peak and the workers' timings after each step keep each shape's best
-~50 ms batch (cpu.time_calls), while a step runs through whatever spells come. Slow spells that
+~50 ms batch (raytrain_cpu.host.gemm.time_calls), while a step runs through whatever spells come. Slow spells that
 come and go within a timing, and hit every operation at once, are the host's, not the code's:
 this says how far a best-batch peak sits from what the host gives on average, and the alone
 and all-at-once phases tell the vCPUs' own contention from the neighbours'.
@@ -28,8 +28,9 @@ import os
 import time
 from statistics import median
 
-from raytrain_cpu.bench import SIZES, report_script
-from raytrain_cpu.host import cpu
+from bench.common import SIZES, report_script
+
+from raytrain_cpu.host import features as host_features
 
 OPS = ("bf16 GEMM", "fp32 exp", "Python loop")
 SLOW = 1.4  # a call over this many times its operation's best is slow
@@ -40,7 +41,7 @@ def _operations(size: str) -> dict:
 
     m = SIZES[size]["model"]
     tokens = SIZES[size]["micro_batch"] * SIZES[size]["seq_len"]
-    bf16 = cpu.cpu_features().best_isa in ("amx_bf16", "avx512_bf16")
+    bf16 = host_features.cpu_features().best_isa in ("amx_bf16", "avx512_bf16")
     dtype = torch.bfloat16 if bf16 else torch.float32
     x = torch.randn(tokens, m["hidden_size"], dtype=dtype)
     w = torch.randn(m["intermediate_size"], m["hidden_size"], dtype=dtype)
@@ -127,7 +128,7 @@ def main() -> int:
     ap.add_argument("--size", choices=list(SIZES), default="50m", help="the bench model whose GEMM is timed")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    feats = cpu.cpu_features()
+    feats = host_features.cpu_features()
     vcpus = feats.allowed_cpus or list(range(os.cpu_count() or 1))
     tables = {"each vCPU alone": [r for c in vcpus for r in run_phase([c], args.seconds, args.size)]}
     if len(vcpus) > 1:

@@ -8,7 +8,7 @@ taken at one thread; a kernel that wins there may lose at many (a serial loop, a
 smaller than the threads, or oneDNN scaling better than it). Here, in one process, each
 kernel's forward + backward (the weight gradient: the GEMM alone) and its reference's are timed
 side by side at each thread count (torch.set_num_threads), at a small shape and at the ~50M
-bench model's shapes (raytrain_cpu.bench.SIZES):
+bench model's shapes (bench.common.SIZES):
 
 - weight_grad: raytrain_cpu.model.ops.linear.weight_grad against dy^T @ x as autograd's linear backward
   runs it (oneDNN), one row per linear shape of the model, and their sum by count ('auto' times
@@ -36,7 +36,8 @@ from collections.abc import Callable
 from statistics import median
 from typing import Any
 
-from raytrain_cpu.bench import SIZES, VOCAB, report_script
+from bench.common import SIZES, VOCAB, report_script
+
 from raytrain_cpu.model.ops import fused_attention
 
 SHAPES: dict[str, dict[str, int]] = {
@@ -241,7 +242,7 @@ def main() -> int:
     threads = [int(x) for x in args.threads.split(",")] if args.threads else thread_counts(cores)
     if any(n < 1 for n in threads):
         raise SystemExit("error: --threads must be positive counts, e.g. --threads 1,2,4")
-    from raytrain_cpu.host import cpu
+    from raytrain_cpu.host import features as host_features
     from raytrain_cpu.model.ops import linear
 
     missing = [f"{k}: {why()}" for k, why in (("weight_grad", linear.why_unavailable),
@@ -249,7 +250,7 @@ def main() -> int:
     load_before = os.getloadavg()
     raw = measure(shapes, threads, args.rounds, args.seconds)
     load = {"before": load_before, "after": os.getloadavg()}  # others' work on a shared host skews the medians
-    amx = "amx_bf16" in cpu.cpu_flags()
+    amx = "amx_bf16" in host_features.cpu_flags()
     report_script(
         "kernel_threads",
         args.json,

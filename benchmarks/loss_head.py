@@ -17,15 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from raytrain_cpu.bench import (
-    _rss,
-    against_baseline,
-    interleaved_runs,
-    kernel_bench_parser,
-    time_kernel_steps,
-    write_kernel_bench,
-)
-from raytrain_cpu.host.cpu import peak_rss_bytes, reset_peak_rss
+from bench.kernels import against_baseline, interleaved_runs, kernel_bench_parser, time_kernel_steps, write_kernel_bench
+from bench.load import _rss
+
+from raytrain_cpu.host.memory import peak_rss_bytes, reset_peak_rss
 from raytrain_cpu.model.ops import loss as fused
 
 SHAPES = {"50m": (512, 2048), "llama3-8b": (4096, 128256)}  # hidden, vocabulary

@@ -26,7 +26,7 @@ import numpy as np
 from raytrain_cpu.data import stream as data
 from raytrain_cpu.data.prepare import _BlockWriter
 from raytrain_cpu.data.stream import StreamPlan, mix_pattern
-from raytrain_cpu.host.cpu import cpu_features
+from raytrain_cpu.host.features import cpu_features
 
 RESULTS = Path(__file__).parent / "results" / cpu_features().slug  # one folder per machine
 BATCH = 256  # positions per map_batches call, as data.train_stream

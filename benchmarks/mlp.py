@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from raytrain_cpu.bench import (
+from bench.kernels import (
     against_baseline,
     interleaved_runs,
     kernel_bench_parser,

@@ -1,7 +1,7 @@
 """Several benchmark commands at once, each on its own few physical cores.
 
     python benchmarks/pinned_suites.py [--cores 2] [--timeout 540] \
-        "-m raytrain_cpu.bench train --size 50m" "benchmarks/compile_levers.py" ...
+        "benchmarks/suites.py train --size 50m" "benchmarks/compile_levers.py" ...
 
 Issue 12's figures are defined on a 2-core host. On a many-core machine (a c7i.4xlarge, a lent
 device machine) each command here runs under its own affinity mask of `--cores` physical cores
@@ -26,12 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-from raytrain_cpu.host.cpu import cpu_features, rank_cores
+from raytrain_cpu.host.features import cpu_features
+from raytrain_cpu.host.threads import rank_cores
 
 
 def core_groups(cores_per_group: int) -> list[list[int]]:
     """vCPU sets of `cores_per_group` physical cores each, within one socket: each socket's
-    allowed cores split as the workers' pinning splits a node among ranks (cpu.rank_cores)."""
+    allowed cores split as the workers' pinning splits a node among ranks (raytrain_cpu.host.threads.rank_cores)."""
     feats = cpu_features()
     allowed = set(feats.allowed_cpus)
     rows = [[*row[:2], *vcpus] for row in feats.cores if (vcpus := [c for c in row[2:] if c in allowed])]
@@ -47,7 +48,8 @@ def core_groups(cores_per_group: int) -> list[list[int]]:
 
 def command_for(args: str, i: int, workdir: Path) -> list[str]:
     argv = shlex.split(args)
-    if argv[:2] == ["-m", "raytrain_cpu.bench"] and "--workdir" not in argv:
+    suites = argv[:2] == ["-m", "raytrain_cpu.bench"] or (argv and Path(argv[0]).name == "suites.py")
+    if suites and "--workdir" not in argv:
         argv += ["--workdir", str(workdir / f"w{i}")]
     return [sys.executable, *argv]
 

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from raytrain_cpu.host.cpu import cpu_features
+from raytrain_cpu.host.features import cpu_features
 from raytrain_cpu.obs.metrics import markdown_table
 
 RESULTS = Path(__file__).parent / "results" / cpu_features().slug  # one folder per machine

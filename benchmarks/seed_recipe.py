@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-WARMUP_STEPS = 2  # raytrain_cpu.host.cpu.WARMUP_STEPS: this script runs without importing raytrain_cpu
+WARMUP_STEPS = 2  # raytrain_cpu.obs.timing.WARMUP_STEPS: this script runs without importing raytrain_cpu
 TEXT = REPO / "raytrain_cpu" / "assets" / "wikitext-2" / "test.txt"
 
 DS_CONFIG = {

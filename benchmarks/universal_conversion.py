@@ -8,7 +8,7 @@ converts fresh copies of its checkpoint both ways, alternating, `--reps` times e
 process imports torch and DeepSpeed, which costs seconds whatever the checkpoint's size: the
 tests' tiny model shows that cost alone, `--shape 88m` (universal_resume.py's model) next to a
 conversion with real work in it. Writes the median seconds of each way and their ratio to
-benchmarks/results/<machine>/universal_conversion[-88m].{json,md} (raytrain_cpu.bench.write_results).
+benchmarks/results/<machine>/universal_conversion[-88m].{json,md} (bench.common.write_results).
 
     python benchmarks/universal_conversion.py               # about 1 minute on 2 cores
     python benchmarks/universal_conversion.py --shape 88m   # about 2 minutes
@@ -25,13 +25,15 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
+from bench.common import write_results
 
-from raytrain_cpu.bench import write_results  # noqa: E402
-from raytrain_cpu.checkpoint import store as ck  # noqa: E402
-from raytrain_cpu.host.cpu import cpu_features  # noqa: E402
-from raytrain_cpu.obs.metrics import markdown_table  # noqa: E402
+from raytrain_cpu.checkpoint import layout as ck_layout
+from raytrain_cpu.checkpoint import universal as ck_universal
+from raytrain_cpu.checkpoint import verify as ck_verify
+from raytrain_cpu.host.features import cpu_features
+from raytrain_cpu.obs.metrics import markdown_table
+
+REPO = Path(__file__).resolve().parents[1]
 
 SHAPES = {
     "tiny": {},  # the default tiny model (model.tiny), as the tests train it
@@ -47,19 +49,19 @@ def train(storage: Path, shape: dict[str, int]) -> Path:
     args += ["scaling.num_workers=2", "run.name=bench", f"run.storage_path={storage}"]
     args += [f"data.cache_dir={storage.parent / 'cache'}"]
     subprocess.run([sys.executable, "-m", "raytrain_cpu.main", *args], cwd=REPO, check=True, capture_output=True)
-    return storage / "bench" / ck.checkpoint_dir_name(2)
+    return storage / "bench" / ck_layout.checkpoint_dir_name(2)
 
 
 def two_children(ckpt: Path) -> None:
     """The former to_universal's children: DeepSpeed's conversion, then the slimming."""
-    out = ckpt / f"{ck.UNIVERSAL}.partial"
-    argv = ["--input_folder", str(ckpt / ck.DS_TAG), "--output_folder", str(out), "--inject_missing_state"]
+    out = ckpt / f"{ck_layout.UNIVERSAL}.partial"
+    argv = ["--input_folder", str(ckpt / ck_layout.DS_TAG), "--output_folder", str(out), "--inject_missing_state"]
     argv += ["--num_extract_workers", "1", "--num_merge_workers", "1"]
     run = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", *argv]
     subprocess.run(run, check=True, capture_output=True)
-    slim = f"from pathlib import Path; from raytrain_cpu.checkpoint.store import slim_common_state; slim_common_state(Path('{out}'))"
+    slim = f"from pathlib import Path; from raytrain_cpu.checkpoint.universal import slim_common_state; slim_common_state(Path('{out}'))"
     subprocess.run([sys.executable, "-c", slim], check=True, capture_output=True, cwd=REPO)
-    out.rename(ckpt / ck.UNIVERSAL)
+    out.rename(ckpt / ck_layout.UNIVERSAL)
 
 
 def main() -> None:
@@ -70,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="universal_conversion_"))
     trained = train(root / "trained", SHAPES[args.shape])
-    ways = {"one child (to_universal)": lambda c: ck.to_universal(c), "two children (before)": two_children}
+    ways = {"one child (to_universal)": lambda c: ck_universal.to_universal(c), "two children (before)": two_children}
     seconds: dict[str, list[float]] = {name: [] for name in ways}
     for rep in range(args.reps):
         order = list(ways) if rep % 2 == 0 else list(reversed(ways))  # neither way always goes first
@@ -80,9 +82,9 @@ def main() -> None:
             t0 = time.perf_counter()
             ways[name](ckpt)
             seconds[name].append(time.perf_counter() - t0)
-            assert ck.universal_ready(ckpt)
+            assert ck_layout.universal_ready(ckpt)
             shutil.rmtree(ckpt)
-    shards_mib = ck.shard_bytes(ck.read_manifest(trained)) / 2**20
+    shards_mib = ck_verify.shard_bytes(ck_verify.read_manifest(trained)) / 2**20
     shutil.rmtree(root)
     median = {name: statistics.median(s) for name, s in seconds.items()}
     ratio = median["one child (to_universal)"] / median["two children (before)"]

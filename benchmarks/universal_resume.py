@@ -7,7 +7,7 @@ twice, converts one copy's checkpoint with `checkpoint.to_universal` and the oth
 DeepSpeed's `ds_to_universal` alone, then resumes each for one step on 1 worker (twice the
 accumulation, the same global batch) through the real entry point. Writes the conversion time,
 the sizes on disk, the resumed rank's peak RSS and the loss of each to
-benchmarks/results/<machine>/universal_resume.{json,md} (raytrain_cpu.bench.write_results).
+benchmarks/results/<machine>/universal_resume.{json,md} (bench.common.write_results).
 
     python benchmarks/universal_resume.py          # about 3 minutes on 2 cores
 """
@@ -22,13 +22,15 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
+from bench.common import write_results
 
-from raytrain_cpu.bench import write_results  # noqa: E402
-from raytrain_cpu.checkpoint import store as ck  # noqa: E402
-from raytrain_cpu.host.cpu import cpu_features  # noqa: E402
-from raytrain_cpu.obs.metrics import markdown_table, read_metrics  # noqa: E402
+from raytrain_cpu.checkpoint import layout as ck_layout
+from raytrain_cpu.checkpoint import universal as ck_universal
+from raytrain_cpu.checkpoint import verify as ck_verify
+from raytrain_cpu.host.features import cpu_features
+from raytrain_cpu.obs.metrics import markdown_table, read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
 
 SHAPE = {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 12, "intermediate_size": 2048}
 
@@ -64,20 +66,20 @@ def main() -> None:
     for variant in ("raytrain", "deepspeed"):
         storage = root / variant
         shutil.copytree(root / "trained", storage)
-        ckpt = storage / "bench" / ck.checkpoint_dir_name(2)
+        ckpt = storage / "bench" / ck_layout.checkpoint_dir_name(2)
         t0 = time.perf_counter()
         if variant == "raytrain":
-            ck.to_universal(ckpt)
+            ck_universal.to_universal(ckpt)
         else:  # DeepSpeed's conversion as it comes, where to_universal would put it
-            argv = ["--input_folder", str(ckpt / ck.DS_TAG), "--output_folder", str(ckpt / ck.UNIVERSAL)]
+            argv = ["--input_folder", str(ckpt / ck_layout.DS_TAG), "--output_folder", str(ckpt / ck_layout.UNIVERSAL)]
             subprocess.run(
                 [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", *argv], check=True, capture_output=True
             )
-        common = ckpt / ck.UNIVERSAL / "zero" / "optimizer_state.pt"
+        common = ckpt / ck_layout.UNIVERSAL / "zero" / "optimizer_state.pt"
         out[variant] = {
             "convert_s": time.perf_counter() - t0,
-            "shards_mib": ck.shard_bytes(ck.read_manifest(ckpt)) / 2**20,
-            "universal_mib": du(ckpt / ck.UNIVERSAL) / 2**20,
+            "shards_mib": ck_verify.shard_bytes(ck_verify.read_manifest(ckpt)) / 2**20,
+            "universal_mib": du(ckpt / ck_layout.UNIVERSAL) / 2**20,
             "common_state_mib": common.stat().st_size / 2**20,
             **resume_on_one_worker(storage),
         }

@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from raytrain_cpu.bench import SIZES, report_script
+from bench.common import SIZES, report_script
+
 from raytrain_cpu.model.ops import fused_attention
 
 KINDS = ["forward x @ W^T", "weight grad, autograd (oneDNN)", "weight grad, kernel"]

@@ -6,10 +6,9 @@ figures against their goals.
     python benchmarks/device/goals.py --out DIR [--size 50m] [--timeout 540]
 
 Made for a lent many-core machine, where a device call has minutes (benchmarks/device/README.md):
-the four suites run side by side (on a 16-core AMX host the longest, `reference`, needed ~6
-min beside other suites at lease 5), so the figures arrive in one call. Four suites on 8 of 16 cores share the L3 and
-memory bandwidth less than the seven of lease 5; the ratios inside each suite are side by side
-as always. On a 2-core host they run one after another (tens of minutes at 50m; `--size tiny`
+the four suites run side by side (the longest, `reference`, takes minutes at 50m), so the
+figures arrive in one call. The suites share the L3 and memory bandwidth; the ratios inside
+each suite are side by side as always. On a 2-core host they run one after another (tens of minutes at 50m; `--size tiny`
 is a smoke run).
 
 DIR gets goals.md and goals.json (the table), and results.tar.gz: each suite's JSON and
@@ -25,7 +24,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from raytrain_cpu.host.cpu import cpu_features
+from raytrain_cpu.host.features import cpu_features
 
 HERE = Path(__file__).resolve().parent
 
@@ -51,7 +50,7 @@ GOALS = [
     ("scaling", [], "2-worker scaling efficiency", lambda j: j["efficiency"], 0.9),
 ]
 # What a suite's figure is read against, where its JSON has it: bench scaling's host ceiling,
-# the plain-PyTorch recipe in 2 processes at once against 1 alone (0.89 on the native 2-core AMX host).
+# the plain-PyTorch recipe in 2 processes at once against 1 alone.
 CONTEXT = {
     "scaling": lambda j: (
         f"host's own 2-process efficiency {j['host_efficiency']:.3f}" if "host_efficiency" in j else ""
@@ -61,7 +60,7 @@ CONTEXT = {
 
 def suite_command(suite: str, extra: list[str], size: str, workdir: Path) -> str:
     json_path = workdir / f"{suite}.json"
-    return " ".join(["-m raytrain_cpu.bench", suite, "--size", size, *extra, "--json", str(json_path)])
+    return " ".join([str(HERE.parent / "suites.py"), suite, "--size", size, *extra, "--json", str(json_path)])
 
 
 def goals_table(workdir: Path, machine: str, amx: bool) -> tuple[str, list[dict]]:
