@@ -76,7 +76,7 @@ def spawn_two_ranks_on_tiny_model(rank_fn, tmp_path, overrides: list[str]) -> No
     from raytrain_cpu.config.schema import load_config
     from raytrain_cpu.model.loading import write_tiny_model
     from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
-    from raytrain_cpu.trainer.loop import free_port
+    from raytrain_cpu.trainer.engine import free_port
 
     cfg = load_config(None, overrides)
     write_tiny_model(cfg, load_tokenizer(resolve_tokenizer_path("bundled", "tiny")), tmp_path / "model")

@@ -272,7 +272,8 @@ def test_implementation_names_carry_the_block_size():
 def test_a_resumed_auto_run_keeps_the_checkpoints_attention_without_timing(kept):
     """A resumed 'auto' run continues bit for bit: it takes the attention its manifest recorded and
     times nothing (timing all-reduces over the ranks; there is no process group here to do it)."""
-    from raytrain_cpu.trainer.loop import Worker, choose_attention
+    from raytrain_cpu.trainer.loading import choose_attention
+    from raytrain_cpu.trainer.state import Worker
 
     model, _, _ = _tiny_llama("sdpa")
     logged = []
@@ -289,7 +290,8 @@ def test_a_resumed_auto_run_keeps_the_checkpoints_attention_without_timing(kept)
 def test_the_worker_keeps_the_probabilities_as_configured(setting):
     from transformers import AttentionInterface
 
-    from raytrain_cpu.trainer.loop import Worker, choose_attention
+    from raytrain_cpu.trainer.loading import choose_attention
+    from raytrain_cpu.trainer.state import Worker
 
     model, _, _ = _tiny_llama("sdpa")
     logged = []
@@ -456,11 +458,12 @@ def test_auto_times_the_fused_kernel_in_bf16_and_an_explicit_fused_needs_bf16():
 
 def test_a_resumed_auto_run_keeps_the_fused_kernel_and_times_afresh_where_it_does_not_build(monkeypatch):
     _fused_kernel()
-    from raytrain_cpu.trainer import loop as train
-    from raytrain_cpu.trainer.loop import Worker, choose_attention
+    from raytrain_cpu.trainer import engine
+    from raytrain_cpu.trainer.loading import choose_attention
+    from raytrain_cpu.trainer.state import Worker
 
     # One rank: the ranks' sums (whether the kernel builds everywhere, the timings) are its own.
-    monkeypatch.setattr(train, "_allreduce_sum", lambda values: values)
+    monkeypatch.setattr(engine, "allreduce_sum", lambda values: values)
     cfg = load_config(None, ["model.attention=auto"])
     model, _, _ = _tiny_llama("sdpa", dtype=torch.bfloat16)
     logged = []

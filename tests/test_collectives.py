@@ -18,7 +18,7 @@ def _collectives_rank(rank: int, port: int, root: str) -> None:
     import torch.distributed as dist
 
     from raytrain_cpu.trainer import collectives
-    from raytrain_cpu.trainer.loop import init_deepspeed, init_local_group
+    from raytrain_cpu.trainer.engine import init_deepspeed, init_local_group
 
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {rank % os.cpu_count()})
@@ -75,7 +75,7 @@ def _collectives_rank(rank: int, port: int, root: str) -> None:
 def test_shared_memory_collectives_match_gloo(tmp_path):
     from conftest import spawn_ranks
 
-    from raytrain_cpu.trainer.loop import free_port
+    from raytrain_cpu.trainer.engine import free_port
 
     spawn_ranks(_collectives_rank, 2, free_port(), str(tmp_path))
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))

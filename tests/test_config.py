@@ -61,7 +61,7 @@ def test_overrides_are_typed():
 def test_local_paths_are_recorded_absolute(tmp_path, monkeypatch):
     """Relative to the directory the run starts in, and kept when a worker rebuilds the config
     elsewhere; hub ids, 'tiny' and 'bundled' stay names."""
-    from raytrain_cpu.trainer.loop import deepspeed_config
+    from raytrain_cpu.trainer.engine import deepspeed_config
 
     for d in ("model", "tok"):
         (tmp_path / d).mkdir()

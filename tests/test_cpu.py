@@ -269,7 +269,7 @@ def test_free_pages_released_past_the_limit_once_a_growth():
     """scaling.free_memory_growth_mib: the baseline is the resident memory after the first steps;
     growth past it by the limit releases (the real release: test above); a release that frees
     little raises the baseline, so live growth does not release every step; 0 never releases."""
-    from raytrain_cpu.trainer.loop import FreePages
+    from raytrain_cpu.trainer.state import FreePages
 
     mib = 2**20
     calls = []

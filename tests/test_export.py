@@ -33,17 +33,17 @@ def _train_and_save(rank: int, root: str, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from raytrain_cpu.trainer.loop import init_local_group
+    from raytrain_cpu.trainer.engine import init_local_group
 
     torch.set_num_threads(1)
     init_local_group(rank, WORLD, port)
     import deepspeed
-
     from raytrain_cpu.checkpoint.store import write_checkpoint
+
     from raytrain_cpu.model.export import probe_logits
     from raytrain_cpu.model.loading import load_sharded
     from raytrain_cpu.model.tokenizer import resolve_tokenizer_path
-    from raytrain_cpu.trainer.loop import _param_groups, deepspeed_config, init_deepspeed
+    from raytrain_cpu.trainer.engine import deepspeed_config, init_deepspeed, param_groups
 
     init_deepspeed()
     cfg = load_config(None, CONFIG)
@@ -51,7 +51,7 @@ def _train_and_save(rank: int, root: str, port: int) -> None:
     model_dir = str(Path(root) / "base_model")
     model, hf_ds_config = load_sharded(model_dir, ds_config, torch.bfloat16)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=_param_groups(model, 0.1), config=ds_config, dist_init_required=False
+        model=model, model_parameters=param_groups(model, 0.1), config=ds_config, dist_init_required=False
     )
     assert "torch._inductor.compile_fx" not in sys.modules, "the engine's set-up loaded the compiler (Muon)"
     x = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(rank))
@@ -84,7 +84,7 @@ def zero3(tmp_path_factory):
 
     from raytrain_cpu.model.loading import write_tiny_model
     from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
-    from raytrain_cpu.trainer.loop import free_port
+    from raytrain_cpu.trainer.engine import free_port
 
     root = tmp_path_factory.mktemp("zero3")
     cfg = load_config(None, CONFIG)

@@ -484,7 +484,7 @@ def test_a_resume_names_the_optimizer_settings_and_the_learning_rate_it_changes(
 
     import torch
 
-    from raytrain_cpu.trainer.loop import apply_optimizer_settings, lr_factor
+    from raytrain_cpu.trainer.schedule import apply_optimizer_settings, lr_factor
 
     t = load_config(None, ["train.max_steps=30", "train.warmup_steps=5", "train.lr=1e-3"]).train
     param = torch.nn.Parameter(torch.zeros(2))
@@ -708,7 +708,7 @@ def _single_process_losses(cfg, run_dir: Path, cache: str, steps: int) -> dict[i
     from transformers import AutoModelForCausalLM
 
     from raytrain_cpu.data.stream import StreamPlan, read_meta
-    from raytrain_cpu.trainer.loop import lr_factor
+    from raytrain_cpu.trainer.schedule import lr_factor
 
     t = cfg.train
     global_batch = t.derive_global_batch(2)
@@ -968,15 +968,15 @@ def _notice_checkpoint(run_dir: Path, future, timeout: float = 120) -> dict | No
 def _slow_steps() -> None:
     """Every training step sleeps 0.4 s first (a worker process setup hook), so the scenario's
     cluster changes land while the run still trains: its steps take ~0.05 s on this host."""
-    import raytrain_cpu.trainer.loop as train
+    from raytrain_cpu.trainer.trainer import Trainer
 
-    step = train.train_step
+    step = Trainer.step
 
     def slow_step(*args, **kwargs):
         time.sleep(0.4)
         return step(*args, **kwargs)
 
-    train.train_step = slow_step
+    Trainer.step = slow_step
 
 
 def _wait_for_resize_check(stderr: Path, future, timeout: float = 60) -> None:

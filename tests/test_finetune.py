@@ -178,7 +178,9 @@ def _lora_gathers_rank(rank: int, port: int, root: str) -> None:
     import torch
 
     from raytrain_cpu.config.schema import load_config
-    from raytrain_cpu.trainer.loop import Worker, build_engine, deepspeed_config, init_local_group, load_model
+    from raytrain_cpu.trainer.engine import build_engine, deepspeed_config, init_local_group
+    from raytrain_cpu.trainer.loading import load_model
+    from raytrain_cpu.trainer.state import Worker
 
     init_local_group(rank, 2, port)
     losses = {}
@@ -216,7 +218,7 @@ def test_lora_trains_with_whole_layer_gathers(tmp_path):
     from raytrain_cpu.config.schema import load_config
     from raytrain_cpu.model.loading import write_tiny_model
     from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
-    from raytrain_cpu.trainer.loop import free_port
+    from raytrain_cpu.trainer.engine import free_port
 
     tok = load_tokenizer(resolve_tokenizer_path("bundled", "tiny"))
     write_tiny_model(load_config(None, ["model.dtype=bf16"]), tok, tmp_path / "base_model")

@@ -23,7 +23,7 @@ from raytrain_cpu.config.checks import ConfigError
 from raytrain_cpu.config.schema import load_config
 from raytrain_cpu.config.training import GuardConfig
 from raytrain_cpu.obs.guards import LossWindow, StabilityGuard, classify_loss, parse_inject
-from raytrain_cpu.trainer.loop import free_port
+from raytrain_cpu.trainer.engine import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -172,7 +172,7 @@ def test_early_stopping_counts_evaluations_without_improvement_and_resumes_count
     """train.early_stop_patience counts evaluations that do not beat the best by more than
     train.early_stop_min_delta (a diverged one among them); run.best_metric's best checkpoint is
     the lowest evaluated one, never one without an evaluation at its step; both survive a resume."""
-    from raytrain_cpu.trainer.loop import EvalWatch
+    from raytrain_cpu.trainer.evaluation import EvalWatch
 
     cfg = load_config(
         None, ["run.best_metric=eval_loss", "train.early_stop_patience=2", "train.early_stop_min_delta=0.01"]
@@ -218,7 +218,7 @@ RANK_SCRIPT = textwrap.dedent(
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
     from raytrain_cpu.config.training import GuardConfig
     from raytrain_cpu.obs.guards import StabilityGuard
-    from raytrain_cpu.trainer.loop import init_deepspeed, init_local_group
+    from raytrain_cpu.trainer.engine import init_deepspeed, init_local_group
 
     rank, world = int(sys.argv[2]), 2
     torch.set_num_threads(1)

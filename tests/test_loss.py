@@ -165,7 +165,9 @@ def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> N
     from conftest import fp32_partition_bits, zero3_steps
 
     from raytrain_cpu.config.schema import load_config
-    from raytrain_cpu.trainer.loop import Worker, build_engine, deepspeed_config, init_local_group, load_model
+    from raytrain_cpu.trainer.engine import build_engine, deepspeed_config, init_local_group
+    from raytrain_cpu.trainer.loading import load_model
+    from raytrain_cpu.trainer.state import Worker
 
     torch.set_num_threads(1)
     init_local_group(rank, 2, port)

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
 from raytrain_cpu.model.loading import _checkpoint_files, _read_own_partitions
-from raytrain_cpu.trainer.loop import free_port
+from raytrain_cpu.trainer.engine import free_port
 
 WORLD = 2
 TENSORS = {
@@ -47,7 +47,7 @@ class _FakeModel:
 def _rank(rank: int, port: int, files: dict[str, str], out: str) -> None:
     import torch.distributed as dist
 
-    from raytrain_cpu.trainer.loop import init_local_group
+    from raytrain_cpu.trainer.engine import init_local_group
 
     init_local_group(rank, WORLD, port)
     try:

@@ -539,7 +539,7 @@ def test_cli_says_a_model_file_is_missing_or_not_a_config(tmp_path, capsys):
 def test_deepspeed_settings_match_the_training_loop():
     """The planner models the ZeRO buckets the project's own DeepSpeed config asks for."""
     from raytrain_cpu.config.schema import load_config
-    from raytrain_cpu.trainer.loop import deepspeed_config
+    from raytrain_cpu.trainer.engine import deepspeed_config
 
     zero = deepspeed_config(load_config(None, ["train.grad_accum_steps=1"]), 2)["zero_optimization"]
     assert zero["reduce_bucket_size"] == plan.DS_REDUCE_BUCKET_SIZE

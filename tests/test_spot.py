@@ -194,7 +194,7 @@ def test_the_node_to_drain_is_the_one_at_this_machines_ip(ray_session):
 
 
 def test_what_the_workers_say_of_a_notice():
-    from raytrain_cpu.trainer.loop import spot_notice_line
+    from raytrain_cpu.trainer.saving import spot_notice_line
 
     line = spot_notice_line(["cf1fee43d76f928a3afc5482367c94fa"], 1_800_000_000_000, now=1_799_999_990.0)
     assert line == (

@@ -23,7 +23,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 def test_two_workers_train_checkpoint_and_resume(ray_session, make_config, tmp_path, capsys):
     from raytrain_cpu.data.stream import global_order, read_meta
     from raytrain_cpu.launch.driver import run
-    from raytrain_cpu.trainer.loop import lr_factor
+    from raytrain_cpu.trainer.schedule import lr_factor
 
     overrides = [
         "scaling.num_workers=2",
@@ -138,7 +138,7 @@ def test_the_best_checkpoint_is_kept_and_a_run_stops_early(ray_session, make_con
     from raytrain_cpu.launch.driver import print_summary, run
     from raytrain_cpu.launch.evaluate import main as evaluate_main
     from raytrain_cpu.model.export import main as export_main
-    from raytrain_cpu.trainer.loop import lr_factor
+    from raytrain_cpu.trainer.schedule import lr_factor
 
     overrides = [
         "scaling.num_workers=1",
@@ -375,7 +375,7 @@ def _check_sharded_load(loop_config: dict) -> None:
 
     from raytrain_cpu.config.schema import Config
     from raytrain_cpu.model.loading import load_sharded
-    from raytrain_cpu.trainer.loop import deepspeed_config, init_deepspeed
+    from raytrain_cpu.trainer.engine import deepspeed_config, init_deepspeed
 
     world = ray.train.get_context().get_world_size()
     init_deepspeed()

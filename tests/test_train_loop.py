@@ -14,15 +14,9 @@ from raytrain_cpu.data.prepare import _BlockWriter
 from raytrain_cpu.data.stream import StreamPlan
 from raytrain_cpu.host import cpu
 from raytrain_cpu.obs.metrics import ThroughputWindow
-from raytrain_cpu.trainer.loop import (
-    Loop,
-    apply_optimizer_settings,
-    check_resumed_stream,
-    lr_factor,
-    lr_held_line,
-    next_batch,
-    stream_block_ids,
-)
+from raytrain_cpu.trainer.batches import check_resumed_stream, next_batch, stream_block_ids
+from raytrain_cpu.trainer.schedule import apply_optimizer_settings, lr_factor, lr_held_line
+from raytrain_cpu.trainer.state import Loop
 
 MICRO, WORLD = 2, 2
 GLOBAL = MICRO * WORLD * 2  # accumulation 2

@@ -15,10 +15,12 @@ def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> N
     import torch
     from conftest import fp32_partition_bits, zero3_steps
 
+    from raytrain_cpu.compat import deepspeed_zero3
     from raytrain_cpu.config.schema import load_config
     from raytrain_cpu.planner import memory as plan
-    from raytrain_cpu.trainer import loop as train
-    from raytrain_cpu.trainer.loop import Worker, build_engine, deepspeed_config, init_local_group, load_model
+    from raytrain_cpu.trainer.engine import build_engine, deepspeed_config, init_local_group
+    from raytrain_cpu.trainer.loading import load_model
+    from raytrain_cpu.trainer.state import Worker
 
     torch.set_num_threads(1)
     init_local_group(rank, 2, port)
@@ -51,7 +53,7 @@ def _train_both_ways(rank: int, port: int, root: str, overrides: list[str]) -> N
                 [p.ds_numel for p in loaded.model.parameters() if len(p.ds_shape) >= 2], 2, cfg.deepspeed.sub_group_size
             ),
             "log": messages,
-            "kept_reduce_buffers": {str(k): v.numel() for k, v in train._KEPT_REDUCE_BUFFERS.items()},
+            "kept_reduce_buffers": {str(k): v.numel() for k, v in deepspeed_zero3._KEPT_REDUCE_BUFFERS.items()},
             "largest_param": max(p.ds_numel for p in loaded.model.parameters()),
         }
         del engine, loaded

@@ -220,6 +220,7 @@ def check_model_unchanged(cfg: Config, model_dir: str, latest: dict[str, Any] | 
     checkpoint recorded, else a ConfigError names what changed. None for the tiny model, built
     from model.tiny (which the config hash covers) on every start."""
     from raytrain_cpu.checkpoint.store import model_conflict, model_identity
+
     from raytrain_cpu.model.hub import snapshot_revision
 
     if cfg.model.is_tiny:
@@ -301,7 +302,6 @@ def hash_checkpoint(latest: dict[str, Any]) -> None:
     spread over the nodes, which read the shared storage in parallel) or, for a small checkpoint,
     here; raises DamagedCheckpoint."""
     import ray
-
     from raytrain_cpu.checkpoint.store import read_manifest, shard_bytes, verify_checkpoint
 
     if shard_bytes(read_manifest(latest["path"])) <= HASH_IN_DRIVER_BYTES:
@@ -319,7 +319,6 @@ def convert_checkpoint(latest: dict[str, Any], world: int) -> None:
     """to_universal as a Ray task with one CPU: on a cluster that is a worker node, which has the
     memory for a shard and the shared storage, while the head may have neither to spare."""
     import ray
-
     from raytrain_cpu.checkpoint.store import CheckpointError, DamagedCheckpoint, to_universal, universal_ready, workers
 
     saved = f"{Path(latest['path']).name} holds ZeRO shards for {workers(latest['world_size'])}; this run has {world}"
@@ -346,7 +345,7 @@ def finished_run(cfg: Config) -> dict[str, Any] | None:
     without starting Ray and leaves the run as it was: training on would rewrite config.yaml
     and summary.json with an attempt that trains no step.
     """
-    from raytrain_cpu.trainer.loop import EvalWatch
+    from raytrain_cpu.trainer.evaluation import EvalWatch
 
     latest = newest_checkpoint(cfg.run.run_dir)
     if latest is None:
@@ -421,7 +420,6 @@ def worker_node_cpu(nodes: list[dict[str, Any]]):
     node often is another instance type)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     from raytrain_cpu.host.cpu import cpu_features
 
     here = ray.get_runtime_context().get_node_id()
@@ -530,7 +528,6 @@ def derive_scaling(cfg: Config) -> dict[str, Any]:
     intra-op threads = the physical cores behind a worker's Ray CPUs (Ray counts vCPUs).
     """
     import ray
-
     from raytrain_cpu.host.cpu import default_workers_per_node, threads_per_worker
 
     nodes = worker_nodes(cfg)
@@ -818,6 +815,7 @@ def fetch_from_hub(cfg: Config) -> str:
     that may not read the model) stops the job before anything else runs. Returns the model's
     local directory ('tiny' for the tiny model, written later)."""
     from raytrain_cpu.checkpoint.store import pinned_revision
+
     from raytrain_cpu.data.prepare import materialize_tokenizer
     from raytrain_cpu.model.loading import check_causal_lm, check_context_length
     from raytrain_cpu.model.tokenizer import resolve_tokenizer_path
@@ -933,8 +931,8 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     import ray
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
-
     from raytrain_cpu.checkpoint.store import config_hash, workers
+
     from raytrain_cpu.model.loading import count_parameters, write_tiny_model
     from raytrain_cpu.obs.metrics import count_events, read_metrics
     from raytrain_cpu.trainer.loop import train_loop

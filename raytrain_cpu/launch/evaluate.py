@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_cpu.checkpoint.store import BEST_HELP, MANIFEST, CheckpointError, best_of, read_manifest
+
 from raytrain_cpu.config.checks import ConfigError
 from raytrain_cpu.config.load import parse_override, set_dotted
 from raytrain_cpu.config.schema import Config
@@ -226,7 +227,7 @@ def evaluate_model(
 
     from raytrain_cpu.model.export import _torch_dtype, load_exported, model_or_checkpoint
     from raytrain_cpu.model.generate import _export_dir
-    from raytrain_cpu.trainer.loop import eval_metrics, eval_sums, pair_eval_metrics, pair_eval_sums
+    from raytrain_cpu.trainer.evaluation import eval_metrics, eval_sums, pair_eval_metrics, pair_eval_sums
 
     path = best_of(path) if best else model_or_checkpoint(path)
     info = _run_info(path)

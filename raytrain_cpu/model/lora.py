@@ -6,7 +6,7 @@ B (out x r) matrices beside each targeted Linear, in fp32 even beside a bf16 bas
 autocast_adapter_dtype: the adapters' small updates survive, and their master weights are
 the weights). They are created as ordinary tensors; `deepspeed.initialize` turns them into
 ZeRO-3 parameters too, and only they reach
-the optimizer (`train._param_groups` skips frozen parameters), so optimizer state and
+the optimizer (`trainer.engine.param_groups` skips frozen parameters), so optimizer state and
 gradient traffic scale with the adapters, not the model. The base weights are still
 all-gathered layer by layer in forward and backward, as in full fine-tuning.
 

@@ -400,7 +400,7 @@ LOSS_CHUNK_BYTES = 256 << 20
 # are sharded at about 5 GB). ZeRO-3's sharded load maps nothing (model.load_sharded).
 CHECKPOINT_SHARD_BYTES = 5 * 10**9
 
-# ZeRO settings as raytrain_cpu.trainer.loop.deepspeed_config writes them (tests/test_plan.py checks);
+# ZeRO settings as raytrain_cpu.trainer.engine.deepspeed_config writes them (tests/test_plan.py checks);
 # the persistence threshold is deepspeed.param_persistence_threshold's default.
 DS_REDUCE_BUCKET_SIZE = 50_000_000
 DS_PREFETCH_BUCKET_SIZE = 50_000_000

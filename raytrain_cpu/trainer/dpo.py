@@ -27,7 +27,7 @@ like the trained weights: its bf16 weights only, 2 bytes a parameter over the ra
 on 4 ranks: 4 GiB a rank, against the ~30 GiB of weights, master copy, moments and gradients a
 full fine-tuning rank holds). A resumed run loads it again from the model the run started from,
 so it never becomes the resumed weights. train.dpo_precompute_reference runs neither: the
-reference's rows are computed once before training (raytrain_cpu.trainer.loop.precompute_reference) and read back
+reference's rows are computed once before training (raytrain_cpu.trainer.reference.precompute_reference) and read back
 by what each block holds (`precomputed`).
 
 **The blocks**: the data layer packs each pair's two conversations (prompt + chosen answer, then
@@ -214,7 +214,7 @@ def reference_key(name_or_path: str, model_dir: str | Path) -> str:
     the same path (another fine-tune of one architecture) changes. Not paths or modification
     times: each node's copy of a model may have its own. A sample, not the whole file, keeps
     this a few reads at any model size."""
-    from raytrain_cpu.checkpoint.store import model_identity
+    from raytrain_cpu.checkpoint.identity import model_identity
     from raytrain_cpu.model.hub import is_hub_id, snapshot_revision
 
     revision = None
