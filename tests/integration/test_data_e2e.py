@@ -1,0 +1,288 @@
+"""Data: documents, bad rows, packing, the stream arithmetic behind exact resume, the cache."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from raytrain_cpu.data.prepare import _BlockWriter
+from raytrain_cpu.data.sources import DataError, SourceSpec
+
+WIKI = "\n = Alpha = \n\n Alpha is a letter .\n\n = = History = = \n\n It is old .\n = Beta = \n\n Beta too .\n\n"
+
+
+def spec(kind="text", bad="error", column="text", wikitext=True):
+    return SourceSpec(kind, ("x",), column, wikitext, bad)
+
+
+def _cache_of(path, blocks: int, first_value: int, seq_len: int = 4) -> str:
+    """A cache split of `blocks` blocks, block i filled with first_value + i."""
+    writer = _BlockWriter(path, seq_len)
+    for i in range(blocks):
+        writer.add(np.full(seq_len, first_value + i, dtype=np.int32))
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.slow
+def test_prepare_cache_keyed_reused_and_bad_sources(ray_session, tmp_path, make_config, capfd):
+    from raytrain_cpu.data.prepare import prepare
+    from raytrain_cpu.data.stream import read_meta
+
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(WIKI.encode() * 120 + b" = Gamma = \n bad \xff line\n ok line .\n")
+    base = [f"data.cache_dir={tmp_path / 'cache'}", "data.source=text", f"data.path={text}", "data.seq_len=16"]
+    capfd.readouterr()
+    with pytest.raises(DataError, match=r"corpus.txt, line \d+, column \d+: not valid UTF-8"):
+        prepare(make_config(*base))
+    err = capfd.readouterr().err  # the one-line error only: not Ray Data's records of the task's stack
+    assert "Traceback" not in err and "not valid UTF-8" not in err, err[-2000:]
+    assert not list((tmp_path / "cache").glob("*/meta.json"))  # nothing half-written
+    cfg = make_config(*base, "data.bad_rows=skip")
+    cache = prepare(cfg)
+    meta = read_meta(cache)
+    assert meta["skipped_rows"] == 1 and meta["padding_tokens"] == 0 and meta["blocks"] > 0
+    assert meta["eval_blocks"] > 0  # held out, by document
+    mtime = (cache / "meta.json").stat().st_mtime
+    assert prepare(cfg) == cache and (cache / "meta.json").stat().st_mtime == mtime  # reused, not rebuilt
+    assert prepare(make_config(*base, "data.bad_rows=skip", "data.seq_len=32")) != cache  # keyed by seq_len
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n   \n")
+    with pytest.raises(DataError, match="holds no text"):
+        prepare(make_config(f"data.cache_dir={tmp_path / 'cache'}", "data.source=text", f"data.path={empty}"))
+    # Compressed, as corpora ship: a directory's .txt.gz reads as the plain file; one cut short
+    # (an interrupted download) is named in one line.
+    import gzip
+
+    (tmp_path / "packed").mkdir()
+    packed = tmp_path / "packed" / "corpus.txt.gz"
+    packed.write_bytes(gzip.compress(text.read_bytes()))
+    gz = [*base[:2], f"data.path={packed.parent}", *base[3:], "data.bad_rows=skip"]
+    assert {k: read_meta(prepare(make_config(*gz)))[k] for k in ("tokens", "blocks")} == {
+        k: meta[k] for k in ("tokens", "blocks")
+    }
+    packed.write_bytes(gzip.compress(text.read_bytes())[:-100])
+    capfd.readouterr()
+    with pytest.raises(DataError, match=r"corpus.txt.gz: cannot decompress it \(.*\). Replace the file"):
+        prepare(make_config(*gz))
+    assert "Traceback" not in capfd.readouterr().err
+    jl = tmp_path / "docs.jsonl"
+    jl.write_text("\n".join(json.dumps({"body": "hello world " * 20}) for _ in range(30)))
+    with pytest.raises(DataError, match=r"docs.jsonl, line 1: no 'text' field") as failed:
+        prepare(make_config(f"data.cache_dir={tmp_path / 'cache'}", "data.source=jsonl", f"data.path={jl}"))
+    # While the error is held (as pytest or a notebook holds it), no tokenizer actor keeps a CPU:
+    # leaked ones once left the next run waiting forever for its training workers.
+    assert failed.value is not None and _alive_tokenizer_actors(timeout=15) == []
+    # A mixture's source that fails is named as its entry (a too-small one said only its tokens).
+    (tmp_path / "tiny.txt").write_text("A few words.\n")
+    mix = f"data.mix=[{{source: bundled, weight: 1}}, {{path: {tmp_path / 'tiny.txt'}, name: tiny, weight: 1}}]"
+    with pytest.raises(DataError, match=r"^data.mix\[1\] \(tiny\): the training text gives \d+ tokens"):
+        prepare(make_config(f"data.cache_dir={tmp_path / 'cache'}", mix))
+
+
+def test_prepare_packs_a_directorys_files_in_order_and_may_hold_nothing_out(
+    ray_session, tmp_path, make_config, monkeypatch
+):
+    """Files pack in their order, whichever tokenizing task ends first: `prepare` and `evaluate`
+    once set Ray Data's preserve_order after building the dataset, which keeps the context it
+    was built with, and packed other blocks (and held out other documents) on every build under
+    the same key. data.eval_fraction=0 holds nothing out (it divided by zero)."""
+    import ray
+
+    from raytrain_cpu.data import prepare as data
+    from raytrain_cpu.data.prepare import prepare
+    from raytrain_cpu.data.stream import read_blocks, read_meta
+    from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
+
+    # As a fresh `prepare` process has it (the session's runs set it for their own reads).
+    monkeypatch.setattr(ray.data.DataContext.get_current().execution_options, "preserve_order", False)
+    ordered = []  # what each dataset to pack holds: the order here depends on the tasks' timing
+
+    def read_documents(*args, **kwargs):
+        ds = read(*args, **kwargs)
+        ordered.append(ds.context.execution_options.preserve_order)
+        return ds
+
+    read = data._read_documents
+    monkeypatch.setattr(data, "_read_documents", read_documents)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
+    (tmp_path / "corpus").mkdir()
+    for i, word in enumerate(words):  # the first file far the largest: its task ends last
+        (tmp_path / "corpus" / f"{i}.txt").write_text(f"{' '.join([word] * 300)} .\n" * (60 if i == 0 else 1))
+    cfg = make_config(
+        f"data.cache_dir={tmp_path / 'cache'}",
+        f"data.path={tmp_path / 'corpus'}",
+        "data.seq_len=16",
+        "data.eval_fraction=0",
+        "data.tokenize_actors=2",
+    )
+    cache = prepare(cfg)
+    meta = read_meta(cache)
+    assert ordered == [True] and meta["eval_blocks"] == 0 and meta["eval_source"] == "none held out"
+    tok = load_tokenizer(resolve_tokenizer_path("bundled", "tiny"))
+    word_of = {tok(f" {w}", add_special_tokens=False)["input_ids"][0]: i for i, w in enumerate(words)}
+    blocks = read_blocks(str(cache / "train"), np.arange(meta["blocks"]), False)["input_ids"]
+    order = [word_of[t] for t in blocks.reshape(-1) if t in word_of]
+    assert order == sorted(order) and set(order) == set(range(len(words)))
+
+
+def _alive_tokenizer_actors(timeout: float) -> list[int]:
+    import ray._private.state as state
+
+    deadline = time.time() + timeout
+    while True:
+        alive = [
+            a["Pid"] for a in state.actors().values() if a["State"] == "ALIVE" and "Tokenize" in a["ActorClassName"]
+        ]
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def test_a_full_cache_filesystem_is_named_and_leaves_nothing(ray_session, tmp_path, make_config, monkeypatch):
+    """ENOSPC (or a quota) while the blocks are written: one line naming data.cache_dir, and no
+    half-written cache (pyarrow's OSError traceback before)."""
+    import errno
+
+    from raytrain_cpu.data import prepare as data
+
+    def full(spec, data_cfg, tokenizer, actors, out, *rest):
+        out.mkdir(parents=True)
+        (out / "part-00000.parquet").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(data, "_pack", full)
+    cfg = make_config(f"data.cache_dir={tmp_path / 'cache'}")
+    with pytest.raises(DataError, match=r"^data.cache_dir: no space left in .*cache for the packed blocks"):
+        data.prepare(cfg, log=lambda m: None)
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]  # the .tmp copy is gone
+
+
+def test_ray_data_tells_the_throttle_when_a_consumer_waits(ray_session):
+    """On a real stream, Ray's executor shows the throttle a waiting consumer (the first batch)
+    and none while the consumer is busy: a Ray that stopped counting them would space every step."""
+    import ray
+    from ray.data import DataContext
+
+    from raytrain_cpu.data import throttle as datathrottle
+
+    seen: list[bool] = []
+
+    class Recording(datathrottle.ThrottleScheduling):
+        def on_execution_step(self, executor) -> None:
+            seen.append(datathrottle.consumer_waiting(executor))
+            super().on_execution_step(executor)
+
+    # One task at a time, 32 of 0.1 s: the stream is still running through the consumer's busy
+    # spell however late its first batch comes (on a loaded machine, 8 tasks side by side once all
+    # finished before the first batch arrived, and no step saw a busy consumer).
+    def slow(batch):
+        time.sleep(0.1)
+        return batch
+
+    ctx = DataContext.get_current()
+    kept = list(ctx.custom_execution_callback_classes)
+    ctx.custom_execution_callback_classes = [Recording]
+    try:
+        ds = ray.data.range(256, override_num_blocks=32).map_batches(slow, batch_size=8, concurrency=1)
+        it = iter(ds.iter_batches(batch_size=8))
+        next(it)  # waited for
+        time.sleep(0.5)  # busy: the loop goes on without a waiting consumer
+        sum(1 for _ in it)
+    finally:
+        ctx.custom_execution_callback_classes = kept
+    assert True in seen and False in seen
+
+
+# ----------------------------------------------------------------------------- evaluation streams
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_eval_streams_cover_every_block_once_whatever_the_worker_count(ray_session, tmp_path, world):
+    """7 eval blocks on 2 or 3 workers: every rank gets ceil(7 / W) rows (ZeRO-3 needs every rank
+    in every forward), and together they hold every block once, as the one-process `evaluate`
+    does. Rank r's stream stopped at 7 // W rows, leaving up to W-1 trailing blocks out, so the
+    run's eval_loss depended on its worker count. A rank short of a block gets a padding row
+    without targets (every label -100), and a text stream holding one carries labels for all its
+    rows (their inputs), so its batches all have the same columns."""
+    from raytrain_cpu.data.prepare import _ExampleWriter
+    from raytrain_cpu.data.stream import eval_stream
+
+    n_eval, seq = 7, 4
+    _cache_of(tmp_path / "text" / "eval", n_eval, 100, seq)  # block i holds 100 + i
+    chat = _ExampleWriter(tmp_path / "chat" / "eval", seq, pad_id=0)
+    chat_labels = [np.array([-100, 2 + 10 * i, 3 + 10 * i, 4 + 10 * i], dtype=np.int32) for i in range(n_eval)]
+    for i, labels in enumerate(chat_labels):  # one example a block, filling it: its prompt takes no loss
+        chat.add_example(np.array([1, 2, 3, 4], dtype=np.int32) + 10 * i, labels)
+    chat.close()
+    cases = [  # (cache, has_labels, documents_eos, each block's input_ids, its labels: None for text)
+        (tmp_path / "text", False, None, lambda b: np.full(seq, 100 + b), None),
+        (tmp_path / "text", False, 0, lambda b: np.full(seq, 100 + b), None),
+        (tmp_path / "chat", True, None, lambda b: np.arange(1, 5) + 10 * b, lambda b: chat_labels[b]),
+    ]
+    per_rank = -(-n_eval // world)
+    for cache, has_labels, eos, ids_of, labels_of in cases:
+        seen = []
+        for rank in range(world):
+            batches = list(
+                eval_stream(cache, world, rank, n_eval, 0, has_labels, eos).iter_batches(
+                    batch_size=2, batch_format="numpy"
+                )
+            )
+            assert len({tuple(sorted(b)) for b in batches}) == 1, "every batch of a rank has the same columns"
+            rows = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+            assert len(rows["block_id"]) == per_rank, (cache.name, eos, rank)
+            assert ("position_ids" in rows) == (eos is not None)
+            padding = rows["block_id"] == -1
+            if "labels" not in rows:  # a text stream without padding: the model's labels are its inputs
+                assert not has_labels and not padding.any()
+                rows["labels"] = rows["input_ids"]
+            assert (rows["labels"][padding] == -100).all()
+            real = rows["block_id"][~padding]
+            assert real.tolist() == list(range(rank, n_eval, world))
+            for b, ids, labels in zip(real, rows["input_ids"][~padding], rows["labels"][~padding]):
+                np.testing.assert_array_equal(ids, ids_of(b))
+                np.testing.assert_array_equal(labels, ids if labels_of is None else labels_of(b))
+            seen += real.tolist()
+        assert sorted(seen) == list(range(n_eval)), (cache.name, eos)
+    # train.eval_batches cutting the streams short of the padding: no padding row, no labels for text
+    for rank in range(world):
+        (batch,) = eval_stream(tmp_path / "text", world, rank, n_eval, per_rank - 1).iter_batches(
+            batch_size=8, batch_format="numpy"
+        )
+        assert batch["block_id"].tolist() == list(range(rank, n_eval, world))[: per_rank - 1]
+        assert "labels" not in batch
+
+
+def test_eval_examples_cut_to_seq_len_are_counted_too(ray_session, tmp_path, make_config):
+    """Chat examples longer than data.seq_len are truncated to it and counted in meta.json's
+    truncated_examples and on the console; the eval text's were truncated as silently: its
+    count was dropped. meta.json's eval_truncated_examples counts them, from an eval file of
+    its own and from the documents held out of the training text, and the console line says so."""
+    from raytrain_cpu.data.cli import PREPARED_FIGURES
+    from raytrain_cpu.data.prepare import prepare
+    from raytrain_cpu.data.stream import read_meta
+
+    def chat(answer: str) -> str:
+        return json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}]})
+
+    short, long = chat("Hello."), chat("word " * 100)  # the long answer: well past 64 tokens
+    train, evals = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("\n".join([short] * 30 + [long]) + "\n")
+    evals.write_text("\n".join([short, long, short]) + "\n")
+    base = ["data.format=chat", "data.source=jsonl", f"data.path={train}", "data.seq_len=64"]
+    base.append(f"data.cache_dir={tmp_path / 'cache'}")
+    lines: list[str] = []
+    meta = read_meta(prepare(make_config(*base, f"data.eval_path={evals}"), log=lines.append))
+    assert (meta["truncated_examples"], meta["eval_truncated_examples"]) == (1, 1)
+    assert any(line.endswith("1 examples truncated to data.seq_len=64 (and 1 eval example)") for line in lines), lines
+    # Held out of the training text (0.4: every 2nd document): the long 30th and 32nd, not the 33rd.
+    train.write_text("\n".join([short] * 29 + [long, short, long, long]) + "\n")
+    lines.clear()
+    meta = read_meta(prepare(make_config(*base, "data.eval_fraction=0.4"), log=lines.append))
+    assert (meta["truncated_examples"], meta["eval_truncated_examples"]) == (1, 2)
+    assert any(line.endswith("(and 2 eval examples)") for line in lines), lines
+    assert "eval_truncated_examples" in PREPARED_FIGURES
