@@ -251,6 +251,21 @@ class DataConfig:
         if self.mix or self.source == "mix":
             self._check_mix()
             return
+        self._resolve_source()
+        self._check_format()
+        if self.source in ("text", "parquet", "jsonl"):
+            require(bool(self.path), "data.path", f"source {self.source!r} needs data.path=<file|dir|glob>.")
+        require_filesystem(self.cache_dir, "data.cache_dir")
+        require(self.seq_len >= 8, "data.seq_len", f"got {self.seq_len}; use at least 8 tokens.")
+        require(0.0 <= self.eval_fraction < 0.5, "data.eval_fraction", "must be in [0, 0.5).")
+        choice(self.bad_rows, "data.bad_rows", ("error", "skip"))
+        require(self.tokenize_batch_size > 0, "data.tokenize_batch_size", "must be positive.")
+        require(self.tokenize_actors >= 0, "data.tokenize_actors", "must be >= 0 (0 = auto).")
+        require(self.shuffle_window > 0, "data.shuffle_window", "must be a positive number of blocks.")
+        require(self.prefetch_batches >= 0, "data.prefetch_batches", "must be >= 0.")
+
+    def _resolve_source(self) -> None:
+        """data.source=auto as what data.path holds; paths the source would not read are refused."""
         choice(self.source, "data.source", ("auto", "bundled", "text", "parquet", "jsonl", "hub"))
         if self.source == "auto":  # resolved here, so checkpoints record what the run read
             self.source = source_of(self.path) if self.path else "bundled"
@@ -273,6 +288,9 @@ class DataConfig:
                 f"is set, but data.source={self.source} reads {reads.get(self.source)}: set data.source=auto (or "
                 f"text, jsonl, parquet) to read {key}, or leave it out.",
             )
+
+    def _check_format(self) -> None:
+        """data.format against the source, and the chat template file it renders with."""
         choice(self.format, "data.format", ("text", "chat", "instruction", "preference"))
         if self.format == "preference":
             self._check_preference()
@@ -289,16 +307,6 @@ class DataConfig:
                 f"{self.chat_template!r} does not exist; give a Jinja template file, or '' for the tokenizer's own.",
             )
             self.chat_template = absolute(self.chat_template)
-        if self.source in ("text", "parquet", "jsonl"):
-            require(bool(self.path), "data.path", f"source {self.source!r} needs data.path=<file|dir|glob>.")
-        require_filesystem(self.cache_dir, "data.cache_dir")
-        require(self.seq_len >= 8, "data.seq_len", f"got {self.seq_len}; use at least 8 tokens.")
-        require(0.0 <= self.eval_fraction < 0.5, "data.eval_fraction", "must be in [0, 0.5).")
-        choice(self.bad_rows, "data.bad_rows", ("error", "skip"))
-        require(self.tokenize_batch_size > 0, "data.tokenize_batch_size", "must be positive.")
-        require(self.tokenize_actors >= 0, "data.tokenize_actors", "must be >= 0 (0 = auto).")
-        require(self.shuffle_window > 0, "data.shuffle_window", "must be a positive number of blocks.")
-        require(self.prefetch_batches >= 0, "data.prefetch_batches", "must be >= 0.")
 
     def _check_preference(self) -> None:
         require(

@@ -174,20 +174,7 @@ class TrainConfig:
         require(self.weight_decay >= 0, "train.weight_decay", f"got {self.weight_decay}; must be >= 0 (0: none).")
         require(self.early_stop_min_delta >= 0, "train.early_stop_min_delta", "must be >= 0.")
         require(self.sample_tokens > 0, "train.sample_tokens", "must be a positive integer.")
-        require(self.dpo_beta > 0, "train.dpo_beta", f"got {self.dpo_beta}; must be > 0 (e.g. 0.1).")
-        choice(self.dpo_loss, "train.dpo_loss", ("sigmoid", "ipo", "hinge", "simpo"))
-        require(self.simpo_gamma >= 0, "train.simpo_gamma", f"got {self.simpo_gamma}; must be >= 0 (e.g. 0.5).")
-        require(self.dpo_sft_weight >= 0, "train.dpo_sft_weight", f"got {self.dpo_sft_weight}; must be >= 0 (0: none).")
-        require(
-            0 <= self.dpo_label_smoothing < 0.5,
-            "train.dpo_label_smoothing",
-            f"got {self.dpo_label_smoothing}; must be in [0, 0.5), e.g. 0.1 (0: plain DPO).",
-        )
-        require(
-            self.dpo_label_smoothing == 0 or self.dpo_loss == "sigmoid",
-            "train.dpo_label_smoothing",
-            f"smooths train.dpo_loss=sigmoid only, not {self.dpo_loss!r}; set it to 0 or train.dpo_loss=sigmoid.",
-        )
+        self._check_dpo()
         require(self.eps > 0, "train.eps", f"got {self.eps}; must be > 0 (AdamW divides by sqrt(v) + eps), e.g. 1e-8.")
         require(
             math.isfinite(self.epochs) and self.epochs >= 0,
@@ -208,6 +195,23 @@ class TrainConfig:
                 f"{self.global_batch_size} is not a multiple of micro_batch_size x grad_accum_steps "
                 f"= {per_worker}; set it to {per_worker} x <number of workers> or to 0 to derive it.",
             )
+
+    def _check_dpo(self) -> None:
+        """The preference-loss settings (data.format=preference reads them)."""
+        require(self.dpo_beta > 0, "train.dpo_beta", f"got {self.dpo_beta}; must be > 0 (e.g. 0.1).")
+        choice(self.dpo_loss, "train.dpo_loss", ("sigmoid", "ipo", "hinge", "simpo"))
+        require(self.simpo_gamma >= 0, "train.simpo_gamma", f"got {self.simpo_gamma}; must be >= 0 (e.g. 0.5).")
+        require(self.dpo_sft_weight >= 0, "train.dpo_sft_weight", f"got {self.dpo_sft_weight}; must be >= 0 (0: none).")
+        require(
+            0 <= self.dpo_label_smoothing < 0.5,
+            "train.dpo_label_smoothing",
+            f"got {self.dpo_label_smoothing}; must be in [0, 0.5), e.g. 0.1 (0: plain DPO).",
+        )
+        require(
+            self.dpo_label_smoothing == 0 or self.dpo_loss == "sigmoid",
+            "train.dpo_label_smoothing",
+            f"smooths train.dpo_loss=sigmoid only, not {self.dpo_loss!r}; set it to 0 or train.dpo_loss=sigmoid.",
+        )
 
     @property
     def dpo_reference(self) -> bool:

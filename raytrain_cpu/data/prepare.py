@@ -699,25 +699,8 @@ def _pack(
         try:
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                 skipped += int(pa.compute.sum(batch.column("skipped")).as_py() or 0)
-                col = batch.column("ids").combine_chunks()
-                offsets = col.offsets.to_numpy()
-                values = col.values.to_numpy()
-                labels = batch.column("labels").combine_chunks().values.to_numpy() if sft else None
-                splits = batch.column("split").to_numpy() if spec.format == "preference" else None
-                for i in range(len(col)):
-                    ids = values[offsets[i] : offsets[i + 1]]
-                    if len(ids) == 0:
-                        continue
-                    docs += 1
-                    tokens += len(ids)
-                    # Hold-out goes by document, so no article is split between train and eval.
-                    w = eval_writer if every and docs % every == 0 else writer
-                    if splits is not None:
-                        w.add_pair(ids, labels[offsets[i] : offsets[i + 1]], int(splits[i]))
-                    elif sft:
-                        w.add_example(ids, labels[offsets[i] : offsets[i + 1]])
-                    else:
-                        w.add(ids)
+                docs, added = _write_batch(batch, spec.format, writer, eval_writer, every, docs)
+                tokens += added
         except Exception as e:
             failure = _unwrap(e) or _damaged_file(spec) or e  # ours as one line; anything else as it came
         if isinstance(failure, DataError):
@@ -742,6 +725,33 @@ def _pack(
     if sft and eval_writer:  # the held-out examples cut to seq_len, counted apart from the training ones
         stats["eval_truncated_examples"] = eval_writer.truncated
     return stats | (writer.stats() if sft else {})
+
+
+def _write_batch(batch, data_format: str, writer, eval_writer, every: int, docs: int) -> tuple[int, int]:
+    """Writes one tokenized batch's documents (or examples, or pairs) in order, every `every`-th
+    document of the run to eval_writer; returns the documents so far and the tokens written."""
+    col = batch.column("ids").combine_chunks()
+    offsets = col.offsets.to_numpy()
+    values = col.values.to_numpy()
+    sft = data_format != "text"
+    labels = batch.column("labels").combine_chunks().values.to_numpy() if sft else None
+    splits = batch.column("split").to_numpy() if data_format == "preference" else None
+    tokens = 0
+    for i in range(len(col)):
+        ids = values[offsets[i] : offsets[i + 1]]
+        if len(ids) == 0:
+            continue
+        docs += 1
+        tokens += len(ids)
+        # Hold-out goes by document, so no article is split between train and eval.
+        w = eval_writer if every and docs % every == 0 else writer
+        if splits is not None:
+            w.add_pair(ids, labels[offsets[i] : offsets[i + 1]], int(splits[i]))
+        elif sft:
+            w.add_example(ids, labels[offsets[i] : offsets[i + 1]])
+        else:
+            w.add(ids)
+    return docs, tokens
 
 
 def _log_named(log, name: str, message: str) -> None:
@@ -873,6 +883,52 @@ def _log_examples_packed(data: DataConfig, stats: dict[str, Any], eval_only: boo
         log(f"[data] {data.format}: {eval_cut} {'cut to share a block of' if pairs else 'truncated to'} {limit}")
 
 
+def _pad_id(tokenizer: tuple[str, int]) -> int:
+    """Padding of chat/instruction blocks: the tokenizer's pad token, else EOS (its labels are -100 either way)."""
+    pad_id = _local_special_id(Path(tokenizer[0]).parent, "pad_token")
+    return tokenizer[1] if pad_id is None else pad_id
+
+
+def _pack_evaluation_text(
+    evals: SourceSpec, cfg: DataConfig, tokenizer, actors: int, tmp: Path, pad_id: int, stats: dict, log
+) -> None:
+    """Packs the source's own evaluation text into tmp/eval and adds its figures to `stats`."""
+    estats = _pack(evals, cfg, tokenizer, actors, tmp / "eval", None, pad_id)
+    log(f"[data] tokenized {estats['documents']:,} eval docs -> {estats['blocks']:,} blocks")
+    stats["eval_blocks"] = estats["blocks"]
+    stats["eval_tokens"] = estats["tokens"]
+    stats["skipped_rows"] += estats["skipped_rows"]
+    stats["eval_truncated_examples"] = estats.get("truncated_examples", 0)
+
+
+def _source_meta(
+    data: DataConfig,
+    key: str,
+    tokenizer_path: str,
+    specs: tuple[SourceSpec, SourceSpec | None],
+    stats: dict,
+    wall: float,
+) -> dict:
+    """A source cache's meta.json: what it was packed from, and its figures."""
+    train, evals = specs
+    return {
+        "format": CACHE_FORMAT,
+        "key": key,
+        "seq_len": data.seq_len,
+        "tokenizer": tokenizer_path,
+        "train_source": train.describe(),
+        "eval_source": evals.describe() if evals else held_out(data.eval_fraction),
+        "padding_tokens": 0,
+        "padding_frac": 0.0,
+        "truncated_examples": 0,
+        "eval_truncated_examples": 0,
+        "data_format": data.format,
+        **stats,
+        "prepare_wall_s": round(wall, 3),
+        "tokens_per_s": round(stats["tokens"] / wall, 1),
+    }
+
+
 def _prepare_source(
     cfg: Config, *, force: bool, log, eval_only: bool = False, specs: tuple[SourceSpec, SourceSpec | None] = ()
 ) -> Path:
@@ -898,9 +954,7 @@ def _prepare_source(
     actors = cfg.data.tokenize_actors or max(1, cpus)
     tmp = final.parent / f".{key}.tmp-{uuid.uuid4().hex[:8]}"
     tokenizer = materialize_tokenizer(tokenizer_path, cfg)
-    # Padding (chat/instruction blocks): the tokenizer's pad token, else EOS; its labels are -100 either way.
-    pad_id = _local_special_id(Path(tokenizer[0]).parent, "pad_token")
-    pad_id = tokenizer[1] if pad_id is None else pad_id
+    pad_id = _pad_id(tokenizer)
     try:
         if eval_only:
             log(f"[data] evaluated only: packing its evaluation text, not its training text -> {final}")
@@ -910,31 +964,11 @@ def _prepare_source(
             stats = _pack_training_text(train, evals, cfg.data, tokenizer, actors, tmp, pad_id, log)
         if evals:
             log(f"[data] {'1/1' if eval_only else '2/2'} tokenizing the evaluation text ...")
-            estats = _pack(evals, cfg.data, tokenizer, actors, tmp / "eval", None, pad_id)
-            log(f"[data] tokenized {estats['documents']:,} eval docs -> {estats['blocks']:,} blocks")
-            stats["eval_blocks"] = estats["blocks"]
-            stats["eval_tokens"] = estats["tokens"]
-            stats["skipped_rows"] += estats["skipped_rows"]
-            stats["eval_truncated_examples"] = estats.get("truncated_examples", 0)
+            _pack_evaluation_text(evals, cfg.data, tokenizer, actors, tmp, pad_id, stats, log)
         if cfg.data.format != "text":  # after the eval text: its cut examples are counted on the same line
             _log_examples_packed(cfg.data, stats, eval_only, log)
         wall = time.perf_counter() - t0
-        meta = {
-            "format": CACHE_FORMAT,
-            "key": key,
-            "seq_len": cfg.data.seq_len,
-            "tokenizer": tokenizer_path,
-            "train_source": train.describe(),
-            "eval_source": evals.describe() if evals else held_out(cfg.data.eval_fraction),
-            "padding_tokens": 0,
-            "padding_frac": 0.0,
-            "truncated_examples": 0,
-            "eval_truncated_examples": 0,
-            "data_format": cfg.data.format,
-            **stats,
-            "prepare_wall_s": round(wall, 3),
-            "tokens_per_s": round(stats["tokens"] / wall, 1),
-        }
+        meta = _source_meta(cfg.data, key, tokenizer_path, (train, evals), stats, wall)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         final = _publish(root, key, tmp, replace=force, seen=seen, log=log)  # whole or not at all
     except OSError as e:
