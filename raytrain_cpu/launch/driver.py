@@ -121,7 +121,8 @@ def _size(n: float) -> str:
 
 def check_installed(cfg: Config) -> None:
     """What a setting asks for explicitly must be installed, else the workers quietly run without it."""
-    from raytrain_cpu.host.cpu import cpp_compiler, cpp_compiler_name, find_allocator
+    from raytrain_cpu.host.features import cpp_compiler, cpp_compiler_name
+    from raytrain_cpu.host.memory import find_allocator
 
     allocator = cfg.scaling.allocator
     if allocator in ("jemalloc", "tcmalloc") and find_allocator(allocator)[0] == "system":
@@ -406,7 +407,7 @@ def local_ray_cpus() -> int | None:
     (taskset, a cpuset; Ray itself counts the machine's), and never fewer than 2. Ray Data
     needs a whole CPU beside the workers' reservations (see derive_scaling); on one vCPU the
     workers and Ray Data then share it. None: Ray's own count."""
-    from raytrain_cpu.host.cpu import affinity_cpus
+    from raytrain_cpu.host.threads import affinity_cpus
 
     cpus = affinity_cpus()
     if cpus is None and (os.cpu_count() or 1) >= 2:
@@ -420,7 +421,8 @@ def worker_node_cpu(nodes: list[dict[str, Any]]):
     node often is another instance type)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    from raytrain_cpu.host.cpu import cpu_features
+
+    from raytrain_cpu.host.features import cpu_features
 
     here = ray.get_runtime_context().get_node_id()
     if len(nodes) == 1 and nodes[0]["NodeID"] == here:
@@ -528,7 +530,8 @@ def derive_scaling(cfg: Config) -> dict[str, Any]:
     intra-op threads = the physical cores behind a worker's Ray CPUs (Ray counts vCPUs).
     """
     import ray
-    from raytrain_cpu.host.cpu import default_workers_per_node, threads_per_worker
+
+    from raytrain_cpu.host.threads import default_workers_per_node, threads_per_worker
 
     nodes = worker_nodes(cfg)
     cpus_per_node = min(n["Resources"]["CPU"] for n in nodes)
@@ -617,7 +620,7 @@ def worker_env(cfg: Config, workers_per_node: int) -> dict[str, str]:
     node's first cores, the same ones for every rank (the cluster images set it for one rank
     per node); placement then comes from scaling.pin_cores instead.
     """
-    from raytrain_cpu.host.cpu import preload_env
+    from raytrain_cpu.host.memory import preload_env
 
     env = preload_env(cfg.scaling.allocator, cfg.scaling.glibc_mmap_threshold, cfg.scaling.jemalloc_conf)
     if workers_per_node > 1:

@@ -24,7 +24,13 @@ from typing import Any
 from raytrain_cpu.config.checks import ConfigError
 from raytrain_cpu.config.schema import Config
 from raytrain_cpu.model.hub import is_hub_id
-from raytrain_cpu.planner.memory import config_head_dim
+from raytrain_cpu.model.shape import (
+    config_value,
+    counts_from_tensors,
+    model_dims,
+    read_model_config,
+    shape_of_model_config,
+)
 
 
 def tiny_llama_config(cfg: Config, vocab_size: int, eos_token_id: int):
@@ -147,8 +153,6 @@ def check_tiny_model_fits(config) -> None:
     has free would push it into swap (or the OOM killer) with nothing said; refuse it instead."""
     import psutil
 
-    from raytrain_cpu.planner.memory import shape_of_model_config
-
     n = sum(shape_of_model_config(config).param_numels())
     need, free = n * TINY_WRITE_BYTES_PER_PARAM, psutil.virtual_memory().available
     if need > free:
@@ -260,52 +264,12 @@ def pread_exact(fd: int, buf: bytearray | memoryview, offset: int, path: str, na
 
 # ----------------------------------------------------------------------------- shape and size from the files
 
-# config.json names the same quantity differently across architectures (GPT-2: n_layer, n_embd, n_positions).
-_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
-_HIDDEN = ("hidden_size", "n_embd", "d_model")
-_HEADS = ("num_attention_heads", "n_head")
+# config.json names the context differently across architectures (GPT-2: n_positions).
 _CONTEXT = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
-# Checkpoint modules (the name part before ".weight") of the input embeddings and the output head.
-_TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "embed_in")
-_POSITION_EMBEDDINGS = ("wpe", "position_embeddings", "embed_positions")
-_OUTPUT_HEADS = ("lm_head", "embed_out")
 
 
 def _config_json(model_dir: str) -> dict[str, Any]:
     return json.loads((Path(model_dir).expanduser() / "config.json").read_text())
-
-
-def read_model_config(model_dir: str) -> dict[str, Any]:
-    """config.json as a dict; a multimodal model's text_config is merged over its top level."""
-    c = _config_json(model_dir)
-    return {**c, **(c.get("text_config") or {})}
-
-
-def config_value(config: dict[str, Any], keys: tuple[str, ...]) -> tuple[str, int] | None:
-    """(key, value) of the first of `keys` that config.json sets to a number, else None."""
-    for k in keys:
-        if isinstance(config.get(k), int) and not isinstance(config.get(k), bool):
-            return k, config[k]
-    return None
-
-
-def model_dims(model_dir: str) -> dict[str, int | None]:
-    """The shape numbers the FLOP formula and the GEMM probe need, whatever config.json calls
-    them; None where the config doesn't say."""
-    c = read_model_config(model_dir)
-    layers, hidden, heads = (config_value(c, keys) for keys in (_LAYERS, _HIDDEN, _HEADS))
-    dims = {
-        "num_layers": layers and layers[1],
-        "hidden_size": hidden and hidden[1],
-        "num_heads": heads and heads[1],
-        "vocab_size": c.get("vocab_size"),
-    }
-    dims["num_kv_heads"] = c.get("num_key_value_heads") or dims["num_heads"]
-    # The config's own head_dim where it sets one (Gemma's is not hidden // heads), else hidden // heads.
-    dims["head_dim"] = config_head_dim(c) or (hidden and heads and hidden[1] // heads[1])
-    # GPT-2 style configs leave the MLP width unset (n_inner: None) for 4 x hidden.
-    dims["intermediate_size"] = c.get("intermediate_size") or c.get("n_inner") or (hidden and 4 * hidden[1])
-    return dims
 
 
 def check_causal_lm(model_dir: str) -> None:
@@ -393,25 +357,7 @@ def count_parameters(model_dir: str) -> dict[str, int | None]:
     num_layers, hidden_size: from config.json; None when it names neither (MFU is then not logged).
     attention_width: heads x head_dim (the config's head_dim where it sets one); None if unknown.
     """
-    numels = _tensor_numels(model_dir)
-    by_module: dict[str, int] = {}
-    for name, n in numels.items():
-        module = name.split(".")[-2] if "." in name else name
-        by_module[module] = by_module.get(module, 0) + n
-    tokens = sum(by_module.get(m, 0) for m in _TOKEN_EMBEDDINGS)
-    positions = sum(by_module.get(m, 0) for m in _POSITION_EMBEDDINGS)
-    tied = not any(m in by_module for m in _OUTPUT_HEADS)  # the head is the token embedding
-    total = sum(numels.values())
-    non_embedding = total - positions - (0 if tied else tokens)
-    dims = model_dims(model_dir)
-    return {
-        "total": total,
-        "non_embedding": non_embedding,
-        "num_layers": dims["num_layers"],
-        "hidden_size": dims["hidden_size"],
-        # The attention's q width (heads x head_dim): Gemma's is not hidden_size.
-        "attention_width": dims["num_heads"] and dims["head_dim"] and dims["num_heads"] * dims["head_dim"],
-    }
+    return counts_from_tensors(_tensor_numels(model_dir), model_dims(model_dir))
 
 
 def _read_own_partitions(model, files: dict[str, str]) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from raytrain_cpu.config.checks import ConfigError
 from raytrain_cpu.config.model import LoraSettings
+from raytrain_cpu.model.shape import param_counts
 
 ADAPTER = "default"  # peft's adapter name; the only adapter a run trains
 PEFT_PREFIX = "base_model.model."
@@ -107,16 +108,6 @@ def check_lora(model_config, lora: LoraSettings, name: str) -> dict[str, int]:
 def apply_lora(model, lora: LoraSettings, name: str):
     """Wraps a (ZeRO-3 partitioned) model with LoRA adapters; the base is frozen by peft."""
     return _wrap(model, lora, name)
-
-
-def param_counts(model) -> dict[str, int]:
-    """Trainable and total parameters; ZeRO-3 parameters report their full size in ds_numel."""
-    trainable = total = 0
-    for p in model.parameters():
-        n = getattr(p, "ds_numel", p.numel())
-        total += n
-        trainable += n if p.requires_grad else 0
-    return {"trainable": trainable, "total": total}
 
 
 def resolved_settings(model, lora: LoraSettings) -> dict[str, Any]:

@@ -29,92 +29,24 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from raytrain_cpu.config import model as config_module
+from raytrain_cpu.model.shape import (
+    LORA_TARGETS,
+    ModelShape,
+    causal_block_probs,
+    shape_from_file,
+    shape_of_model_config,
+)
 
 GIB = 2**30
 
-# ----------------------------------------------------------------------------- model shapes
+# ----------------------------------------------------------------------------- known shapes
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The few numbers of a Llama-architecture decoder that decide its memory."""
-
-    name: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    tie_word_embeddings: bool = False
-    # A config's own head_dim (Gemma-7B: 256 with hidden 3072 over 16 heads); 0 where it names
-    # none, which means Llama's hidden // heads.
-    attention_head_dim: int = 0
-
-    @property
-    def head_dim(self) -> int:
-        return self.attention_head_dim or self.hidden_size // self.num_heads
-
-    @property
-    def q_dim(self) -> int:
-        """Width of the query projection (and the input of o_proj): heads x head_dim, which is the
-        hidden size only where head_dim is hidden // heads."""
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        """Width of the key (and of the value) projection under grouped-query attention."""
-        return self.num_kv_heads * self.head_dim
-
-    def layer_param_numels(self, matrices_only: bool = False) -> list[int]:
-        """Element counts of one decoder layer's tensors (q, k, v, o, gate, up, down, 2 norms;
-        `matrices_only`: without the 1-D norms)."""
-        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
-        return [h * q, h * kv, h * kv, q * h, h * i, h * i, i * h, *([] if matrices_only else [h, h])]
-
-    def param_numels(self, matrices_only: bool = False) -> list[int]:
-        """Element counts of every parameter tensor in model order, as DeepSpeed sees them
-        (`matrices_only`: the weight-decay group of train._param_groups, without the norms)."""
-        embed = self.vocab_size * self.hidden_size
-        heads = [] if self.tie_word_embeddings else [embed]
-        final_norm = [] if matrices_only else [self.hidden_size]
-        return [embed, *self.layer_param_numels(matrices_only) * self.num_layers, *final_norm, *heads]
-
-    @property
-    def layer_params(self) -> int:
-        return sum(self.layer_param_numels())
-
-    def projection_shapes(self) -> dict[str, tuple[int, int]]:
-        """(out, in) of each Linear of a decoder layer, by its Llama module name."""
-        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
-        return {
-            "q_proj": (q, h),
-            "k_proj": (kv, h),
-            "v_proj": (kv, h),
-            "o_proj": (h, q),
-            "gate_proj": (i, h),
-            "up_proj": (i, h),
-            "down_proj": (h, i),
-        }
-
-    def lora_params(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
-        """Adapter parameters: A (rank x in) + B (out x rank) beside each targeted Linear."""
-        shapes = self.projection_shapes()
-        unknown = sorted(set(targets) - set(shapes))
-        if unknown:
-            raise ValueError(f"LoRA targets {unknown}: the planner knows the Llama projections {sorted(shapes)}")
-        return rank * sum(sum(shapes[t]) for t in targets) * self.num_layers if rank else 0
-
-    @property
-    def num_params(self) -> int:
-        return sum(self.param_numels())
+# A model's shape is read by raytrain_cpu.model.shape; these are the ones planning knows by name.
 
 
 def _shape(name: str, v: int, h: int, i: int, layers: int, heads: int, kv: int, tied: bool = False) -> ModelShape:
@@ -170,61 +102,6 @@ CALIBRATION_CASES: list[tuple[str, int, bool]] = [
 ]
 
 
-def shape_from_hf_config(cfg: dict[str, Any], name: str = "") -> ModelShape:
-    """A ModelShape from a Hugging Face config.json dict (Llama, Mistral, Qwen2, Gemma style keys).
-    head_dim is the config's own where it names one (Gemma's is not hidden // heads); an
-    unset tie_word_embeddings is the model type's default (Gemma ties, Llama does not)."""
-    heads = cfg["num_attention_heads"]
-    tied = cfg.get("tie_word_embeddings")
-    return ModelShape(
-        name=name or cfg.get("_name_or_path") or cfg.get("model_type", "model"),
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        tie_word_embeddings=bool(_default_tie(cfg.get("model_type")) if tied is None else tied),
-        attention_head_dim=config_head_dim(cfg),
-    )
-
-
-def config_head_dim(cfg: dict[str, Any]) -> int:
-    """head_dim as a config.json dict sets it, 0 where it sets none (hidden // heads then): the
-    one rule every shape this project derives (planner, GEMM probe, benchmarks) follows."""
-    value = cfg.get("head_dim")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
-def _default_tie(model_type: str | None) -> bool:
-    """Whether transformers ties a model type's output head to its embeddings when config.json
-    does not say (its config class's default); False for a type it does not know."""
-    try:
-        from transformers import CONFIG_MAPPING
-
-        return bool(CONFIG_MAPPING[model_type]().tie_word_embeddings)
-    except Exception:  # transformers absent, an unknown or missing type: Llama's default
-        return False
-
-
-def shape_of_model_config(config: Any) -> ModelShape:
-    """A ModelShape from a loaded transformers config object, whose attribute_map answers the
-    Llama names for other families too (GPT-2's n_head, n_embd, n_layer; its MLP is n_inner
-    or 4 x hidden)."""
-    hidden = config.hidden_size
-    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
-    keys += ("head_dim", "tie_word_embeddings", "model_type")
-    return shape_from_hf_config(
-        {k: getattr(config, k, None) for k in keys}
-        | {
-            "intermediate_size": getattr(config, "intermediate_size", None)
-            or getattr(config, "n_inner", None)
-            or 4 * hidden
-        },
-        name=getattr(config, "model_type", "model"),
-    )
-
-
 def resolve_shape(model: str) -> ModelShape:
     """'tiny', a known hub id, a config.json file, or a directory holding one."""
     known = KNOWN_SHAPES.get(model.lower())
@@ -234,7 +111,7 @@ def resolve_shape(model: str) -> ModelShape:
     if p.is_dir():
         p = p / "config.json"
     if p.is_file():
-        return _shape_from_file(p, model)
+        return shape_from_file(p, model)
     if _looks_like_a_path(model):
         where = f"{p.parent} has no config.json" if p.parent.is_dir() else f"{p} does not exist"
         raise ValueError(f"model {model!r}: {where}; give a Hugging Face config.json (or its directory)")
@@ -249,14 +126,6 @@ def _looks_like_a_path(model: str) -> bool:
     return model.startswith(("/", ".", "~")) or model.endswith(".json")
 
 
-def _shape_from_file(path: Path, model: str) -> ModelShape:
-    try:
-        return shape_from_hf_config(json.loads(path.read_text()), name=model)
-    except (ValueError, KeyError, TypeError) as e:  # not JSON, or not a decoder's config
-        what = f"no {e}" if isinstance(e, KeyError) else str(e)
-        raise ValueError(f"{path} is not a Llama-style Hugging Face config.json ({what})") from None
-
-
 # ----------------------------------------------------------------------------- calibrated constants
 
 # Resident memory of one Ray Train worker before the model exists: Python, torch, transformers,
@@ -268,40 +137,30 @@ BASELINE_BYTES = int(0.48 * GIB)
 # +0.02 GiB when the calibration moved from the bare loader to the workers' own load_model.
 LOAD_OVERHEAD_BYTES = int(0.055 * GIB)
 # model.attention=auto's start-up timing of both attentions, forward and backward at the run's
-# shape: its high-water mark over the resident model, in units of the queries' bytes (measured
-# 13.6x with the workers' fixed mmap threshold at a Llama-3-8B layer's shape, batch 2 x 2,048:
-# the causal blocks' regrouped copies, per-block probabilities and fp32 dK/dV, SDPA's 7.6x).
+# shape: its high-water mark over the resident model, in units of the queries' bytes (the causal
+# blocks' regrouped copies, per-block probabilities and fp32 dK/dV; SDPA takes about half).
 ATTENTION_PICK_FACTOR = 14
 INIT_OVERHEAD_BYTES = int(0.04 * GIB)
 STEP_OVERHEAD_BYTES = int(0.04 * GIB)
 # A step's transients cost this many times their live size. With glibc's own dynamic mmap
-# threshold they fragmented its heap (1.63, and 3.34 for LoRA's mid-size fp32 temporaries,
-# fitted on an AVX2 host: benchmarks/results/amd-epyc-avx2/planner_calibration.json, about
-# 30% above live size on the 50M bench model). The planner plans for jemalloc (the cluster
-# images preload it) or glibc with the fixed 1 MiB threshold (scaling.glibc_mmap_threshold;
-# the workers' 32 MiB default keeps more on the heap: 2.87 GB against 2.30 at the 50M bench
-# model's peak, glibc's dynamic one 2.84), which measured the same peak as jemalloc: the
-# cases of CALIBRATION_FILE (tiny to 0.5B, fixed threshold) fit 1.0 with STEP_OVERHEAD_BYTES,
-# within 5.7% for all but llama-37m at micro batch 2, whose activations are tensors under the
-# threshold, left on the heap (measured 13% above).
+# threshold they fragment its heap (well above 1, and more for LoRA's mid-size fp32
+# temporaries). The planner plans for jemalloc (the cluster images preload it) or glibc with the
+# fixed 1 MiB threshold (scaling.glibc_mmap_threshold; the workers' 32 MiB default keeps more
+# on the heap), which reach the same peak: the cases of CALIBRATION_FILE fit 1.0 with
+# STEP_OVERHEAD_BYTES, but for activations made of tensors under the threshold, which stay on
+# the heap.
 FRAGMENTATION = 1.0
-# The workers' jemalloc keeps the pages a step frees for the next step (cpu.JEMALLOC_CONF:
-# no faults on the tensors made again, 1.02-1.23x faster) instead of handing each large block
-# back as the calibration's glibc does; a tensor made again in pages kept from a larger one
-# leaves their tail resident. Its training peak settled this much above the calibration's
-# (`python benchmarks/calibrate_planner.py --no-write --case ...` with the workers' default
-# allocator, Zen 5 host, `benchmarks/results/amd-epyc-avx512_bf16/planner_jemalloc_kept.json`):
-# x1.092 (llama-37m, micro batch 8), x1.096 (0.5B, micro batch 8: 9.49 GiB, flat from the 8th
-# of 14 steps), x1.078 (0.5B, micro batch 2), x1.117 (llama-37m, micro batch 2, which glibc
-# too left 13% over). Only the training peak, which decides the fit, counts it; after the
-# engine's set-up the 0.5B model held 2.93 GiB against glibc's 2.47. Measured before
-# cpu.JEMALLOC_CONF let any kept extent serve (lg_extent_max_active_fit): the 50M bench model
-# peaked at 3.53 GB a rank with either setting.
+# The workers' jemalloc keeps the pages a step frees for the next step (host.memory.JEMALLOC_CONF:
+# no faults on the tensors made again) instead of handing each large block back as the
+# calibration's glibc does; a tensor made again in pages kept from a larger one leaves their
+# tail resident. Its training peak settles this much above the calibration's (fitted with
+# `python benchmarks/calibrate_planner.py --no-write --case ...` under the workers' default
+# allocator: benchmarks/results/*/planner_jemalloc_kept.json). Only the training peak, which
+# decides the fit, counts it.
 KEPT_PAGES = 1.09
 # LoRA's mid-size fp32 temporaries (each adapter's input cast to fp32, B's output, its scaled
-# copy, their sum with the base output) still leave some holes: on llama-37m, micro batch 8, a
-# raytrain_cpu.launch.driver run peaked at 1.60 GiB per rank (full fine-tuning: 1.54, predicted 1.54),
-# against 3.4 GiB with glibc's dynamic threshold. Fitted on that run.
+# copy, their sum with the base output) still leave some holes: fitted on a llama-37m run at
+# micro batch 8 (full fine-tuning's peak there matched the prediction).
 LORA_FRAGMENTATION = 1.16
 # A worker hands malloc's kept pages back only once its resident size has grown
 # scaling.free_memory_growth_mib past its size after the first steps (train.FreePages: in some
@@ -323,23 +182,16 @@ def _act_bytes_per_token_layer(s: ModelShape) -> int:
 
 
 # model.attention_probs=auto: the causal blocks keep their probabilities for the backward (no
-# recomputed scores and softmax: one batched GEMM of seven and half the softmax work; 1.18x the
-# attention's forward and backward at the 50M bench model's shape, 1.17-1.18x at Llama-3-8B's,
-# AMD Zen 4, benchmarks/attention.py) when that adds at most this share to the activations the
-# run keeps. They grow with the sequence (heads x ~seq/2 elements a token a layer): kept at the
-# bench model's seq 512 (18%) and Llama-3-8B's 1,024 (16%), not at its 2,048 (30%) unless
-# activation checkpointing keeps one layer's activations at a time (14% then).
+# recomputed scores and softmax: one batched GEMM of seven and half the softmax work, faster in
+# benchmarks/attention.py) when that adds at most this share to the activations the run keeps.
+# They grow with the sequence (heads x ~seq/2 elements a token a layer): kept at moderate
+# sequence lengths, not at long ones unless activation checkpointing keeps one layer's
+# activations at a time.
 KEEP_PROBS_SHARE = 0.25
 # Queries a causal block where the planner cannot know model.attention=auto's timed pick: the
 # larger of raytrain_cpu.model.ops.attention.BLOCKS (more probabilities).
 PROBS_BLOCK = 128
 CAUSAL_BLOCKS_DEFAULT = config_module.CAUSAL_BLOCKS_DEFAULT
-
-
-def causal_block_probs(seq_len: int, block: int) -> int:
-    """Elements of one head's probabilities in the causal blocks: each block of `block` queries
-    against the keys up to its end (raytrain_cpu.model.ops.attention keeps them in this layout)."""
-    return block * sum(min((i + 1) * block, seq_len) for i in range(-(-seq_len // block)))
 
 
 def attention_block(attention: str) -> int | None:
@@ -853,8 +705,8 @@ def recommend(
     }
 
 
-# Measured side by side (`bench options`, benchmarks/results/<machine>/options-zero*.md): the ~50M
-# bench model on 2 workers, ZeRO-2 against ZeRO-3; on AMX one noisy run showed no gain.
+# What the advice quotes: `bench options` side by side, the ~50M bench model on 2 workers, ZeRO-2
+# against ZeRO-3 (benchmarks/results/<machine>/options-zero*.md).
 ZERO2_SPEEDUP_50M = "1.08-1.10x on an AVX-512 BF16 host, 0.90x in one noisy run on AMX"
 
 
@@ -886,11 +738,9 @@ def lower_stage_advice(
     )
 
 
-# Measured side by side (`bench options --variants "micro batch 8"`; "micro batch 4" since the
-# bench trains 8 by default): the ~50M bench model on 2 workers, on AMX with micro batch 8
-# second in both pairs (intel-xeon-amx_bf16/options-lease4*-mb8*.md; the second place ran
-# 1.02-1.05x faster on its own elsewhere), order-balanced on AMD Zen 5
-# (amd-epyc-zen5-avx512_bf16/options-mb8.md), where the GEMMs are a larger share of the step.
+# What the advice quotes: `bench options --variants "micro batch 4"`, the ~50M bench model on 2
+# workers (benchmarks/results/<machine>/options-mb8*.md); the gain is larger where the GEMMs are a
+# smaller share of the step.
 LARGER_MICRO_BATCH_SPEEDUP = "1.20x and 1.27x at micro batch 8 against 4 on AMX, 1.00x and 1.03x on AMD Zen 5"
 
 

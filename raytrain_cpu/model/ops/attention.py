@@ -1,16 +1,15 @@
 """Causal self-attention for CPU training: each block of queries against its key prefix, as GEMMs.
 
-Why not SDPA's CPU flash-attention kernel: at the ~50M bench model's shape (4 x 8 heads x 512
-x 64, bf16, 1 thread) it ran forward + backward in 0.11 s on an AMD AVX-512 BF16 host, a sixth
-of that host's GEMM rate, and was 24% of the training step. Here the attention of 64 queries at
+Why not SDPA's CPU flash-attention kernel: at the bench model's shape it runs far below the
+host's GEMM rate and was a large share of the training step. Here the attention of 64 queries at
 a time against the keys up to the block's end is two batched GEMMs and a softmax, so the work
 runs in the BLAS (oneDNN, AMX where present) and only the causal triangle's blocks are computed
-(5/8 of the square at 4 blocks). Same shape, same host: 0.055 s. The backward either recomputes
-each block's probabilities from q and k (flash attention's way: it keeps the output and the
-log-sum-exp besides) or, with `keep_probs` (model.attention_probs), reads what the forward kept:
-one batched GEMM of seven, the causal mask and the softmax's forward fewer, the same bits, for
-heads x ~seq/2 elements a token (1.18x the attention's forward and backward at the bench
-model's shape and at Llama-3-8B's, AMD Zen 4; raytrain_cpu.planner.memory decides 'auto').
+(5/8 of the square at 4 blocks), in about half SDPA's time (benchmarks/attention.py). The
+backward either recomputes each block's probabilities from q and k (flash attention's way: it
+keeps the output and the log-sum-exp besides) or, with `keep_probs` (model.attention_probs),
+reads what the forward kept: one batched GEMM of seven, the causal mask and the softmax's
+forward fewer, the same bits, for heads x ~seq/2 elements a token (faster, at that memory;
+raytrain_cpu.planner.memory decides 'auto').
 
 The scores come out of the GEMM in the inputs' dtype (as in transformers' eager attention);
 softmax and its backward run in fp32 inside, and dK, dV accumulate in fp32 over the blocks.
@@ -21,9 +20,9 @@ Which one runs is `model.attention`: "auto" times SDPA, the blocks at each of BL
 and, in bf16 where it builds, the fused kernel (raytrain_cpu.model.ops.fused_attention: the same
 arithmetic in one C++ kernel per head, its GEMMs on oneDNN's micro-kernels) at the run's shape
 on every rank at start-up, and all ranks take the fastest by their summed times, so each host
-(AVX2, AVX-512, AMX) keeps what is fastest on it. Among the blocks, on AMX 128 queries a block
-(its small batched GEMMs cost more a call, and a taller block makes half as many); on the AMD
-Zen 5 host 64 and 128 are within a few percent. Packed documents' masks always run the blocks.
+(AVX2, AVX-512, AMX) keeps what is fastest on it. Among the blocks, AMX favours 128 queries a
+block (its small batched GEMMs cost more a call, and a taller block makes half as many); elsewhere
+64 and 128 are close. Packed documents' masks always run the blocks.
 
 Packed documents (data.attention_span=document): transformers builds a boolean mask, causal
 within each document, from the blocks' position ids; the blocks add it to each query block's
@@ -45,19 +44,19 @@ import torch
 
 from raytrain_cpu.config.model import CAUSAL_BLOCKS_DEFAULT, FUSED, causal_blocks_size
 from raytrain_cpu.model.ops import fused_attention
-from raytrain_cpu.planner import memory as plan
+from raytrain_cpu.model.shape import attention_shape, causal_block_probs
 
 BLOCK = CAUSAL_BLOCKS_DEFAULT  # queries per block of model.attention=causal_blocks
 NAME = "raytrain_causal_blocks"  # its name in transformers' attention interfaces (register)
 # The block sizes 'auto' times (benchmarks/attention.py, one layer at the bench model's shape,
-# forward + backward): 128 on AMX (43-46 ms against 52-60 at 64; 256: 49), both alike on the AMD
-# Zen 5 host (64: 27.7-28.0 ms, 128: 26.7-28.6); 32 and 256 were slower on both.
+# forward + backward): 128 is fastest on AMX, both alike elsewhere; 32 and 256 were slower.
 BLOCKS = (64, 128)
 
 
 def impl_name(block: int) -> str:
     """The implementation's name in model.attention and manifests: 'causal_blocks' at BLOCK
-    queries a block (what runs before 2026-11-27 recorded), else 'causal_blocks_<block>'."""
+    queries a block (what older manifests recorded, before the size was a choice), else
+    'causal_blocks_<block>'."""
     return "causal_blocks" if block == BLOCK else f"causal_blocks_{block}"
 
 
@@ -110,8 +109,8 @@ def _block_bias(mask: torch.Tensor, i0: int, n: int, lo: int, e: int, dtype: tor
     last block's padding) see every key, and their outputs are dropped. None where the rows are
     plainly causal over those keys (one document across the whole block, as most blocks of
     long text are): the causal square is then all there is to add (blocks of one document each
-    at the bench model's shape: 0.94x the plain blocks' speed with this, 0.88x adding the whole
-    mask; benchmarks/document_mask.py)."""
+    at the bench model's shape run nearly at the plain blocks' speed with this, slower adding
+    the whole mask; benchmarks/document_mask.py)."""
     rows = min(n, mask.shape[2] - i0)
     seen = mask[:, 0, i0 : i0 + rows, lo:e]
     square = torch.ones(rows, e - i0, dtype=torch.bool).tril_()
@@ -178,7 +177,7 @@ def probs_numel(b: int, kv_heads: int, queries: int, seq: int, block: int) -> in
     """Elements of all query blocks' probabilities (`queries` = groups x block rows a block): the
     causal triangle in blocks, each block against its key prefix (what the planner counts). A
     document mask's blocks take fewer (_each_block), within the same buffer."""
-    return b * kv_heads * (queries // block) * plan.causal_block_probs(seq, block)
+    return b * kv_heads * (queries // block) * causal_block_probs(seq, block)
 
 
 def _each_block(
@@ -390,22 +389,10 @@ def register(block: int = BLOCK, keep_probs: bool = False, fused: bool = False) 
     return name
 
 
-def attention_shape(model_config, micro_batch: int, seq_len: int) -> tuple[int, int, int, int, int] | None:
-    """(batch, heads, kv_heads, seq, head_dim) of the model's self-attention, None if it names no heads."""
-    heads = getattr(model_config, "num_attention_heads", None)
-    hidden = getattr(model_config, "hidden_size", None)
-    if not heads or not hidden:
-        return None
-    kv = getattr(model_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(model_config, "head_dim", None) or hidden // heads
-    return micro_batch, heads, kv, seq_len, head_dim
-
-
 # time_attention's rounds: at least `reps`, more while they take under this many seconds in all
 # (up to MAX_ROUNDS). At small shapes one call is milliseconds and the workers' start-up shares
-# the cores with Ray Data's tokenizing: with 2 rounds the tiny default model's pick went to SDPA
-# in one of two runs on an AMD Zen 4 host (9.8 ms against the blocks' 9.9; 15.1 against 7.6 in
-# the other). The best of each, over rounds that take every implementation in turn, leaves out
+# the cores with Ray Data's tokenizing: with 2 rounds the tiny default model's pick flipped
+# between runs. The best of each, over rounds that take every implementation in turn, leaves out
 # what a burst of other work added.
 MIN_TIMING_S = 0.5
 MAX_ROUNDS = 20
@@ -459,7 +446,7 @@ def time_attention(
 # An implementation later in time_attention's order (SDPA, then each block size) replaces the
 # one before only when faster by more than this share: within it the timings are noise, and a
 # pick that flips between runs of one command changes their losses in the last bits (the tiny
-# default model's 64- and 128-query blocks timed 7.7 and 7.7 ms, 7.9 and 8.1, 8.2 and 8.2).
+# default model's 64- and 128-query blocks time within a few percent of each other).
 TIE_MARGIN = 0.03
 
 

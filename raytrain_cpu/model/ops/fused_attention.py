@@ -1,13 +1,13 @@
 """model.attention=fused: causal self-attention as one C++ kernel (raytrain_cpu/csrc/fused_attention.cpp).
 
-Why a kernel of our own: on AMX the causal blocks (raytrain_cpu.model.ops.attention) ran forward +
-backward at ~90 useful GFLOP/s against the host's ~1,100 for a plain GEMM, because each step
-between their batched GEMMs is a pass over memory; SDPA's CPU flash kernel fuses its forward
-(faster than the blocks') but not its backward (2-3x slower than theirs). The kernel here runs
+Why a kernel of our own: on AMX the causal blocks (raytrain_cpu.model.ops.attention) run forward +
+backward at a small fraction of the host's rate for a plain GEMM, because each step between
+their batched GEMMs is a pass over memory; SDPA's CPU flash kernel fuses its forward (faster
+than the blocks') but not its backward (slower than theirs). The kernel here runs
 both fused on oneDNN's AMX micro-kernels, and keeps for the backward only each row's
 log-sum-exp (4 bytes a query a head), not the blocks' probabilities. See the .cpp for the passes.
 
-It is built on first use with torch.utils.cpp_extension (about 35 s on two cores; then cached
+It is built on first use with torch.utils.cpp_extension (tens of seconds on a few cores; then cached
 under TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default, per source and CPU capability),
 so it needs a C++ compiler and ninja where the workers run, as model.compile does. Where either
 is missing or the build fails, `kernel()` says why and model.attention=auto leaves it out.
@@ -32,9 +32,9 @@ def _capability() -> tuple[str, list[str]]:
     CPU_CAPABILITY builds): AVX-512 where the CPU has it (with AVX512-BF16's conversions where it
     has those too: Intel's Cooper Lake on, every AMX host, AMD's Zen 4 on), else AVX2, else
     plain C++."""
-    from raytrain_cpu.host import cpu
+    from raytrain_cpu.host import features as host_features
 
-    flags = cpu.cpu_flags()
+    flags = host_features.cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
         avx512 = ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
                   "-mavx512dq", "-mfma"]  # fmt: skip
@@ -50,7 +50,7 @@ def _capability() -> tuple[str, list[str]]:
 def build_kernel(name: str, source: Path):
     """One of the project's C++ kernels (`source`) built for this CPU and loaded: (the extension,
     '') or (None, why it is unavailable). Cached per process."""
-    compiler = os.environ.get("CXX") or "c++"  # cpp_extension's choice (inductor's, cpu.cpp_compiler, is g++)
+    compiler = os.environ.get("CXX") or "c++"  # cpp_extension's choice (inductor's, host_features.cpp_compiler, is g++)
     if not shutil.which(compiler) or not shutil.which("ninja"):
         return None, f"needs a C++ compiler ({compiler}) and ninja on PATH"
     cap, flags = _capability()

@@ -4,9 +4,9 @@ Why: a linear layer's weight gradient dW = dy^T x reduces over the tokens, the s
 of both its operands, and autograd hands oneDNN dy^T as a transposed view: on AMX that GEMM ran
 at about half the forward's rate (benchmarks/gemm_layouts.py), about half of a step's GEMM
 time. raytrain_cpu/csrc/weight_grad.cpp prepares each chunk of 512 tokens once, in cache, and
-runs oneDNN's micro-kernels on it: 1.07-1.55x autograd's at the ~50M bench model's shapes
-(benchmarks/weight_grad.py, one thread, the AMX host). It runs on the rank's ATen threads (each
-owns blocks of dW), but a win at one thread says nothing of 92: oneDNN's own weight gradient
+runs oneDNN's micro-kernels on it: faster than autograd's at the bench model's shapes on one
+thread (benchmarks/weight_grad.py). It runs on the rank's ATen threads (each owns blocks of
+dW), but a win at one thread says nothing of many: oneDNN's own weight gradient
 scales differently. So 'auto' times both at the model's linear shapes on the worker's own
 threads at start-up (`choose`, as model.attention=auto does) and takes the kernel only where it
 wins by WIN_MARGIN on the ranks' mean (benchmarks/kernel_threads.py: both at 1 to all cores).
@@ -95,7 +95,7 @@ def wanted(setting: bool | str, dtype: str, n_params: int) -> tuple[bool, str]:
     'auto' passes only on AMX, where oneDNN's micro-kernels run it (elsewhere they fall back to a
     plain GEMM), for models of COMPILE_AUTO_MIN_PARAMS or more; `choose` then times it."""
     from raytrain_cpu.config.model import COMPILE_AUTO_MIN_PARAMS
-    from raytrain_cpu.host import cpu
+    from raytrain_cpu.host import features as host_features
 
     if setting is False:
         return False, "model.weight_grad_kernel=false"
@@ -104,7 +104,7 @@ def wanted(setting: bool | str, dtype: str, n_params: int) -> tuple[bool, str]:
     if setting == "auto":
         if n_params < COMPILE_AUTO_MIN_PARAMS:
             return False, ""  # the build (~30 s) would cost a small model more than it saves
-        if "amx_bf16" not in cpu.cpu_flags():
+        if "amx_bf16" not in host_features.cpu_flags():
             return False, "model.weight_grad_kernel=auto: no AMX here"
     if kernel() is None:
         return False, f"the kernel is unavailable: {why_unavailable()}"
@@ -118,7 +118,7 @@ WIN_MARGIN = 0.05
 # Timing at most this many tokens a shape: the kernel's work repeats every 512 tokens, so a few
 # chunks time its rate, and an 8B model's 8,192 tokens would cost each rank seconds.
 TIMING_MAX_TOKENS = 4096
-TIMING_MAX_BYTES = 512e6  # a timed shape's bf16 operands at most (as cpu.PROBE_MAX_BYTES)
+TIMING_MAX_BYTES = 512e6  # a timed shape's bf16 operands at most (as host_gemm.PROBE_MAX_BYTES)
 MIN_TIMING_S = 0.3  # more rounds while they take less (up to MAX_ROUNDS): the best of each counts
 MAX_ROUNDS = 10
 

@@ -36,9 +36,8 @@ import torch
 IGNORE_INDEX = -100  # Hugging Face's label for "no loss here" (padding, prompts)
 # fp32 logits per chunk; a chunk holds three times this while it runs (the logits, their
 # log-softmax and its gradient). Each chunk reads the whole output matrix twice, so chunks too
-# short pay for it: at Llama-3-8B's head (2,048 tokens, one thread, benchmarks/loss_head.py)
-# 128 MiB (261 tokens of its 128,256 entries) took 1.17x Hugging Face's time, 256 MiB (523
-# tokens) 1.05-1.08x, one chunk 1.0x, at 0.52 GiB over the inputs where Hugging Face's took 1.97.
+# short pay for it: at Llama-3-8B's head (benchmarks/loss_head.py) 256 MiB chunks run close to
+# Hugging Face's time, smaller ones noticeably slower, at about a quarter of its memory.
 # The ~50M bench model's 2,048-entry vocabulary fits 32,768 tokens in one chunk.
 CHUNK_BYTES = 256 << 20
 # Architectures whose ForCausalLM.forward is `logits = self.lm_head(hidden_states)` followed by

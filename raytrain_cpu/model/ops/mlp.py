@@ -8,11 +8,10 @@ gate, and everything else is Hugging Face's own operators in the same order, so 
 both gradients are the same bits. That is 2 bytes per intermediate unit per token per layer
 less in bf16: at Llama-3-8B's 14,336 and 8,192 tokens a rank (micro batch 8 x 1,024), 7 GiB
 per rank over its 32 layers (`plan`: 77 GiB peak against 84), or 0.2 GiB with activation
-checkpointing, which keeps one layer's activations at a time. Alone (benchmarks/mlp.py, one
-thread, the workers' allocator settings, AMD Zen 5), forward and backward ran 1.44x Hugging
-Face's at Llama-3-8B's width (two fresh tensors in the backward where autograd makes three,
-each 59 MB and mapped and faulted in anew) and 0.81x at the ~50M bench model's 1,408 (the
-recomputed silu: 0.9 ms a layer, about 0.5% of that model's step).
+checkpointing, which keeps one layer's activations at a time. Alone (benchmarks/mlp.py), forward
+and backward run faster than Hugging Face's at Llama-3-8B's width (two fresh tensors in the
+backward where autograd makes three, each mapped and faulted in anew) and slower at the bench
+model's small width (the recomputed silu), a negligible share of that model's step.
 
 `install` swaps the forward of every MLP module whose class runs exactly Llama's (Llama,
 Mistral, Qwen2/3, Granite and the other modular copies) with a SiLU activation; others keep

@@ -13,11 +13,8 @@ reciprocal norm of each row; the backward is the closed form in fp32:
 Both run a chunk of rows at a time (CHUNK_ELEMENTS a thread: chunk_elements): each fp32 pass
 then reads what the one before wrote from the core's cache, not from memory, and the work is
 memory-bound (a dozen passes over fp32 tensors of the input's size). Each pass is ATen's,
-parallel over the rank's threads. At the bench model's shape (4,096 tokens x 512,
-bf16, one thread, AMD Zen 4) forward and backward take 5.5-5.8 ms against Hugging Face's
-12.1-12.9 (2.2x; 12.0-12.2 in whole-tensor passes, alternated in one loop), at Llama-3-8B's
-width (2,048 tokens x 4,096) 21.0-21.8 against 55.2-56.8 (2.6x; whole-tensor 49-52)
-(benchmarks/norm.py). The gradients differ from Hugging Face's by rounding only (its backward
+parallel over the rank's threads. Forward and backward take about half Hugging Face's time at
+the bench model's shape and less at Llama-3-8B's width (benchmarks/norm.py). The gradients differ from Hugging Face's by rounding only (its backward
 rounds g·w to bf16 before the fp32 math; the weight's sums the chunks' sums).
 
 `install` swaps the forward of every norm module whose class runs exactly Llama's formula
@@ -31,9 +28,9 @@ from __future__ import annotations
 import torch
 
 # Rows a chunk: the fp32 work of each norm runs over this many elements at a time (1 MiB per fp32
-# buffer), so its passes over the chunk's three buffers hit the core's cache instead of memory.
-# At the bench model's 4,096 x 512 (bf16, one thread, AMD Zen 4) the backward ran 3.1-3.2 ms
-# against 7.0-7.9 in whole-tensor passes; 2,048 rows a chunk 4.1, 256 rows 3.5.
+# buffer), so its passes over the chunk's three buffers hit the core's cache instead of memory:
+# the backward runs in about half the time of whole-tensor passes, and larger or smaller chunks
+# were slower (benchmarks/norm.py).
 CHUNK_ELEMENTS = 1 << 18
 
 
