@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 
 from raytrain_cpu.host.features import cpu_features
 from raytrain_cpu.host.memory import GLIBC_MMAP_THRESHOLD, preload_env
+from raytrain_cpu.model.shape import ModelShape
 from raytrain_cpu.planner import memory as plan
 from raytrain_cpu.trainer.engine import free_port, init_local_group
 
@@ -178,7 +179,7 @@ def _measure_rank(rank: int, case: dict[str, Any], out_dir: str) -> None:
 # ----------------------------------------------------------------------------- one case
 
 
-def _save_model(shape: plan.ModelShape, path: str) -> None:
+def _save_model(shape: ModelShape, path: str) -> None:
     """Writes a randomly initialised Llama of this shape as safetensors, like the 'tiny' model."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
