@@ -131,7 +131,7 @@ class StepClock:
 
     def peak(self, flops_per_s: float, mean_flops_per_s: float) -> None:
         """The GEMM rates timed right after the last step (train.mfu_probe_every; peak and mean,
-        cpu.time_training_mix); a warm-up step's are left out."""
+        host.gemm.time_training_mix); a warm-up step's are left out."""
         if self._last_wall is not None:
             self._peaks.append((self._last_wall, flops_per_s, mean_flops_per_s))
             self._last_wall = None
