@@ -89,6 +89,7 @@ class Trainer:
         cfg = Config.from_dict(loop_config["config"])
         ctx = ray.train.get_context()
         rank, world = ctx.get_world_rank(), ctx.get_world_size()
+        obs.log_choices(loop_config["run_dir"])  # which kernel and path each choice took: run.log, not the console
         log = (lambda msg: obs.console(f"[rank 0] {msg}")) if rank == 0 else (lambda msg: None)
         most = cfg.scaling.num_workers if cfg.elastic else 0
         if cfg.elastic:  # this attempt's own worker count, accumulating what keeps the global batch
