@@ -3,41 +3,42 @@
 Each rank iterates its own stream, so Ray Data's streaming executor runs as a thread in the
 training process. When its operators are backpressured (the prefetch buffer is full and no
 task is running) the loop has nothing to `ray.wait` on and goes round without sleeping
-(Ray 2.60): measured here, 44% of a core while the consumer sleeps, and the GIL taken from
-the training thread, whose ZeRO-3 hooks are Python. The default run trained at half speed
-until its stream had been fully produced. Backpressured streaming tasks count as ready, so
-`ray.wait` does not block either. This callback spaces the loop's steps 100 ms apart (the
-loop's CPU fell from 69% to 17% of a core, draining no slower): a freed buffer slot is
-refilled within that, far below a training step and covered by the batches the iterator
-prefetches. Only the training streams get it, not the tokenizing pipeline.
+(Ray 2.60): a large share of a core while the consumer sleeps, and the GIL taken from the
+training thread, whose ZeRO-3 hooks are Python, so training slowed until its stream had been
+fully produced. Backpressured streaming tasks count as ready, so `ray.wait` does not block
+either. This callback spaces the loop's steps 100 ms apart, which cuts the loop's CPU without
+draining slower (benchmarks/data_throttle.py): a freed buffer slot is refilled within that,
+far below a training step and covered by the batches the iterator prefetches. Only the
+training streams get it, not the tokenizing pipeline.
 
 It spaces only the steps nobody waits on. While a rank is blocked on its next batch (a stream
 starting, at the first step and at every evaluation, which opens new streams), the loop is
-doing the work that rank waits for, so it runs at Ray's own pace: spaced, each evaluation of
-the tests' tiny runs waited 0.76 s for its first batch, against 0.13 s unspaced. A wait past
-STALL_S is a stall, and spaced again.
+doing the work that rank waits for, so it runs at Ray's own pace: spaced, each evaluation
+would wait several times longer for its first batch. A wait past STALL_S is a stall, and
+spaced again.
 
-Kept in its own module because subclassing Ray Data's callback imports `ray.data`, which
-the CLI's validation (before Ray starts) should not pay for.
+Kept in its own module because subclassing Ray Data's callback (which Ray exports nowhere
+public: compat.ray) imports `ray.data`, which the CLI's validation (before Ray starts) should
+not pay for.
 """
 
 from __future__ import annotations
 
 import time
 
-from ray.data._internal.execution.execution_callback import ExecutionCallback
+from raytrain_cpu.compat import ray as ray_compat
 
 # Ray Data's own ray.wait timeout: the cadence the loop was meant to have when nothing finishes.
 MIN_STEP_INTERVAL_S = 0.1
 # How often a spaced loop looks for a waiting consumer: Ray's own poll of an empty output queue.
 WAKE_S = 0.01
 # A consumer waiting longer than this is a stall, not a stream starting (a cold stream's first
-# batch took up to 1.6 s here): nothing may be launchable (no CPU left for the stream's tasks),
+# batch can take over a second): nothing may be launchable (no CPU left for the stream's tasks),
 # and an unspaced loop would spin through it. Its steps are spaced again.
 STALL_S = 2.0
 
 
-class ThrottleScheduling(ExecutionCallback):
+class ThrottleScheduling(ray_compat.execution_callback_class()):
     """Spaces scheduling steps at least MIN_STEP_INTERVAL_S apart, unless a consumer waits."""
 
     def __init__(self) -> None:
@@ -64,10 +65,9 @@ class ThrottleScheduling(ExecutionCallback):
 
 
 def consumer_waiting(executor) -> bool:  # noqa: ANN001 - Ray's StreamingExecutor
-    """Whether a consumer is blocked on the stream's output (Ray counts them on the output
-    operator's state); False where this Ray keeps no such count, so the loop stays spaced."""
-    node = getattr(executor, "_output_node", None)
-    return node is not None and getattr(node[1], "num_waiting_consumers", 0) > 0
+    """Whether a consumer is blocked on the stream's output; False where this Ray keeps no such
+    count, so the loop stays spaced."""
+    return ray_compat.waiting_consumers(executor) > 0
 
 
 def install(ctx) -> None:  # noqa: ANN001 - ray.data.DataContext

@@ -48,7 +48,7 @@ from raytrain_cpu.planner.sizing import workers_that_fit
 def check_storage(path: Path, key: str = "run.storage_path") -> None:
     """Fails if the directory `path` (set by config key `key`) can't be created and written;
     leaves nothing behind."""
-    from raytrain_cpu.checkpoint.store import cannot_write, existing_folder
+    from raytrain_cpu.checkpoint.files import cannot_write, existing_folder
 
     probe_dir = existing_folder(path)
     if probe_dir == Path(path.anchor) and probe_dir != path:
@@ -87,7 +87,7 @@ def check_checkpoint_room(cfg: Config, model_dir: str) -> None:
         from raytrain_cpu.model.loading import count_parameters
 
         n_params = count_parameters(model_dir)["total"]
-    from raytrain_cpu.checkpoint.store import STAGING
+    from raytrain_cpu.checkpoint.layout import STAGING
 
     one = CHECKPOINT_BYTES_PER_PARAM * n_params
     # A save that failed (the storage full) leaves its staged files, which the next save removes
@@ -199,7 +199,7 @@ def check_resume(cfg: Config, world: int | None = None, damaged: dict[str, Any] 
     resume_world) when micro batch x accumulation keep the global batch. Returns that checkpoint
     (newest_checkpoint), None for a new run. Reads only files (Ray's checkpoint snapshot, the
     manifest, config.yaml), so it runs before Ray."""
-    from raytrain_cpu.checkpoint.store import batch_conflict, resume_conflict
+    from raytrain_cpu.checkpoint.identity import batch_conflict, resume_conflict
 
     latest = newest_checkpoint(cfg.run.run_dir, damaged)
     if latest is None:
@@ -220,8 +220,7 @@ def check_model_unchanged(cfg: Config, model_dir: str, latest: dict[str, Any] | 
     directory's fingerprint), which each manifest records; a resumed run's must be the one its
     checkpoint recorded, else a ConfigError names what changed. None for the tiny model, built
     from model.tiny (which the config hash covers) on every start."""
-    from raytrain_cpu.checkpoint.store import model_conflict, model_identity
-
+    from raytrain_cpu.checkpoint.identity import model_conflict, model_identity
     from raytrain_cpu.model.hub import snapshot_revision
 
     if cfg.model.is_tiny:
@@ -238,7 +237,7 @@ def check_ranking(cfg: Config) -> None:
     with: one scored by another metric, or by none (Ray Train puts those first), would keep its
     place over better ones, and a better one (the best, which export --best reads) could be the
     one deleted. So a resume may rank only by the metric its checkpoints were scored with."""
-    from raytrain_cpu.checkpoint.store import rank_unscored_last, scored_metrics
+    from raytrain_cpu.checkpoint.record import rank_unscored_last, scored_metrics
 
     if not cfg.run.best_metric:
         return  # Ray Train keeps the newest: no score read
@@ -277,7 +276,7 @@ def verify_resume(cfg: Config, latest: dict[str, Any] | None, world: int) -> dic
     parallel Ray tasks (hash_checkpoint), or by the conversion a resume on another worker count
     needs (convert_checkpoint). A damaged one is stepped past as newest_checkpoint does (renamed,
     one line, dropped from Ray Train's record) and the next one verified. None for a new run."""
-    from raytrain_cpu.checkpoint.store import DamagedCheckpoint
+    from raytrain_cpu.checkpoint.layout import DamagedCheckpoint
 
     damaged: dict[str, DamagedCheckpoint] = {}
     while latest:
@@ -303,7 +302,8 @@ def hash_checkpoint(latest: dict[str, Any]) -> None:
     spread over the nodes, which read the shared storage in parallel) or, for a small checkpoint,
     here; raises DamagedCheckpoint."""
     import ray
-    from raytrain_cpu.checkpoint.store import read_manifest, shard_bytes, verify_checkpoint
+
+    from raytrain_cpu.checkpoint.verify import read_manifest, shard_bytes, verify_checkpoint
 
     if shard_bytes(read_manifest(latest["path"])) <= HASH_IN_DRIVER_BYTES:
         verify_checkpoint(latest["path"], hash_ranks=True)
@@ -320,7 +320,9 @@ def convert_checkpoint(latest: dict[str, Any], world: int) -> None:
     """to_universal as a Ray task with one CPU: on a cluster that is a worker node, which has the
     memory for a shard and the shared storage, while the head may have neither to spare."""
     import ray
-    from raytrain_cpu.checkpoint.store import CheckpointError, DamagedCheckpoint, to_universal, universal_ready, workers
+
+    from raytrain_cpu.checkpoint.layout import CheckpointError, DamagedCheckpoint, universal_ready, workers
+    from raytrain_cpu.checkpoint.universal import to_universal
 
     saved = f"{Path(latest['path']).name} holds ZeRO shards for {workers(latest['world_size'])}; this run has {world}"
     if universal_ready(latest["path"]):
@@ -486,8 +488,9 @@ def worker_nodes(cfg: Config) -> list[dict[str, Any]]:
 
     # A Ray this process started (a local run, a notebook's, the tests') has no autoscaler; a
     # cluster joined (`ray job submit`) may have one: only the cluster knows, so it is asked.
-    node = getattr(ray._private.worker, "_global_node", None)
-    if getattr(node, "head", False):
+    from raytrain_cpu.compat.ray import started_own_head
+
+    if started_own_head():
         why = "this process's own Ray has no autoscaler to start more"
     elif not s.num_workers:
         why = "set scaling.num_workers, so the autoscaler knows how many to start"
@@ -642,14 +645,10 @@ def newest_checkpoint(run_dir: Path, damaged: dict[str, Any] | None = None) -> d
     verifies, or the snapshot is missing beside finished checkpoints, this fails loudly instead
     of starting over.
     """
-    from raytrain_cpu.checkpoint.store import (
-        DAMAGED,
-        MANIFEST,
-        SNAPSHOT,
-        CheckpointError,
-        latest_reported,
-        newest_verified,
-    )
+    from raytrain_cpu.checkpoint.damaged import newest_verified
+    from raytrain_cpu.checkpoint.layout import DAMAGED, MANIFEST, CheckpointError
+    from raytrain_cpu.checkpoint.record import latest_reported
+    from raytrain_cpu.compat.ray import SNAPSHOT
 
     try:
         path = latest_reported(run_dir)
@@ -700,7 +699,9 @@ def quiet_worker_logs() -> None:
     """
     import ray
 
-    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+    from raytrain_cpu.compat.ray import PLACEMENT_GROUP_CLEANER_LOGGER
+
+    logging.getLogger(PLACEMENT_GROUP_CLEANER_LOGGER).setLevel(logging.ERROR)
     os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
 
 
@@ -817,8 +818,7 @@ def fetch_from_hub(cfg: Config) -> str:
     """What comes from the hub, before Ray starts: a hub this machine can't reach (or a token
     that may not read the model) stops the job before anything else runs. Returns the model's
     local directory ('tiny' for the tiny model, written later)."""
-    from raytrain_cpu.checkpoint.store import pinned_revision
-
+    from raytrain_cpu.checkpoint.identity import pinned_revision
     from raytrain_cpu.data.prepare import materialize_tokenizer
     from raytrain_cpu.model.loading import check_causal_lm, check_context_length
     from raytrain_cpu.model.tokenizer import resolve_tokenizer_path
@@ -934,8 +934,9 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     import ray
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
-    from raytrain_cpu.checkpoint.store import config_hash, workers
 
+    from raytrain_cpu.checkpoint.identity import config_hash
+    from raytrain_cpu.checkpoint.layout import workers
     from raytrain_cpu.model.loading import count_parameters, write_tiny_model
     from raytrain_cpu.obs.metrics import count_events, read_metrics
     from raytrain_cpu.trainer.loop import train_loop
@@ -1145,7 +1146,7 @@ def check_watched_metric(cfg: Config, sources: list[tuple[str, Any, dict[str, An
 
 
 def print_summary(s: dict[str, Any]) -> None:
-    from raytrain_cpu.checkpoint.store import workers
+    from raytrain_cpu.checkpoint.layout import workers
 
     def num(key: str, spec: str) -> str:  # a finished run's summary may lack a figure
         return "n/a" if s.get(key) is None else format(s[key], spec)
@@ -1229,16 +1230,14 @@ def sigterm_held_while_ray_starts() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    from ray._private import utils as ray_utils
+    from raytrain_cpu.compat.ray import sigterm_handler_kept
 
     held: list[int] = []
     before = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
-    set_handler = ray_utils.set_sigterm_handler
-    ray_utils.set_sigterm_handler = lambda handler: None  # ours stays while Ray starts
     try:
-        yield
+        with sigterm_handler_kept():  # ours stays while Ray starts
+            yield
     finally:
-        ray_utils.set_sigterm_handler = set_handler
         signal.signal(signal.SIGTERM, before)
     if held:
         STOP_SIGNAL[0] = signal.SIGTERM
@@ -1260,7 +1259,8 @@ def sigterm_kept() -> Iterator[None]:
 def where_it_resumes(cfg: Config, failed: bool = False) -> str:
     """What a stopped run left and how to go on: the checkpoints Ray Train recorded stay. A
     failed run fails again unless its cause was passing (a lost node), so that comes first."""
-    from raytrain_cpu.checkpoint.store import CheckpointError, resumable
+    from raytrain_cpu.checkpoint.damaged import resumable
+    from raytrain_cpu.checkpoint.layout import CheckpointError
 
     try:  # a damaged one the workers stepped past was renamed: the newest still there is what a rerun takes
         there = resumable(cfg.run.run_dir)

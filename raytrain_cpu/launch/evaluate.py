@@ -33,8 +33,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.checkpoint.store import BEST_HELP, MANIFEST, CheckpointError, best_of, read_manifest
-
+from raytrain_cpu.checkpoint.layout import MANIFEST, CheckpointError
+from raytrain_cpu.checkpoint.verify import BEST_HELP, best_of, read_manifest
 from raytrain_cpu.config.checks import ConfigError
 from raytrain_cpu.config.load import parse_override, set_dotted
 from raytrain_cpu.config.schema import Config

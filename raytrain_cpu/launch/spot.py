@@ -125,19 +125,15 @@ def local_node_id(nodes: dict[Any, Any], ip: str) -> str:
 
 def drain(address: str, node_id: str | None, notice: Notice, margin_s: float) -> tuple[str, int]:
     """Drains this machine's node (or `node_id`) for preemption; (node id, deadline in epoch ms)."""
-    import ray._private.services as services
-    from ray._raylet import GcsClient
-    from ray.core.generated import autoscaler_pb2
+    from ray.util import get_node_ip_address
 
-    gcs = GcsClient(address=services.canonicalize_bootstrap_address_or_die(address))
-    node_id = node_id or local_node_id(gcs.get_all_node_info(), services.get_node_ip_address())
+    from raytrain_cpu.compat import ray as ray_compat
+
+    gcs = ray_compat.gcs_client(address)
+    node_id = node_id or local_node_id(gcs.get_all_node_info(), get_node_ip_address())
     deadline_ms = notice.deadline_ms(margin_s, time.time())
-    accepted, why = gcs.drain_node(
-        node_id,
-        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-        f"EC2 spot interruption notice: {notice.action} at {_iso(notice.time)}",
-        deadline_ms,
-    )
+    message = f"EC2 spot interruption notice: {notice.action} at {_iso(notice.time)}"
+    accepted, why = ray_compat.drain_for_preemption(gcs, node_id, message, deadline_ms)
     if not accepted:
         raise SpotError(f"Ray refused to drain node {node_id}: {why}")
     return node_id, deadline_ms

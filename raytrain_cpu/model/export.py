@@ -26,21 +26,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.checkpoint.store import (
-    BEST_HELP,
-    DS_TAG,
-    MANIFEST,
-    SNAPSHOT,
-    CheckpointError,
-    DamagedCheckpoint,
-    best_of,
-    cannot_write,
-    checkpoint_of,
-    existing_folder,
-    out_of_space,
-    read_manifest,
-    verify_checkpoint,
-)
+from raytrain_cpu.checkpoint.files import cannot_write, existing_folder, out_of_space
+from raytrain_cpu.checkpoint.layout import DS_TAG, MANIFEST, CheckpointError, DamagedCheckpoint
+from raytrain_cpu.checkpoint.verify import BEST_HELP, best_of, checkpoint_of, read_manifest, verify_checkpoint
+from raytrain_cpu.compat.ray import SNAPSHOT
 from raytrain_cpu.model.hub import is_hub_id
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}

@@ -20,7 +20,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.checkpoint.store import BEST_HELP, MANIFEST, CheckpointError, best_of
+from raytrain_cpu.checkpoint.layout import MANIFEST, CheckpointError
+from raytrain_cpu.checkpoint.verify import BEST_HELP, best_of
 
 
 def _export_dir(path: Path, stack: ExitStack, merge: bool = True) -> Path:

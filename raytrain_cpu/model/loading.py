@@ -11,7 +11,6 @@ rank ever holds (or reads) the whole model.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import json
@@ -402,28 +401,6 @@ def _read_own_partitions(model, files: dict[str, str]) -> None:
             os.close(fd)
 
 
-@contextlib.contextmanager
-def _no_zero3_weight_init():
-    """Skips transformers' random init of a model built under ZeRO-3.
-
-    `from_config` initialises each module by gathering its parameters, drawing them on rank 0
-    and scattering them again: 6.4 of the 7.5 s it took to load a 459M model here, and a
-    full model's worth of traffic, for weights the checkpoint then overwrites.
-    Non-persistent buffers (RoPE frequencies) are computed at construction and stay.
-    """
-    import transformers.integrations.deepspeed as hf_deepspeed
-
-    original = getattr(hf_deepspeed, "initialize_weights_zero3", None)
-    if original is None:  # another transformers layout: keep its init (slower, same result)
-        yield
-        return
-    hf_deepspeed.initialize_weights_zero3 = lambda model: None
-    try:
-        yield
-    finally:
-        hf_deepspeed.initialize_weights_zero3 = original
-
-
 def load_sharded(model_dir: str, ds_config: dict[str, Any], dtype):
     """Loads the model straight into ZeRO-3 partitions; returns (model, hf_ds_config).
 
@@ -439,10 +416,13 @@ def load_sharded(model_dir: str, ds_config: dict[str, Any], dtype):
     it stays the fallback for checkpoints without safetensors files.
     """
     import torch
-    import torch._dynamo  # noqa: F401  (must be imported before zero.Init patches Tensor.__new__)
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
+    from raytrain_cpu.compat.torch import preload_dynamo
+    from raytrain_cpu.compat.transformers import no_zero3_weight_init
+
+    preload_dynamo()  # before zero.Init patches Tensor.__new__
     config = AutoConfig.from_pretrained(model_dir)  # read config files before zero.Init is active
     zero3 = ds_config["zero_optimization"]["stage"] == 3
     hf_ds_config = HfDeepSpeedConfig(ds_config) if zero3 else None
@@ -450,7 +430,7 @@ def load_sharded(model_dir: str, ds_config: dict[str, Any], dtype):
     if files is None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     else:
-        with _no_zero3_weight_init():
+        with no_zero3_weight_init():  # the checkpoint overwrites every weight
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         _read_own_partitions(model, files)  # every parameter, or an error naming the missing ones
     model.config.use_cache = False

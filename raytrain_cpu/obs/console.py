@@ -53,15 +53,14 @@ def quiet_ray_console(cfg: Config) -> bool:
     for key, value in knobs.items():
         os.environ.setdefault(key, value)  # a value the user set wins
     if ray is not None:
-        try:
-            from ray._private import ray_constants, ray_logging
+        from raytrain_cpu.compat.ray import console_dedup
 
-            for dedup in (ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator):
-                dedup.allow_re = re.compile(os.environ["RAY_DEDUP_LOGS_ALLOW_REGEX"])
-                dedup.skip_re = re.compile(os.environ["RAY_DEDUP_LOGS_SKIP_REGEX"])
-            ray_constants.RAY_DISABLE_WORKER_LOG_PREFIX = os.environ["RAY_DISABLE_WORKER_LOG_PREFIX"] == "1"
-        except (ImportError, AttributeError):
-            pass
+        env = os.environ
+        console_dedup(
+            env["RAY_DEDUP_LOGS_ALLOW_REGEX"],
+            env["RAY_DEDUP_LOGS_SKIP_REGEX"],
+            env["RAY_DISABLE_WORKER_LOG_PREFIX"] == "1",
+        )
     return True
 
 

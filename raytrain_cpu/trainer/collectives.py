@@ -209,9 +209,9 @@ def install(timeout_s: float, log: Callable[[str], None] = print, slot_bytes: in
     shared memory when they share one x86 machine; otherwise leaves gloo. Every rank decides
     alike: the checks are all-reduced, and ranks that do not see rank 0's file (other
     machines) turn it down for everyone."""
-    import deepspeed.comm.comm as ds_comm
+    from raytrain_cpu.compat.deepspeed import comm_backend
 
-    backend = ds_comm.cdb
+    backend = comm_backend()
     if hasattr(backend, "_raytrain_shm"):  # a second load in the same process (tests)
         return backend._raytrain_shm
     world, rank = dist.get_world_size(), dist.get_rank()

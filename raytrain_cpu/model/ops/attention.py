@@ -471,10 +471,12 @@ def choose(
     the blocks keeping their probabilities where `keep_probs(block)` says; returns (the
     implementation's impl_name or "sdpa", the timings "auto" measured, averaged over ranks by
     `agree`)."""
+    from raytrain_cpu.compat.transformers import can_set_attn_implementation
+
     shape = attention_shape(model.config, micro_batch, seq_len)
     # Attention dropout (GPT-2's attn_pdrop) would send every training call to SDPA anyway.
     dropout = max(float(getattr(model.config, k, 0.0) or 0.0) for k in ("attention_dropout", "attn_pdrop"))
-    if setting == "sdpa" or shape is None or dropout > 0 or not model._can_set_attn_implementation():
+    if setting == "sdpa" or shape is None or dropout > 0 or not can_set_attn_implementation(model):
         return "sdpa", {}
     timings: dict[str, float] = {}
     dtype = next(iter(model.parameters())).dtype
