@@ -51,3 +51,19 @@ def pickled_tensor_class(module: str, name: str) -> Callable[..., Any] | None:
     if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
         return getattr(importlib.import_module(module), name)
     return None
+
+
+def softmax_backward(grad_output, output, dim: int, input_dtype):
+    """softmax's backward from its output: aten's `_softmax_backward_data` op, the kernel
+    autograd runs (torch exposes no public function for it), as torch._softmax_backward_data."""
+    import torch
+
+    return torch._softmax_backward_data(grad_output, output, dim, input_dtype)
+
+
+def log_softmax_backward(grad_output, output, dim: int, input_dtype):
+    """log_softmax's backward from its output: aten's `_log_softmax_backward_data` op, the
+    kernel autograd runs (torch exposes no public function for it)."""
+    import torch
+
+    return torch._log_softmax_backward_data(grad_output, output, dim, input_dtype)

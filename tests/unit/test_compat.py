@@ -42,6 +42,12 @@ def _private_module(module: str) -> bool:
     return parts[0] in DEPENDENCIES and any(p.startswith("_") and not p.startswith("__") for p in parts[1:])
 
 
+def _private_attribute(node: ast.Attribute) -> bool:
+    """`torch._softmax_backward_data`, `np._core`: a dependency module's `_`-prefixed attribute."""
+    base = node.value.id if isinstance(node.value, ast.Name) else ""
+    return (base in DEPENDENCIES or base == "np") and node.attr.startswith("_") and not node.attr.startswith("__")
+
+
 def _docstrings(tree: ast.AST) -> set[int]:
     """The ids of the string constants that are docstrings (prose may name an internal)."""
     out = set()
@@ -72,6 +78,8 @@ def _findings(path: Path, root: Path = ROOT) -> list[str]:
             texts = [node.id]
         elif isinstance(node, ast.Attribute):
             texts = [node.attr]
+            if _private_attribute(node):
+                found.append(f"{where}:{node.lineno}: uses {node.value.id}.{node.attr}")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
             texts = [node.value]
         found += [f"{where}:{node.lineno}: names {m.group(1)}" for t in texts if (m := NAMED.search(t))]
@@ -80,7 +88,8 @@ def _findings(path: Path, root: Path = ROOT) -> list[str]:
 
 def test_internals_are_reached_only_from_compat():
     """An AST scan of the package outside compat/: no import of a dependency's `_`-prefixed
-    submodule, and none of the internals' names in code or in strings other than docstrings."""
+    submodule, no `_`-prefixed attribute of a dependency's module (torch._x), and none of the
+    internals' names in code or in strings other than docstrings."""
     found = sorted({f for p in sorted(PACKAGE.rglob("*.py")) if COMPAT not in p.parents for f in _findings(p)})
     assert not found, "dependency internals outside raytrain_cpu/compat/:\n" + "\n".join(found)
 
@@ -94,6 +103,7 @@ def test_the_scan_finds_each_kind_of_use_with_its_line(tmp_path):
         "x = engine._get_ckpt_name('d', 't')\n"
         'logger = "ray.train.v2._internal.cleaner"\n'
         "import ray.util\n"
+        "y = torch._foreach_add(a, b) + torch.__version__\n"
     )
     assert set(_findings(sample, tmp_path)) == {
         "sample.py:2: imports torch._dynamo",
@@ -101,6 +111,7 @@ def test_the_scan_finds_each_kind_of_use_with_its_line(tmp_path):
         "sample.py:3: names _private",
         "sample.py:4: names _get_ckpt_name",
         "sample.py:5: names _internal",
+        "sample.py:7: uses torch._foreach_add",
     }
 
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from raytrain_cpu.compat.torch import softmax_backward
 from raytrain_cpu.config.model import CAUSAL_BLOCKS_DEFAULT, FUSED, causal_blocks_size
 from raytrain_cpu.model.ops import fused_attention
 from raytrain_cpu.model.shape import attention_shape, causal_block_probs
@@ -253,7 +254,7 @@ def _causal_blocks_bwd(
     for i, lo, k_e, v_e, p in _each_block(qb, k, v, groups, block, probs, kept=probs.numel() > 0, mask=mask):
         _accumulate(dv, torch.matmul(p.transpose(-1, -2), gb[i]), lo, i * block)
         # softmax's backward: p * (dp - rowsum(dp * p)); padded query rows have dp = 0.
-        ds = torch._softmax_backward_data(torch.matmul(gb[i], v_e.transpose(-1, -2)), p, -1, p.dtype)
+        ds = softmax_backward(torch.matmul(gb[i], v_e.transpose(-1, -2)), p, -1, p.dtype)
         torch.matmul(ds, k_e, out=dqb[i])
         _accumulate(dk, torch.matmul(ds.transpose(-1, -2), qb[i]), lo, i * block)
     dq = _unblocked(dqb.mul_(scale), groups, seq, qb.dtype)

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from raytrain_cpu.compat.torch import log_softmax_backward
+
 IGNORE_INDEX = -100  # Hugging Face's label for "no loss here" (padding, prompts)
 # fp32 logits per chunk; a chunk holds three times this while it runs (the logits, their
 # log-softmax and its gradient). Each chunk reads the whole output matrix twice, so chunks too
@@ -87,7 +89,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             if not (want_h or want_w):
                 continue
             g = torch.ops.aten.nll_loss_backward(one, logp, t, None, 1, IGNORE_INDEX, count)  # 1: mean
-            g = torch._log_softmax_backward_data(g, logp, -1, torch.float32)
+            g = log_softmax_backward(g, logp, -1, torch.float32)
             del logp
             g = grad_logits[s : s + rows].copy_(g) if want_w else g.to(hidden.dtype)
             if want_h:
