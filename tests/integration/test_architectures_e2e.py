@@ -9,7 +9,7 @@ architecture, so one resume covers what the others would (each leg costs a Ray T
 ~20 s on 2 cores). Qwen2's model is given as a relative path, as users type one, and Phi-3's as
 a hub id that an earlier run fetched, trained with the hub offline. Tiny Llama, the default, is
 covered by tests/test_train_e2e.py.
-"""
+This module's in-process tests: tests/unit/test_architectures.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """raytrain_cpu.attention: the causal-blocks attention against an fp64 reference and SDPA, and
-its place in a transformers Llama (what it computes, what it leaves to SDPA)."""
+its place in a transformers Llama (what it computes, what it leaves to SDPA).
+This module's in-process tests: tests/unit/test_attention.py."""
 
 import pytest
 import torch

@@ -1,4 +1,5 @@
-"""The benchmark harness: result files, and a smoke run at tiny size (no Ray, well under a minute)."""
+"""The benchmark harness: result files, and a smoke run at tiny size (no Ray, well under a minute).
+This module's in-process tests: tests/unit/test_bench.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Shared-memory collectives (raytrain_cpu.trainer.collectives): the same results as gloo, chunked and
-whole, with DeepSpeed's own entry points; a missing rank ends in a clear error, not a hang."""
+whole, with DeepSpeed's own entry points; a missing rank ends in a clear error, not a hang.
+This module's in-process tests: tests/unit/test_collectives.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Config parsing, overrides and every validation error, all before Ray starts."""
+"""Config parsing, overrides and every validation error, all before Ray starts.
+This module's in-process tests: tests/unit/test_config.py."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ failure reason); the slow ones run the real entry point and a real Ray: the defa
 `python -m raytrain_cpu.main` holds raytrain's lines only, while run.verbose=true (and a Ray the
 caller imported first, as in a notebook) gets the lines Ray forwards as before. Ctrl-C ends the
 run with one line saying where it resumes.
-"""
+This module's in-process tests: tests/unit/test_console.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Fast tests of raytrain_cpu.host (features, threads, memory, gemm) and obs.timing: feature parsing, placement arithmetic, dtype choice, MFU, timers."""
+"""Tests of raytrain_cpu.host (features, threads, memory, gemm) and obs.timing: feature parsing, placement arithmetic, dtype choice, MFU, timers.
+This module's in-process tests: tests/unit/test_cpu.py."""
 
 from __future__ import annotations
 

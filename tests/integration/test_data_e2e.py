@@ -1,4 +1,5 @@
-"""Data: documents, bad rows, packing, the stream arithmetic behind exact resume, the cache."""
+"""Data: documents, bad rows, packing, the stream arithmetic behind exact resume, the cache.
+This module's in-process tests: tests/unit/test_data.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """DPO on preference pairs: rows -> pairs, pairs packed side by side, each pair's log-likelihoods
 out of a packed block, the DPO loss and its gradient, the fused output layer's log-probabilities;
 then DPO runs end to end: LoRA's (the reference is the base with the adapters off) and full
-fine-tuning's (a frozen copy of the starting model, kept across a resume)."""
+fine-tuning's (a frozen copy of the starting model, kept across a resume).
+This module's in-process tests: tests/unit/test_dpo.py."""
 
 from __future__ import annotations
 

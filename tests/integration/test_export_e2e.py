@@ -4,7 +4,7 @@ The checkpoint comes from two spawned processes (gloo, DeepSpeed ZeRO-3, bf16, n
 train the tiny Llama three steps, record their logits on a batch and save through
 checkpoint.write_checkpoint, exactly as training does. (Export at the end of a Ray run,
 `run.export_on_finish`, is checked in tests/test_fault_tolerance.py.)
-"""
+This module's in-process tests: tests/unit/test_export.py."""
 
 from __future__ import annotations
 

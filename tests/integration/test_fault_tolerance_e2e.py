@@ -28,7 +28,7 @@ The slow tests share two 2-worker runs of the same config: `straight` (conftest.
 no faults) and the fault run (killed, then hung, then finished).
 Run this file alone as a script to get the measured figures printed: it is the
 cluster scenario's entry point too (`python tests/integration/test_fault_tolerance_e2e.py '<json>'`).
-"""
+This module's in-process tests: tests/unit/test_fault_tolerance.py."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ optimizer state untouched on every rank, while normal steps keep training.
 
 (The end-to-end run through Ray Train, with events in metrics.jsonl and counts in summary.json,
 is in tests/test_report.py, which shares that run with the report tests.)
-"""
+This module's in-process tests: tests/unit/test_guards.py."""
 
 from __future__ import annotations
 

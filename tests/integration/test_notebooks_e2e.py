@@ -2,7 +2,7 @@
 
 Each is executed in memory with nbclient (the files are never rewritten); the cell tagged
 "parameters" is replaced to point the notebook at temporary directories, papermill-style.
-"""
+This module's in-process tests: tests/unit/test_notebooks.py."""
 
 from __future__ import annotations
 

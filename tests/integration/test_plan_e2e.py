@@ -1,4 +1,5 @@
-"""Unit tests of the capacity planner, including its calibration against measured runs."""
+"""Unit tests of the capacity planner, including its calibration against measured runs.
+This module's in-process tests: tests/unit/test_plan.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ a resume whose model/data/batch settings differ from its checkpoint's (named key
 already finished, a run directory another job holds, a hub or S3 source that does not answer,
 worker resources no node has, a data.seq_len longer than the model's context, a tokenizer that
 outgrows the model's embedding, and a run whose planned memory does not fit its nodes or whose
-checkpoints do not fit its storage."""
+checkpoints do not fit its storage.
+This module's in-process tests: tests/unit/test_preflight.py."""
 
 from __future__ import annotations
 

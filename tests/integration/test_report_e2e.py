@@ -5,7 +5,7 @@ tests/test_console.py): an injected loss spike at step 12 and an injected NaN at
 guards.action=skip, so the same run shows the guards at work through Ray Train and gives the
 report something to mark. Resumed and still-running runs are made from copies of its directory
 (duplicate steps appended, summary.json removed, a line cut short).
-"""
+This module's in-process tests: tests/unit/test_report.py."""
 
 from __future__ import annotations
 

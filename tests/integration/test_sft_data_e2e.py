@@ -3,7 +3,7 @@
 Masks are checked against the documented templates: the tokens of every example are split
 into runs of trained / untrained tokens, and each run must decode to exactly the text the
 template puts there (the response and its end-of-turn, or the prompt around it).
-"""
+This module's in-process tests: tests/unit/test_sft_data.py."""
 
 from __future__ import annotations
 

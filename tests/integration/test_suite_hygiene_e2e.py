@@ -1,5 +1,6 @@
 """The suite's own clean-up: what the session's Ray leaves running after ray.shutdown() is
-stopped by pid (tests/conftest.py), and nothing else is."""
+stopped by pid (tests/helpers.py), and nothing else is.
+This module's in-process tests: tests/unit/test_suite_hygiene.py."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ where set: bf16 or fp32 by host, or as RAYTRAIN_DTYPE_AUTO forces it); then resu
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 from pathlib import Path
@@ -14,6 +15,11 @@ import yaml
 from helpers import BF16_LOSS_TOL, STEPS, run_losses, straight_overrides
 
 pytestmark = pytest.mark.slow
+
+
+def _tests_path() -> str:
+    here = Path(__file__).resolve().parent
+    return os.pathsep.join([str(here), str(here.parent)])
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -422,7 +428,8 @@ def test_sharded_loading_is_exact_and_partitioned(ray_session, make_config, tmp_
         run_config=ray.train.RunConfig(
             storage_path=str(tmp_path / "runs"),
             name="load",
-            worker_runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).parent)}},
+            # This module (and tests/helpers.py, which it imports) for the workers to unpickle _check_sharded_load.
+            worker_runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", "PYTHONPATH": _tests_path()}},
         ),
     )
     result = trainer.fit()

@@ -1,5 +1,6 @@
 """raytrain_cpu.attention: the causal-blocks attention against an fp64 reference and SDPA, and
-its place in a transformers Llama (what it computes, what it leaves to SDPA)."""
+its place in a transformers Llama (what it computes, what it leaves to SDPA).
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_attention_e2e.py."""
 
 from pathlib import Path
 

@@ -1,4 +1,5 @@
-"""The benchmark harness: result files, and a smoke run at tiny size (no Ray, well under a minute)."""
+"""The benchmark harness: result files, and a smoke run at tiny size (no Ray, well under a minute).
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_bench_e2e.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Shared-memory collectives (raytrain_cpu.trainer.collectives): the same results as gloo, chunked and
-whole, with DeepSpeed's own entry points; a missing rank ends in a clear error, not a hang."""
+whole, with DeepSpeed's own entry points; a missing rank ends in a clear error, not a hang.
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_collectives_e2e.py."""
 
 from __future__ import annotations
 

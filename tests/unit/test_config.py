@@ -1,4 +1,5 @@
-"""Config parsing, overrides and every validation error, all before Ray starts."""
+"""Config parsing, overrides and every validation error, all before Ray starts.
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_config_e2e.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Fast tests of raytrain_cpu.host (features, threads, memory, gemm) and obs.timing: feature parsing, placement arithmetic, dtype choice, MFU, timers."""
+"""Fast tests of raytrain_cpu.host (features, threads, memory, gemm) and obs.timing: feature parsing, placement arithmetic, dtype choice, MFU, timers.
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_cpu_e2e.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Data: documents, bad rows, packing, the stream arithmetic behind exact resume, the cache."""
+"""Data: documents, bad rows, packing, the stream arithmetic behind exact resume, the cache.
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_data_e2e.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """DPO on preference pairs: rows -> pairs, pairs packed side by side, each pair's log-likelihoods
 out of a packed block, the DPO loss and its gradient, the fused output layer's log-probabilities;
 then DPO runs end to end: LoRA's (the reference is the base with the adapters off) and full
-fine-tuning's (a frozen copy of the starting model, kept across a resume)."""
+fine-tuning's (a frozen copy of the starting model, kept across a resume).
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_dpo_e2e.py."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ The checkpoint comes from two spawned processes (gloo, DeepSpeed ZeRO-3, bf16, n
 train the tiny Llama three steps, record their logits on a batch and save through
 checkpoint.write_checkpoint, exactly as training does. (Export at the end of a Ray run,
 `run.export_on_finish`, is checked in tests/test_fault_tolerance.py.)
-"""
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_export_e2e.py."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ The slow tests share two 2-worker runs of the same config: `straight` (conftest.
 no faults) and the fault run (killed, then hung, then finished).
 Run this file alone as a script to get the measured figures printed: it is the
 cluster scenario's entry point too (`python tests/test_fault_tolerance.py '<json>'`).
-"""
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_fault_tolerance_e2e.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Fine-tuning end to end: chat SFT with LoRA under ZeRO-3 (2 workers), full-parameter SFT under
 ZeRO-2 (2 workers), export of the adapter and the merged model, generate, LoRA with whole-layer
 gathers, and LoRA's bad input. (ZeRO-3 at world size 1, the edge case of its checkpoint files,
-trains in tests/test_train_e2e.py's best-checkpoint test.)"""
+trains in tests/test_train_e2e.py's best-checkpoint test.)
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_finetune_e2e.py."""
 
 from __future__ import annotations
 

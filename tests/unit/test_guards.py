@@ -4,7 +4,7 @@ optimizer state untouched on every rank, while normal steps keep training.
 
 (The end-to-end run through Ray Train, with events in metrics.jsonl and counts in summary.json,
 is in tests/test_report.py, which shares that run with the report tests.)
-"""
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_guards_e2e.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The fused output layer + cross-entropy (raytrain_cpu.model.ops.loss) against Hugging Face's loss: the same
-loss and gradients on a tiny Llama, in one process and under ZeRO-3 on 2 ranks."""
+loss and gradients on a tiny Llama, in one process and under ZeRO-3 on 2 ranks.
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_loss_e2e.py."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ The end-to-end half (a real ZeRO-3 model built by transformers, checked against 
 tests/test_train_e2e.py::test_sharded_loading_is_exact_and_partitioned. Here: a multi-file
 checkpoint's index, and partitions of awkward sizes (not divisible by the world size, smaller
 than it, 1-D to 3-D, fp32 and bf16 on disk) read by two real gloo ranks.
-"""
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_model_loading_e2e.py."""
 
 from __future__ import annotations
 

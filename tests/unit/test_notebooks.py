@@ -2,7 +2,7 @@
 
 Each is executed in memory with nbclient (the files are never rewritten); the cell tagged
 "parameters" is replaced to point the notebook at temporary directories, papermill-style.
-"""
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_notebooks_e2e.py."""
 
 from __future__ import annotations
 

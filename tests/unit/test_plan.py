@@ -1,4 +1,5 @@
-"""Unit tests of the capacity planner, including its calibration against measured runs."""
+"""Unit tests of the capacity planner, including its calibration against measured runs.
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_plan_e2e.py."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ tests/test_console.py): an injected loss spike at step 12 and an injected NaN at
 guards.action=skip, so the same run shows the guards at work through Ray Train and gives the
 report something to mark. Resumed and still-running runs are made from copies of its directory
 (duplicate steps appended, summary.json removed, a line cut short).
-"""
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_report_e2e.py."""
 
 from __future__ import annotations
 

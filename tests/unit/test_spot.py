@@ -1,8 +1,8 @@
-"""The spot-notice watcher (raytrain_cpu.launch.spot) against a stand-in for EC2's IMDS (conftest.FakeIMDS).
+"""The spot-notice watcher (raytrain_cpu.launch.spot) against a stand-in for EC2's IMDS (helpers.FakeIMDS).
 
 What a drain does to a training run, on a Ray Cluster: tests/test_fault_tolerance.py's elastic
 scenario, whose spot notice comes through this watcher.
-"""
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_spot_e2e.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The suite's own clean-up: what the session's Ray leaves running after ray.shutdown() is
-stopped by pid (tests/conftest.py), and nothing else is."""
+stopped by pid (tests/helpers.py), and nothing else is.
+The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_suite_hygiene_e2e.py."""
 
 from __future__ import annotations
 
