@@ -17,6 +17,10 @@ from helpers import CLI_OVERRIDES, _stop_what_ray_left, child_env, fast_override
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+# Inductor compiles in this process, not in a pool of its own subprocesses (each importing torch
+# again): the same code on a 2-core host, without the pool's start-up in every compiling worker.
+# Set here, it reaches the session Ray's workers and the CLI runs the tests start.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 TESTS = Path(__file__).resolve().parent
 
