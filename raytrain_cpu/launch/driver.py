@@ -938,7 +938,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     from raytrain_cpu.checkpoint.identity import config_hash
     from raytrain_cpu.checkpoint.layout import workers
     from raytrain_cpu.model.loading import count_parameters, write_tiny_model
-    from raytrain_cpu.obs.metrics import count_events, read_metrics
+    from raytrain_cpu.obs.metrics import count_events, read_choices, read_metrics, run_log_size
     from raytrain_cpu.trainer.loop import train_loop
 
     ray_env = {"TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
@@ -1091,6 +1091,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         datasets=datasets,
         dataset_config=ray.train.DataConfig(datasets_to_split=[]),
     )
+    choices_start = run_log_size(run_dir)  # this attempt's lines of run.log start here
     result = trainer.fit()
     if restore_stderr is not None:
         restore_stderr()
@@ -1113,6 +1114,8 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         "scaling": sizing,
         # From metrics.jsonl rather than the worker: it spans every attempt of a resumed run.
         "guard_events": count_events(read_metrics(run_dir)),
+        # Which kernel and path each choice took, as the workers wrote them to run.log.
+        "choices": read_choices(run_dir, choices_start),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -1163,7 +1166,7 @@ def print_summary(s: dict[str, Any]) -> None:
         f"wall time        {num('wall_s', '.0f')}s\n"
         f"checkpoint       {s['checkpoint_path']}\n"
         f"{_best_line(s)}"
-        f"run directory    {s['run_dir']} (metrics.jsonl, summary.json)\n"
+        f"run directory    {s['run_dir']} (metrics.jsonl, summary.json; run.log: which kernel and path each choice took)\n"
         f"guards           {_guard_line(s)}\n"
         f"report           python -m raytrain_cpu.report {shlex.quote(str(s['run_dir']))}\n",
         flush=True,
