@@ -1,7 +1,7 @@
 """The unit tier's rule, enforced: no Ray, no child processes, no torch.distributed process
-group. Each is refused with a message naming the way out (tests/integration). The patches are in
-force through every phase of a unit test, so a module- or session-scoped fixture that a unit test
-asks for is held to the rule as well."""
+group. Each is refused with a message naming the way out (tests/integration). Hook wrappers, not an
+autouse fixture, put the patches in force: through every phase of a unit test, so a module- or
+session-scoped fixture that a unit test asks for is held to the rule as well."""
 
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def _forbid(mp: pytest.MonkeyPatch) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
-    """Set-up too: fixtures of a wider scope are made in the first test's set-up, before any of its
-    function-scoped autouse fixtures."""
+    """Set-up included: fixtures of a wider scope are made in the first test's set-up, before any
+    function-scoped autouse fixture could patch anything."""
     asked = [f for f in INTEGRATION_FIXTURES if f in item.fixturenames]
     if asked:
         raise _refusal(f"use the {', '.join(asked)} fixture (Ray, a whole run)")
@@ -70,15 +70,14 @@ def pytest_runtest_setup(item):
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item, nextitem):
+def pytest_runtest_call(item):
     with pytest.MonkeyPatch.context() as mp:
         _forbid(mp)
         yield
 
 
-@pytest.fixture(autouse=True)
-def no_ray_no_processes_no_process_groups():
-    """The test's own call, under the same rule as its set-up and teardown."""
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
     with pytest.MonkeyPatch.context() as mp:
         _forbid(mp)
         yield
