@@ -12,7 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import CLI_OVERRIDES, _stop_what_ray_left, child_env, fast_overrides, run_losses, straight_overrides
+from helpers import (
+    CLI_OVERRIDES,
+    _stop_what_ray_left,
+    child_env,
+    die_with_parent,
+    fast_overrides,
+    run_losses,
+    straight_overrides,
+)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -35,15 +43,19 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "integration: tests/integration (Ray, subprocesses, 2-rank groups, training)")
 
 
+def _tier(item) -> str | None:
+    path = Path(item.path).resolve()
+    return path.relative_to(TESTS).parts[0] if TESTS in path.parents else None
+
+
 def pytest_collection_modifyitems(config, items):
+    """Marks each test with its tier, and runs the unit tier first: a failure there shows at once,
+    and its pytest keeps one core of two busy, leaving the other to the CLI run (cli_run) started
+    meanwhile. Each module stays whole (a tier holds whole modules)."""
     for item in items:
-        tier = (
-            Path(item.path).resolve().relative_to(TESTS).parts[0]
-            if TESTS in Path(item.path).resolve().parents
-            else None
-        )
-        if tier in ("unit", "integration"):
-            item.add_marker(tier)
+        if _tier(item) in ("unit", "integration"):
+            item.add_marker(_tier(item))
+    items.sort(key=lambda item: _tier(item) != "unit")
 
 
 @pytest.fixture
@@ -169,28 +181,64 @@ def straight(ray_session, tmp_path_factory, shared_cache):
     return {"cfg": cfg, "summary": summary, "run_dir": cfg.run.run_dir, "losses": run_losses(cfg.run.run_dir)}
 
 
-@pytest.fixture(scope="session")
-def cli_run(tmp_path_factory, shared_cache) -> dict:
-    """The CLI_OVERRIDES run: its exit code, console (stdout, stderr), seconds and run directory."""
-    import subprocess
-    import time
+# The CLI run starts as soon as the tests are collected, when any of them reads it, so that it runs
+# beside the unit tier rather than after it. It has its own data cache: the integration tests may
+# write the shared one meanwhile. A run still going at the session's end is interrupted as a user
+# would (a kill would leave its own Ray running), then killed.
+_CLI_RUN: dict = {}
 
+
+def _start_cli_run(root: Path) -> dict:
+    import subprocess
+
+    args = [f"run.storage_path={root / 'runs'}", f"data.cache_dir={root / 'data_cache'}", *CLI_OVERRIDES]
+    out, err = (open(root / f"console.{k}", "w") for k in ("out", "err"))  # noqa: SIM115 - closed by cli_run
+    p = subprocess.Popen(
+        [sys.executable, "-m", "raytrain_cpu.main", *args],
+        cwd=TESTS.parent,
+        env=child_env(),
+        stdout=out,
+        stderr=err,
+        preexec_fn=die_with_parent,
+    )
+    return {"p": p, "files": (out, err), "args": args, "t0": time.time()}
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly or not any("cli_run" in getattr(i, "fixturenames", ()) for i in session.items):
+        return
+    _CLI_RUN.update(_start_cli_run(session.config._tmp_path_factory.mktemp("cli_run")))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import contextlib
+    import signal
+    import subprocess
+
+    p = _CLI_RUN.get("p")
+    if p is not None and p.poll() is None:
+        p.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=60)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture(scope="session")
+def cli_run(tmp_path_factory) -> dict:
+    """The CLI_OVERRIDES run: its exit code, console (stdout, stderr), seconds and run directory."""
     from raytrain_cpu.config.schema import load_config
 
-    args = [f"run.storage_path={tmp_path_factory.mktemp('cli_run')}", f"data.cache_dir={shared_cache}", *CLI_OVERRIDES]
-    t0 = time.time()
-    p = subprocess.run(
-        [sys.executable, "-m", "raytrain_cpu.main", *args],
-        cwd=Path(__file__).resolve().parents[1],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    started = _CLI_RUN or _start_cli_run(tmp_path_factory.mktemp("cli_run"))
+    started["p"].wait(timeout=600)
+    for f in started["files"]:
+        f.close()
+    out, err = (Path(f.name).read_text() for f in started["files"])
     return {
-        "returncode": p.returncode,
-        "stdout": p.stdout,
-        "stderr": p.stderr,
-        "seconds": time.time() - t0,
-        "run_dir": Path(load_config(None, args).run.run_dir),
+        "returncode": started["p"].returncode,
+        "stdout": out,
+        "stderr": err,
+        "seconds": time.time() - started["t0"],
+        "run_dir": Path(load_config(None, started["args"]).run.run_dir),
     }
