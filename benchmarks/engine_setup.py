@@ -2,7 +2,7 @@
 
 Building any ZeRO engine makes DeepSpeed import its Muon optimizer module, only to ask whether
 the optimizer is one; that module compiles kernels with torch.compile at import, which loads
-inductor. `train.keep_muon_unimported` puts a stand-in in its place (runs never use Muon). Each
+inductor. `compat.deepspeed_zero3.keep_muon_unimported` puts a stand-in in its place (runs never use Muon). Each
 measurement is a fresh process, as a worker is: it loads the default tiny model into ZeRO-3
 partitions (one rank, a real gloo group) and builds the engine with the run's DeepSpeed config;
 "DeepSpeed's Muon import" imports the real module first, inside the timed span, which is what
