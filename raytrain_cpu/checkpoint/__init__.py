@@ -44,7 +44,7 @@ a later save at its step takes a fresh name (`free_checkpoint_name`). When none 
 fails naming them all.
 
 DeepSpeed's shards are pickles that DeepSpeed itself loads whole (torch.load, weights_only off):
-load checkpoints only from storage you trust (README: "Checkpoints and trust").
+load checkpoints only from storage you trust (docs/checkpoints.md, "Checkpoints and trust").
 
 Resuming on another number of workers (a lost node, a bigger cluster) keeps the global batch
 (`batch_conflict`): the driver first converts the checkpoint, once, into DeepSpeed's universal

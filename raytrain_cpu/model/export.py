@@ -63,7 +63,7 @@ def _damaged_file(ckpt_dir: Path) -> str | None:
     match), else None. A file damaged in place keeps its size, which is all the manifest check
     reads by default, and torch's own error names no file (or names it inside an unrelated hint).
     Hashed, not opened: our code unpickles none of DeepSpeed's files (DeepSpeed's own loading
-    does, README: "Checkpoints and trust")."""
+    does, docs/checkpoints.md, "Checkpoints and trust")."""
     try:
         verify_checkpoint(ckpt_dir, hash_ranks=True)
     except DamagedCheckpoint as e:
