@@ -81,7 +81,7 @@ def read_metrics(path: str | os.PathLike) -> RunMetrics:
     An attempt row says where an attempt started: rows past its step belong to the superseded
     attempt and are dropped, so what remains is the history of the attempt that got furthest
     last; an attempt after earlier rows (or past step 0) is a restart at its checkpoint's step.
-    Files written before attempt rows (2026-11-30) tell a restart by a train row whose step is
+    Older files, written before attempt rows existed, tell a restart by a train row whose step is
     not past the previous one (the first row it logged, not its checkpoint's step, and none
     where it resumed at its last logged step).
     """

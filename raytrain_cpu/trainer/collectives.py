@@ -1,9 +1,8 @@
 """Shared-memory collectives for DeepSpeed when every rank runs on one machine.
 
-Why: gloo moves every byte through the loopback TCP stack and its own threads. Two ranks, one
-core each: a 106 MB bf16 all-gather (the ~50M bench model's weights) took 95 ms through gloo
-and 17 ms here, its reduce-scatter 134 ms against 19, a one-element all-reduce 0.18 ms against
-0.03. ZeRO-3 runs about 40 of them per step on that model.
+Why: gloo moves every byte through the loopback TCP stack and its own threads, while ranks on
+one machine can simply share memory; ZeRO-3 runs dozens of collectives a step, so their cost
+shows in the step time (benchmarks/results/ and docs/performance.md hold the measurements).
 
 How: the ranks map one file in /dev/shm (unlinked once all have it, so nothing outlives
 them). It holds rank 0's stamp (proof that the ranks share it), one 64-byte flag per rank
