@@ -8,8 +8,15 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 from raytrain_cpu.config.checks import ConfigError, absolute, choice, is_glob, is_url, require, require_filesystem
+
+OneSource = Literal["auto", "bundled", "text", "parquet", "jsonl", "hub"]
+Source = Literal[OneSource, "mix"]  # "mix": data.mix lists the sources
+Format = Literal["text", "chat", "instruction", "preference"]
+BadRows = Literal["error", "skip"]
+AttentionSpan = Literal["auto", "document", "block"]
 
 # ----------------------------------------------------------------------------- data
 
@@ -153,7 +160,7 @@ def mix_counts(weights: list[float]) -> list[int]:
 class DataConfig:
     """Where the text comes from and how it becomes packed training blocks."""
 
-    source: str = "auto"
+    source: Source = "auto"
     """'auto' ('bundled' without data.path, else what data.path's file names say: .txt -> text,
     .jsonl -> jsonl, .parquet -> parquet), 'bundled' (wikitext-2 shipped with the package:
     trains on its test split, evaluates on its validation split), 'text' (wikitext-style text
@@ -183,7 +190,7 @@ class DataConfig:
     cache_dir: str = ""
     """Where packed blocks are cached as parquet, keyed by source (each file's name and version) +
     tokenizer + seq_len; '' means <run.storage_path>/data_cache."""
-    bad_rows: str = "error"
+    bad_rows: BadRows = "error"
     """'error' stops at the first undecodable or missing text (or, for chat/instruction data, a
     blank answer) naming the file and line; 'skip' drops such rows and counts them in summary.json."""
     tokenize_batch_size: int = 512
@@ -198,7 +205,7 @@ class DataConfig:
     text blocks of 1,024 tokens, in each of Ray Data's reading processes."""
     prefetch_batches: int = 4
     """Batches each training worker prefetches from its Ray Data shard."""
-    format: str = "text"
+    format: Format = "text"
     """'text' (documents packed back to back, every token trained), 'chat' (rows with a list of
     {role, content} messages) or 'instruction' (rows with prompt/response fields, or Alpaca's
     instruction/input/output): rendered with the chat template, loss only on the assistant's
@@ -225,7 +232,7 @@ class DataConfig:
     (see raytrain_cpu.model.chat); else the path of a Jinja template file."""
     train_on_prompt: bool = False
     """Chat/instruction: also train on system, user and prompt tokens (padding never is)."""
-    attention_span: str = "auto"
+    attention_span: AttentionSpan = "auto"
     """What a token attends to in a packed block: 'document' (the earlier tokens of its own
     document or example only, its positions counted from the document's start: as if each were
     a sequence of its own), 'block' (every earlier token of the block, across documents), or
@@ -244,7 +251,7 @@ class DataConfig:
         # DataConfig(**asdict) (a checkpoint's data settings, read back by export and generate)
         # hands the entries over as mappings.
         self.mix = [MixSource(**e) if isinstance(e, dict) else e for e in self.mix]
-        choice(self.attention_span, "data.attention_span", ("auto", "document", "block"))
+        choice(self.attention_span, "data.attention_span", get_args(AttentionSpan))
         if self.attention_span == "auto":  # resolved here, so checkpoints record what the run computed
             formats = {e.format or self.format for e in self.mix} or {self.format}
             self.attention_span = "block" if formats == {"text"} else "document"
@@ -258,7 +265,7 @@ class DataConfig:
         require_filesystem(self.cache_dir, "data.cache_dir")
         require(self.seq_len >= 8, "data.seq_len", f"got {self.seq_len}; use at least 8 tokens.")
         require(0.0 <= self.eval_fraction < 0.5, "data.eval_fraction", "must be in [0, 0.5).")
-        choice(self.bad_rows, "data.bad_rows", ("error", "skip"))
+        choice(self.bad_rows, "data.bad_rows", get_args(BadRows))
         require(self.tokenize_batch_size > 0, "data.tokenize_batch_size", "must be positive.")
         require(self.tokenize_actors >= 0, "data.tokenize_actors", "must be >= 0 (0 = auto).")
         require(self.shuffle_window > 0, "data.shuffle_window", "must be a positive number of blocks.")
@@ -266,7 +273,7 @@ class DataConfig:
 
     def _resolve_source(self) -> None:
         """data.source=auto as what data.path holds; paths the source would not read are refused."""
-        choice(self.source, "data.source", ("auto", "bundled", "text", "parquet", "jsonl", "hub"))
+        choice(self.source, "data.source", get_args(OneSource))
         if self.source == "auto":  # resolved here, so checkpoints record what the run read
             self.source = source_of(self.path) if self.path else "bundled"
             require(
@@ -291,7 +298,7 @@ class DataConfig:
 
     def _check_format(self) -> None:
         """data.format against the source, and the chat template file it renders with."""
-        choice(self.format, "data.format", ("text", "chat", "instruction", "preference"))
+        choice(self.format, "data.format", get_args(Format))
         if self.format == "preference":
             self._check_preference()
         if self.format != "text":

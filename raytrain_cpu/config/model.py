@@ -5,8 +5,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 from raytrain_cpu.config.checks import absolute, choice, require, require_filesystem
+
+Dtype = Literal["auto", "bf16", "fp32"]
+AttentionProbs = Literal["auto", "keep", "recompute"]
+CompileScope = Literal["layers", "model"]
 
 # model.attention's causal blocks: 'causal_blocks' runs this many queries a block,
 # 'causal_blocks_<N>' N (raytrain_cpu.model.ops.attention; parsed here, where nothing imports torch, for
@@ -78,7 +83,7 @@ class ModelConfig:
     """'auto' (the tiny model: 'bundled'; any other model: its own), 'bundled' (a 2048-token BPE
     trained on wikitext, shipped with the package), '' (the model's own tokenizer), a local
     directory or a hub id."""
-    dtype: str = "auto"
+    dtype: Dtype = "auto"
     """Training precision: 'bf16' (DeepSpeed bf16, fp32 master weights), 'fp32', or 'auto':
     the workers time bf16 and fp32 GEMMs at the model's shapes at start-up and take bf16 only
     where it is faster (AMX or AVX-512 BF16 CPUs), else fp32 with a warning. With 'bf16' the
@@ -94,7 +99,7 @@ class ModelConfig:
     at 64 and 128 queries and (in bf16, where it builds) the fused kernel at the run's shape at
     start-up and all take the fastest (one more than 3% faster than those before it); a resumed
     run keeps its checkpoint's pick, so its losses continue bit for bit. Padding-masked or cached attention always runs SDPA."""
-    attention_probs: str = "auto"
+    attention_probs: AttentionProbs = "auto"
     """What the causal blocks keep for the backward: 'keep' their probabilities (the backward
     reads them: one batched GEMM of seven and half the softmax work fewer, the same bits), 'recompute' them from q and k, or 'auto':
     keep while they add at most a quarter to the activations the run keeps (heads x ~seq/2
@@ -143,7 +148,7 @@ class ModelConfig:
     uncompiled under auto: the causal blocks take no mask inside a compiled graph, and SDPA's
     attention costs more than compile saves. The first steps compile (tens of seconds; seconds
     from the cache after that)."""
-    compile_scope: str = "layers"
+    compile_scope: CompileScope = "layers"
     """What model.compile compiles: 'layers' compiles each decoder layer's forward (one graph,
     reused by every layer; under ZeRO-3 the layers are gathered whole, so the gathers stay
     outside the graph), 'model' the whole model through DeepSpeed's engine.compile."""
@@ -153,8 +158,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.name_or_path), "model.name_or_path", "must not be empty; use 'tiny'.")
-        choice(self.dtype, "model.dtype", ("auto", "bf16", "fp32"))
-        choice(self.compile_scope, "model.compile_scope", ("layers", "model"))
+        choice(self.dtype, "model.dtype", get_args(Dtype))
+        choice(self.compile_scope, "model.compile_scope", get_args(CompileScope))
         for key in ("compile", "weight_grad_kernel"):
             value = getattr(self, key)
             if isinstance(value, str) and value.lower() in ("true", "false"):
@@ -175,7 +180,7 @@ class ModelConfig:
             "model.attention",
             "fused computes in bf16 only; with model.dtype=fp32 choose auto, sdpa or causal_blocks.",
         )
-        choice(self.attention_probs, "model.attention_probs", ("auto", "keep", "recompute"))
+        choice(self.attention_probs, "model.attention_probs", get_args(AttentionProbs))
         # A hub id stays as it is; a local directory (what model.check_model_path treats as one) goes absolute.
         if not self.is_tiny and Path(self.name_or_path).expanduser().exists():
             self.name_or_path = absolute(self.name_or_path)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 from raytrain_cpu.config.checks import absolute, choice, require
+
+Allocator = Literal["auto", "jemalloc", "tcmalloc", "system"]
 
 # The workers' default: glibc's dynamic threshold at its ceiling from the first step, with its
 # trim threshold (twice it, as glibc's dynamic rule sets it). The dynamic pair trims the heap
@@ -57,7 +60,7 @@ class ScalingConfig:
     pin_cores: bool = False
     """Pin each worker's threads to its own physical cores (split by local rank; one socket
     per rank on multi-socket nodes). Pays on a dedicated node; hurts on a shared one."""
-    allocator: str = "auto"
+    allocator: Allocator = "auto"
     """malloc of the training workers: 'auto' preloads jemalloc (the system's, apt-get install
     libjemalloc2, else the one Ray's wheel ships), else tcmalloc; 'jemalloc', 'tcmalloc' or
     'system' (glibc)."""
@@ -98,7 +101,7 @@ class ScalingConfig:
             )
         require(self.resize_check_s > 0, "scaling.resize_check_s", "must be > 0 seconds.")
         require(self.free_memory_growth_mib >= 0, "scaling.free_memory_growth_mib", "must be >= 0 (0 = never).")
-        choice(self.allocator, "scaling.allocator", ("auto", "jemalloc", "tcmalloc", "system"))
+        choice(self.allocator, "scaling.allocator", get_args(Allocator))
         require(
             self.glibc_mmap_threshold >= 0, "scaling.glibc_mmap_threshold", "must be >= 0 (0 = glibc's dynamic one)."
         )

@@ -5,8 +5,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from raytrain_cpu.config.checks import ConfigError, choice, require
+
+Schedule = Literal["cosine", "wsd", "constant"]
+DpoLoss = Literal["sigmoid", "ipo", "hinge", "simpo"]
+GuardAction = Literal["log", "skip", "stop"]
 
 # ----------------------------------------------------------------------------- training
 
@@ -43,7 +48,7 @@ class TrainConfig:
     """Final learning rate as a fraction of train.lr."""
     warmup_steps: int = 20
     """Linear warm-up steps (capped at a tenth of train.max_steps for short runs)."""
-    schedule: str = "cosine"
+    schedule: Schedule = "cosine"
     """'cosine' (warm-up then cosine decay), 'wsd' (warm-up, stable, then linear decay over
     the last train.decay_fraction of steps) or 'constant' (warm-up then flat)."""
     decay_fraction: float = 0.2
@@ -91,7 +96,7 @@ class TrainConfig:
     """DPO's beta, for data.format=preference: the loss is -log sigmoid(beta x (how much more the
     model prefers the chosen response than the reference did, in log-likelihood)). A larger
     beta keeps the model closer to the reference; 0.1 is the DPO paper's and TRL's default."""
-    dpo_loss: str = "sigmoid"
+    dpo_loss: DpoLoss = "sigmoid"
     """The preference loss of each pair's margin x (the log-likelihood gain of the chosen response
     over the rejected one, relative to the reference): 'sigmoid', DPO's -log sigmoid(beta x);
     'ipo', (x - 1/(2 beta))^2 on log-likelihoods averaged per response token (IPO: a pair the
@@ -163,7 +168,7 @@ class TrainConfig:
             require(getattr(self, name) >= 0, f"train.{name}", "must be >= 0.")
         require(self.lr > 0, "train.lr", f"got {self.lr}; must be > 0.")
         require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1].")
-        choice(self.schedule, "train.schedule", ("cosine", "wsd", "constant"))
+        choice(self.schedule, "train.schedule", get_args(Schedule))
         require(0 < self.decay_fraction <= 1, "train.decay_fraction", "must be in (0, 1].")
         require(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
@@ -199,7 +204,7 @@ class TrainConfig:
     def _check_dpo(self) -> None:
         """The preference-loss settings (data.format=preference reads them)."""
         require(self.dpo_beta > 0, "train.dpo_beta", f"got {self.dpo_beta}; must be > 0 (e.g. 0.1).")
-        choice(self.dpo_loss, "train.dpo_loss", ("sigmoid", "ipo", "hinge", "simpo"))
+        choice(self.dpo_loss, "train.dpo_loss", get_args(DpoLoss))
         require(self.simpo_gamma >= 0, "train.simpo_gamma", f"got {self.simpo_gamma}; must be >= 0 (e.g. 0.5).")
         require(self.dpo_sft_weight >= 0, "train.dpo_sft_weight", f"got {self.dpo_sft_weight}; must be >= 0 (0: none).")
         require(
@@ -252,7 +257,7 @@ _INJECT = re.compile(r"^(spike@\d+(:[0-9.eE+-]+)?|nan@\d+)$")
 class GuardConfig:
     """Stability guards: loss spikes, gradient-norm spikes and non-finite losses."""
 
-    action: str = "log"
+    action: GuardAction = "log"
     """What a loss spike or a gradient-norm spike does: 'log' (warn, count it in summary.json
     and go on), 'skip' (drop that step's update on every rank; its data stays consumed) or
     'stop' (end the run with a message naming the step). A non-finite loss or gradient is never
@@ -275,7 +280,7 @@ class GuardConfig:
     0's loss at that step by FACTOR (default 100) or by NaN; '' injects nothing."""
 
     def __post_init__(self) -> None:
-        choice(self.action, "guards.action", ("log", "skip", "stop"))
+        choice(self.action, "guards.action", get_args(GuardAction))
         require(
             self.loss_spike_factor == 0 or self.loss_spike_factor > 1,
             "guards.loss_spike_factor",
