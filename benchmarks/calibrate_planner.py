@@ -10,11 +10,11 @@ records its resident set size (VmRSS) after every stage of start-up and its high
 (VmHWM); rank-wise maxima are written, with the planner's prediction for the same case next to them, to
 ``benchmarks/results/<machine>/planner_calibration.json``.
 
-    python benchmarks/calibrate_planner.py                          # every case in plan.CALIBRATION_CASES
+    python benchmarks/calibrate_planner.py                          # every case in plan_tables.CALIBRATION_CASES
     python benchmarks/calibrate_planner.py --case llama-37m:8:ac    # one case (model:micro_batch[:ac])
     python benchmarks/calibrate_planner.py --no-write --launcher mp # print only; plain processes
 
-The cases live in ``raytrain_cpu.planner.memory`` (CALIBRATION_SHAPES, CALIBRATION_CASES) so the planner's
+The cases live in ``raytrain_cpu.planner.tables`` (CALIBRATION_SHAPES, CALIBRATION_CASES) so the planner's
 unit tests predict exactly what is measured here. Keep it small: each rank gets one thread.
 HfDeepSpeedConfig needs ``accelerate`` installed.
 """
@@ -40,7 +40,8 @@ import torch.multiprocessing as mp
 from raytrain_cpu.host.features import cpu_features
 from raytrain_cpu.host.memory import GLIBC_MMAP_THRESHOLD, preload_env
 from raytrain_cpu.model.shape import ModelShape
-from raytrain_cpu.planner import memory as plan
+from raytrain_cpu.planner import plan
+from raytrain_cpu.planner import tables as plan_tables
 from raytrain_cpu.trainer.engine import free_port, init_local_group
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 # jemalloc where installed, as on the cluster; else glibc with a fixed mmap threshold, which
 # measured the same peak RSS as jemalloc (its dynamic default fragments: ~30% more).
 ALLOCATOR_ENV = preload_env("auto", GLIBC_MMAP_THRESHOLD)
-# This machine's folder; the planner's constants were fitted on plan.CALIBRATION_FILE's machine.
+# This machine's folder; the planner's constants were fitted on plan_tables.CALIBRATION_FILE's machine.
 RESULTS = REPO / "benchmarks" / "results" / cpu_features().slug / "planner_calibration.json"
 
 
@@ -90,7 +91,7 @@ def _worker(rank: int, world_size: int, case: dict[str, Any], out_dir: str):
             f"data.seq_len={case['seq_len']}",
             f"deepspeed.zero_stage={case['zero_stage']}",
             # Fitted on gloo: the shared-memory collectives' slots are the planner's arithmetic
-            # (plan.SHM_SLOT_BYTES), not a fitted constant.
+            # (plan_tables.SHM_SLOT_BYTES), not a fitted constant.
             "deepspeed.shm_collectives=false",
             f"model.fused_loss={case['fused_loss']}",
             f"model.fused_norm={case['fused_norm']}",
@@ -241,7 +242,7 @@ def measure(
     fused_mlp: bool = False,
 ) -> dict[str, Any]:
     """Runs one calibration case and returns measured (max over ranks) next to predicted GiB."""
-    shape = plan.CALIBRATION_SHAPES[name]
+    shape = plan_tables.CALIBRATION_SHAPES[name]
     with tempfile.TemporaryDirectory(prefix="calib-") as tmp:
         model_dir = os.path.join(tmp, "model")
         _save_model(shape, model_dir)
@@ -307,7 +308,7 @@ PHASES = {
 def add_prediction(case: dict[str, Any]) -> dict[str, Any]:
     """The planner's estimate for a measured case, and predicted / measured peak."""
     predicted = plan.plan(
-        plan.CALIBRATION_SHAPES[case["model"]],
+        plan_tables.CALIBRATION_SHAPES[case["model"]],
         world_size=case["world_size"],
         zero_stage=case["zero_stage"],
         micro_batch=case["micro_batch"],
@@ -340,9 +341,9 @@ def _print_case(case: dict[str, Any]) -> None:
 def _parse_case(text: str) -> tuple[str, int, bool]:
     """'llama-37m:8' or 'llama-37m:8:ac' -> (model, micro batch, activation checkpointing)."""
     name, mb, *rest = text.split(":")
-    if name not in plan.CALIBRATION_SHAPES or rest not in ([], ["ac"]):
+    if name not in plan_tables.CALIBRATION_SHAPES or rest not in ([], ["ac"]):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: use MODEL:MICRO_BATCH[:ac], MODEL in {list(plan.CALIBRATION_SHAPES)}"
+            f"{text!r}: use MODEL:MICRO_BATCH[:ac], MODEL in {list(plan_tables.CALIBRATION_SHAPES)}"
         )
     return name, int(mb), rest == ["ac"]
 
@@ -353,10 +354,10 @@ def main(argv: list[str] | None = None) -> None:
         "--case",
         action="append",
         type=_parse_case,
-        help="MODEL:MICRO_BATCH[:ac] (repeatable); default: plan.CALIBRATION_CASES",
+        help="MODEL:MICRO_BATCH[:ac] (repeatable); default: plan_tables.CALIBRATION_CASES",
     )
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=plan.CALIBRATION_SEQ_LEN)
+    p.add_argument("--seq-len", type=int, default=plan_tables.CALIBRATION_SEQ_LEN)
     p.add_argument("--steps", type=int, default=6, help="the high-water mark settles after ~4 steps")
     p.add_argument("--launcher", choices=("ray", "mp"), default="ray", help="Ray Train or torch.multiprocessing")
     p.add_argument(
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     cases = []
-    for name, micro_batch, ac in args.case or plan.CALIBRATION_CASES:
+    for name, micro_batch, ac in args.case or plan_tables.CALIBRATION_CASES:
         print(f"measuring {name}, micro batch {micro_batch}, activation checkpointing {ac} ...", flush=True)
         r = add_prediction(
             measure(

@@ -24,7 +24,7 @@ from collections.abc import Callable
 VERBS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "train": ("raytrain_cpu.launch.driver", (), "train or fine-tune: the whole job, from this driver"),
     "prepare": ("raytrain_cpu.data.cli", ("prepare",), "tokenize and pack the data into the block cache"),
-    "plan": ("raytrain_cpu.planner.memory", (), "memory per rank and the nodes a configuration needs"),
+    "plan": ("raytrain_cpu.planner.cli", (), "memory per rank and the nodes a configuration needs"),
     "export": ("raytrain_cpu.model.export", (), "a checkpoint -> a Hugging Face model"),
     "generate": ("raytrain_cpu.model.generate", (), "sample text from a run, checkpoint or export"),
     "evaluate": ("raytrain_cpu.launch.evaluate", (), "evaluate a run or model on held-out data"),

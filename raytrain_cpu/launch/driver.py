@@ -80,7 +80,7 @@ def check_checkpoint_room(cfg: Config, model_dir: str) -> None:
     if cfg.lora.rank:
         return
     if cfg.model.is_tiny:  # not written yet: counted from its shape
-        from raytrain_cpu.planner.memory import inputs_from_config
+        from raytrain_cpu.planner.plan import inputs_from_config
 
         n_params = inputs_from_config(cfg)["model_shape"].num_params
     else:
@@ -581,18 +581,19 @@ def check_memory(cfg: Config, model_dir: str, sizing: dict[str, Any]) -> None:
     node's memory: a run that cannot fit is killed by Ray's memory monitor after its load, and
     again on every restart. Above the node's memory it stops; above what the planner leaves a
     node (Ray's 95% kill line, less what the node runs besides) it warns."""
-    from raytrain_cpu.planner import memory as plan
+    from raytrain_cpu.planner import tables
+    from raytrain_cpu.planner.plan import inputs_from_config, plan
 
     node_bytes = sizing["node_cpu"].get("memory_bytes") or 0
     try:
         # An elastic run's fewest workers (the planner's default for it) hold the largest shards.
-        inputs = plan.inputs_from_config(cfg, model_dir, 0 if cfg.elastic else sizing["num_workers"])
+        inputs = inputs_from_config(cfg, model_dir, 0 if cfg.elastic else sizing["num_workers"])
     except (KeyError, ValueError, TypeError, OSError):  # a config.json the planner has no shape for
         return
     per_node = inputs["ranks_per_node"] = sizing["workers_per_node"]
-    peak = plan.plan(**inputs)["memory_gib"]["peak"]
-    need, node_gib = peak * per_node, node_bytes / plan.GIB
-    if not node_bytes or need <= plan.usable_bytes(node_gib) / plan.GIB:
+    peak = plan(**inputs)["memory_gib"]["peak"]
+    need, node_gib = peak * per_node, node_bytes / tables.GIB
+    if not node_bytes or need <= tables.usable_bytes(node_gib) / tables.GIB:
         return
     ranks = f" x {per_node} ranks a node = {need:.1f} GiB" if per_node > 1 else ""
     fixes = ", ".join(
@@ -609,7 +610,7 @@ def check_memory(cfg: Config, model_dir: str, sizing: dict[str, Any]) -> None:
         )
     print(
         f"[raytrain] memory is tight: {estimate} of a worker node's {node_gib:.1f} GiB, above the "
-        f"{plan.NODE_USABLE_FRACTION:.0%} less {plan.NODE_RESERVE_BYTES / plan.GIB:.0f} GiB the planner leaves a node. "
+        f"{tables.NODE_USABLE_FRACTION:.0%} less {tables.NODE_RESERVE_BYTES / tables.GIB:.0f} GiB the planner leaves a node. "
         f"If Ray's memory monitor kills a worker: {fixes}.",
         flush=True,
     )

@@ -14,7 +14,7 @@ HEAVY = ("torch", "deepspeed")
 
 @pytest.mark.parametrize(
     "module",
-    ["raytrain_cpu.launch.driver", "raytrain_cpu.cli", "raytrain_cpu.planner.memory", "raytrain_cpu.config.schema"],
+    ["raytrain_cpu.launch.driver", "raytrain_cpu.cli", "raytrain_cpu.planner.cli", "raytrain_cpu.config.schema"],
 )
 def test_module_imports_without_torch_or_deepspeed(module):
     probe = f"import sys, {module}; print(' '.join(m for m in {HEAVY!r} if m in sys.modules))"

@@ -27,7 +27,8 @@ import pytest
 import yaml
 
 from raytrain_cpu.config.schema import Config, load_config
-from raytrain_cpu.planner import memory as plan
+from raytrain_cpu.planner import plan
+from raytrain_cpu.planner import tables as plan_tables
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_YAML = ROOT / "cluster" / "aws-c7i.yaml"
@@ -319,8 +320,8 @@ def test_8b_run_fits_its_node_memory(cluster):
     cfg = load_config(TRAIN_CONFIG)
     est = plan.plan(**plan.inputs_from_run_config(str(TRAIN_CONFIG)))
     node = next(t for t in cluster["available_node_types"].values() if "c7i_48xl" in t["resources"])
-    gib = plan.instance_catalog("c7i")[node["node_config"]["InstanceType"]][1]
-    assert est["memory_gib"]["peak"] * 2**30 <= plan.usable_bytes(gib)
+    gib = plan_tables.instance_catalog("c7i")[node["node_config"]["InstanceType"]][1]
+    assert est["memory_gib"]["peak"] * 2**30 <= plan_tables.usable_bytes(gib)
     assert cfg.scaling.num_workers == est["inputs"]["world_size"]
 
 

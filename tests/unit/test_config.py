@@ -13,7 +13,7 @@ from raytrain_cpu.config.data import MixSource, mix_counts
 from raytrain_cpu.config.schema import Config, load_config
 from raytrain_cpu.data.sources import DataError, check_sources
 from raytrain_cpu.launch.driver import check_storage, validate_before_ray
-from raytrain_cpu.planner import memory as plan
+from raytrain_cpu.planner import plan
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,7 +23,7 @@ from raytrain_cpu.data.sft import IGNORE, row_pair
 from raytrain_cpu.data.sources import DataError, SourceSpec, file_examples
 from raytrain_cpu.model.chat import RowError
 from raytrain_cpu.model.tokenizer import BUNDLED_SFT, BUNDLED_TOKENIZER, EOS
-from raytrain_cpu.planner import memory as plan
+from raytrain_cpu.planner import plan
 from raytrain_cpu.trainer import dpo
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from raytrain_cpu.model import shape as model_shape
-from raytrain_cpu.planner import memory as plan
+from raytrain_cpu.planner import cli, comm, memory, plan, tables
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-CALIBRATION_JSON = ROOT / plan.CALIBRATION_FILE
+CALIBRATION_JSON = ROOT / tables.CALIBRATION_FILE
 
 
 # What `python benchmarks/calibrate_planner.py` measured (Ray Train workers, gloo, ZeRO-3, bf16,
@@ -31,7 +31,7 @@ TOLERANCE = 0.10
 
 
 # Its activations are tensors under the workers' 1 MiB mmap threshold, left to glibc's heap,
-# which fragments them (plan.FRAGMENTATION): measured 13% above the prediction.
+# which fragments them (tables.FRAGMENTATION): measured 13% above the prediction.
 HEAP_FRAGMENTED = {("llama-37m", 2, False, "peak"): 0.15}
 
 
@@ -48,10 +48,10 @@ HEAP_FRAGMENTED = {("llama-37m", 2, False, "peak"): 0.15}
     ],
 )
 def test_known_shapes_have_the_published_sizes(name, billions):
-    assert plan.resolve_shape(name).num_params / 1e9 == pytest.approx(billions, abs=0.01)
+    assert tables.resolve_shape(name).num_params / 1e9 == pytest.approx(billions, abs=0.01)
 
 
-@pytest.mark.parametrize("shape", list(plan.CALIBRATION_SHAPES.values()), ids=list(plan.CALIBRATION_SHAPES))
+@pytest.mark.parametrize("shape", list(tables.CALIBRATION_SHAPES.values()), ids=list(tables.CALIBRATION_SHAPES))
 def test_param_count_matches_transformers(shape):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -74,7 +74,7 @@ def test_param_count_matches_transformers(shape):
 def test_tiny_shape_matches_the_project_default():
     from raytrain_cpu.config.model import TinyModelConfig
 
-    t, s = TinyModelConfig(), plan.KNOWN_SHAPES["tiny"]
+    t, s = TinyModelConfig(), tables.KNOWN_SHAPES["tiny"]
     assert (s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads, s.intermediate_size) == (
         t.hidden_size,
         t.num_layers,
@@ -94,10 +94,10 @@ def test_resolve_shape_reads_a_config_json(tmp_path):
         "num_key_value_heads": 4,
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    by_dir, by_file = plan.resolve_shape(str(tmp_path)), plan.resolve_shape(str(tmp_path / "config.json"))
-    assert by_dir.num_params == by_file.num_params == plan.resolve_shape("TinyLlama/TinyLlama_v1.1").num_params
+    by_dir, by_file = tables.resolve_shape(str(tmp_path)), tables.resolve_shape(str(tmp_path / "config.json"))
+    assert by_dir.num_params == by_file.num_params == tables.resolve_shape("TinyLlama/TinyLlama_v1.1").num_params
     with pytest.raises(ValueError, match="unknown model"):
-        plan.resolve_shape("no/such-model")
+        tables.resolve_shape("no/such-model")
 
 
 # ----------------------------------------------------------------------------- memory model
@@ -110,84 +110,84 @@ def test_stages_grow_in_order():
 
 
 def test_fused_adamw_drops_the_optimizer_temporaries():
-    shape = plan.resolve_shape("meta-llama/Meta-Llama-3-8B")
+    shape = tables.resolve_shape("meta-llama/Meta-Llama-3-8B")
     # One sub group (DeepSpeed's own 1e9 is near it here) and DeepSpeed's fresh fp32 gradient each step.
     whole = dict(sub_group_size=10**12, reuse_fp32_grad_buffer=False)
-    fused = plan.memory_breakdown(shape, 4, **whole)
-    loop = plan.memory_breakdown(shape, 4, fused_adamw=False, **whole)
+    fused = memory.memory_breakdown(shape, 4, **whole)
+    loop = memory.memory_breakdown(shape, 4, fused_adamw=False, **whole)
     assert fused["adam_temp"] == 0  # the loop's sqrt(v) and v / c:
     assert loop["adam_temp"] == pytest.approx(8 * shape.num_params / 4, rel=1e-4)
-    peaks = [plan.memory_stages(p, kept_pages=False)["peak"] for p in (fused, loop)]
+    peaks = [memory.memory_stages(p, kept_pages=False)["peak"] for p in (fused, loop)]
     # the per-tensor loop's step (fp32 gradient + temporaries) outgrows the backward's transients
     backward = sum(loop[k] for k in ("activations", "logits", "gathered_params", "grad_bucket"))
     assert peaks[1] - peaks[0] == pytest.approx(loop["master_grad"] + loop["adam_temp"] - backward)
-    assert (peaks[1] - peaks[0]) / plan.GIB > 10
+    assert (peaks[1] - peaks[0]) / tables.GIB > 10
 
 
 def test_sub_groups_bound_the_optimizer_steps_transients():
     """deepspeed.sub_group_size: the fp32 gradient and the per-tensor AdamW's temporaries exist
     for the largest sub group at most; with the reused buffer that gradient stays resident."""
-    assert plan.largest_sub_group([5, 5, 5], 1, 8) == 10  # closed at the parameter that reaches 8
-    assert plan.largest_sub_group([9, 2, 3], 2, 4) == 5  # partitions of ceil(n / 2): [5], [1, 2]
-    shape = plan.resolve_shape("meta-llama/Meta-Llama-3-8B")
+    assert memory.largest_sub_group([5, 5, 5], 1, 8) == 10  # closed at the parameter that reaches 8
+    assert memory.largest_sub_group([9, 2, 3], 2, 4) == 5  # partitions of ceil(n / 2): [5], [1, 2]
+    shape = tables.resolve_shape("meta-llama/Meta-Llama-3-8B")
     largest = -(-shape.vocab_size * shape.hidden_size // 4)  # the embedding's partition, alone past 1e8
     kwargs = dict(seq_len=1024, activation_checkpointing=True)  # configs/llama3-8b-c7i.yaml's
-    fresh = plan.memory_breakdown(shape, 4, fused_adamw=False, reuse_fp32_grad_buffer=False, **kwargs)
+    fresh = memory.memory_breakdown(shape, 4, fused_adamw=False, reuse_fp32_grad_buffer=False, **kwargs)
     assert (fresh["master_grad"], fresh["adam_temp"], fresh["fp32_grad_buffer"]) == (4 * largest, 8 * largest, 0)
-    reused = plan.memory_breakdown(shape, 4, **kwargs)
+    reused = memory.memory_breakdown(shape, 4, **kwargs)
     assert (reused["master_grad"], reused["fp32_grad_buffer"]) == (0, 4 * largest)
-    stages = plan.memory_stages(reused, kept_pages=False)
-    assert stages["after_optimizer"] - plan.memory_stages(fresh)["after_optimizer"] == 4 * largest
+    stages = memory.memory_stages(reused, kept_pages=False)
+    assert stages["after_optimizer"] - memory.memory_stages(fresh)["after_optimizer"] == 4 * largest
     # against one sub group of the whole partition, made each step: ~2.9 GiB lower at the peak
-    one_group = plan.memory_breakdown(shape, 4, sub_group_size=10**12, reuse_fp32_grad_buffer=False, **kwargs)
-    assert 2.5 < (plan.memory_stages(one_group, kept_pages=False)["peak"] - stages["peak"]) / plan.GIB < 3.5
-    assert plan.memory_breakdown(shape, 4, zero_stage=2)["master_grad"] == 4 * shape.num_params / 4  # ZeRO-3's only
+    one_group = memory.memory_breakdown(shape, 4, sub_group_size=10**12, reuse_fp32_grad_buffer=False, **kwargs)
+    assert 2.5 < (memory.memory_stages(one_group, kept_pages=False)["peak"] - stages["peak"]) / tables.GIB < 3.5
+    assert memory.memory_breakdown(shape, 4, zero_stage=2)["master_grad"] == 4 * shape.num_params / 4  # ZeRO-3's only
 
 
 def test_sharded_load_holds_the_partition_and_one_whole_tensor():
     """model.load_sharded maps nothing: weights / W plus the largest tensor zero.Init builds whole."""
-    shape = plan.resolve_shape("meta-llama/Meta-Llama-3-8B")
-    parts = plan.memory_breakdown(shape, 4)
+    shape = tables.resolve_shape("meta-llama/Meta-Llama-3-8B")
+    parts = memory.memory_breakdown(shape, 4)
     assert parts["load_transient"] == 2 * shape.vocab_size * shape.hidden_size  # the bf16 embedding
-    after_load = plan.memory_stages(parts)["after_load"]
-    assert after_load == parts["baseline"] + plan.LOAD_OVERHEAD_BYTES + parts["weights"] + parts["load_transient"]
+    after_load = memory.memory_stages(parts)["after_load"]
+    assert after_load == parts["baseline"] + tables.LOAD_OVERHEAD_BYTES + parts["weights"] + parts["load_transient"]
     # without ZeRO-3 every rank maps the checkpoint shard it reads
-    assert plan.memory_breakdown(shape, 4, zero_stage=2)["load_transient"] == plan.CHECKPOINT_SHARD_BYTES
+    assert memory.memory_breakdown(shape, 4, zero_stage=2)["load_transient"] == tables.CHECKPOINT_SHARD_BYTES
     # model.attention=auto's timing after the load: the larger transient at a long micro batch
-    long = plan.memory_breakdown(shape, 4, micro_batch=8, seq_len=8192)
-    assert long["attention_pick"] == plan.ATTENTION_PICK_FACTOR * 2 * 8 * 8192 * shape.hidden_size
+    long = memory.memory_breakdown(shape, 4, micro_batch=8, seq_len=8192)
+    assert long["attention_pick"] == tables.ATTENTION_PICK_FACTOR * 2 * 8 * 8192 * shape.hidden_size
     assert long["attention_pick"] > long["load_transient"]
-    assert plan.memory_stages(long)["after_load"] == pytest.approx(
-        long["baseline"] + plan.LOAD_OVERHEAD_BYTES + long["weights"] + long["attention_pick"]
+    assert memory.memory_stages(long)["after_load"] == pytest.approx(
+        long["baseline"] + tables.LOAD_OVERHEAD_BYTES + long["weights"] + long["attention_pick"]
     )
 
 
 def test_zero3_shards_state_and_zero1_does_not():
-    shape = plan.resolve_shape("meta-llama/Meta-Llama-3-8B")
-    z3 = [plan.memory_breakdown(shape, w, zero_stage=3)["weights"] for w in (2, 4, 8)]
-    z1 = [plan.memory_breakdown(shape, w, zero_stage=1)["weights"] for w in (2, 4, 8)]
+    shape = tables.resolve_shape("meta-llama/Meta-Llama-3-8B")
+    z3 = [memory.memory_breakdown(shape, w, zero_stage=3)["weights"] for w in (2, 4, 8)]
+    z1 = [memory.memory_breakdown(shape, w, zero_stage=1)["weights"] for w in (2, 4, 8)]
     assert z3[0] / z3[1] == pytest.approx(2, rel=0.01) and z3[1] / z3[2] == pytest.approx(2, rel=0.01)
     assert z1[0] == z1[1] == z1[2] == 2 * shape.num_params
     # Optimizer states are partitioned at every stage: 16 bytes a parameter over the ranks
     # (fp32 master 4, its gradient 4, AdamW moments 8).
-    parts = plan.memory_breakdown(shape, 4, zero_stage=1)
+    parts = memory.memory_breakdown(shape, 4, zero_stage=1)
     assert parts["master"] + parts["master_grad"] + parts["adam"] == pytest.approx(16 * shape.num_params / 4)
 
 
 def test_activation_checkpointing_and_micro_batch():
-    shape = plan.resolve_shape("meta-llama/Meta-Llama-3-8B")
-    full = plan.memory_breakdown(shape, 4, micro_batch=1, seq_len=1024)["activations"]
-    ckpt = plan.memory_breakdown(shape, 4, micro_batch=1, seq_len=1024, activation_checkpointing=True)["activations"]
-    double = plan.memory_breakdown(shape, 4, micro_batch=2, seq_len=1024)["activations"]
+    shape = tables.resolve_shape("meta-llama/Meta-Llama-3-8B")
+    full = memory.memory_breakdown(shape, 4, micro_batch=1, seq_len=1024)["activations"]
+    ckpt = memory.memory_breakdown(shape, 4, micro_batch=1, seq_len=1024, activation_checkpointing=True)["activations"]
+    double = memory.memory_breakdown(shape, 4, micro_batch=2, seq_len=1024)["activations"]
     assert ckpt < full / 10
     assert double == pytest.approx(2 * full)
 
 
 def test_offload_nvme_shrinks_optimizer_state_and_cpu_does_not():
-    shape = plan.resolve_shape("meta-llama/Meta-Llama-3-70B")
-    none = plan.memory_stages(plan.memory_breakdown(shape, 4))["peak"]
-    cpu = plan.memory_stages(plan.memory_breakdown(shape, 4, offload="cpu"))["peak"]
-    nvme = plan.memory_stages(plan.memory_breakdown(shape, 4, offload="nvme"))["peak"]
+    shape = tables.resolve_shape("meta-llama/Meta-Llama-3-70B")
+    none = memory.memory_stages(memory.memory_breakdown(shape, 4))["peak"]
+    cpu = memory.memory_stages(memory.memory_breakdown(shape, 4, offload="cpu"))["peak"]
+    nvme = memory.memory_stages(memory.memory_breakdown(shape, 4, offload="nvme"))["peak"]
     assert cpu >= none  # DeepSpeed's offload path keeps the whole fp32 gradient, in sub groups or not
     assert nvme < none / 2.5  # the moments and master copy go to disk; weights, grads, activations stay
 
@@ -230,23 +230,23 @@ def test_activation_formula_matches_autograd(fused):
     tokens = torch.randint(0, shape.vocab_size, (2, 128))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(input_ids=tokens, labels=tokens)
-    predicted = plan.memory_breakdown(
+    predicted = memory.memory_breakdown(
         shape, 1, micro_batch=2, seq_len=128, fused_norm=fused, fused_mlp=fused, attention=attn, attention_probs="keep"
     )
     assert sum(saved.values()) == pytest.approx(predicted["activations"], rel=0.2)  # 1.075x and 1.17x over
 
 
 def test_attention_probabilities_are_kept_while_they_add_at_most_a_quarter():
-    llama8b = plan.resolve_shape("meta-llama/Meta-Llama-3-8B")
+    llama8b = tables.resolve_shape("meta-llama/Meta-Llama-3-8B")
     bench = model_shape.ModelShape("bench-50m", 2048, 512, 1408, 16, 8, 8)
-    keeps = plan.keeps_attention_probs
+    keeps = memory.keeps_attention_probs
     assert keeps(bench, 512, False)  # 18%
     assert keeps(llama8b, 1024, False) and not keeps(llama8b, 2048, False)  # 16%, 30%
     assert keeps(llama8b, 2048, True) and not keeps(llama8b, 4096, True)  # one layer's at a time
     assert keeps(llama8b, 8192, False, "keep") and not keeps(bench, 512, False, "recompute")
 
     def activations(**kw):
-        return plan.memory_breakdown(llama8b, 4, micro_batch=2, seq_len=1024, **kw)["activations"]
+        return memory.memory_breakdown(llama8b, 4, micro_batch=2, seq_len=1024, **kw)["activations"]
 
     per_layer = 2 * 32 * model_shape.causal_block_probs(1024, 128) * 2  # micro batch x heads x elements x bf16
     assert activations() - activations(attention_probs="recompute") == pytest.approx(32 * per_layer)
@@ -262,9 +262,9 @@ def test_attention_probabilities_are_kept_while_they_add_at_most_a_quarter():
 def test_the_planners_block_sizes_are_the_attentions():
     from raytrain_cpu.model.ops import attention
 
-    assert max(attention.BLOCKS) == plan.PROBS_BLOCK and plan.CAUSAL_BLOCKS_DEFAULT == attention.BLOCK
+    assert max(attention.BLOCKS) == tables.PROBS_BLOCK and tables.CAUSAL_BLOCKS_DEFAULT == attention.BLOCK
     for name in ("causal_blocks", "causal_blocks_128", "causal_blocks_32", "sdpa"):
-        assert plan.attention_block(name) == attention.block_of(name)
+        assert memory.attention_block(name) == attention.block_of(name)
     # the layout the forward keeps: the causal triangle in blocks of queries against key prefixes
     assert model_shape.causal_block_probs(512, 128) == 128 * (128 + 256 + 384 + 512)
     assert model_shape.causal_block_probs(100, 64) == 64 * (64 + 100)
@@ -275,12 +275,12 @@ def test_the_planners_block_sizes_are_the_attentions():
 
 def test_calibration_file_holds_the_cases_the_planner_names():
     assert [(c["model"], c["micro_batch"], c["activation_checkpointing"]) for c in CALIBRATION] == [
-        tuple(c) for c in plan.CALIBRATION_CASES
+        tuple(c) for c in tables.CALIBRATION_CASES
     ]
     for case in CALIBRATION:
-        assert (case["world_size"], case["zero_stage"], case["seq_len"]) == (2, 3, plan.CALIBRATION_SEQ_LEN)
+        assert (case["world_size"], case["zero_stage"], case["seq_len"]) == (2, 3, tables.CALIBRATION_SEQ_LEN)
         assert (case["dtype"], case["fused_adamw"]) == ("bf16", True)
-    assert max(plan.CALIBRATION_SHAPES[c["model"]].num_params for c in CALIBRATION) >= 0.5e9
+    assert max(tables.CALIBRATION_SHAPES[c["model"]].num_params for c in CALIBRATION) >= 0.5e9
 
 
 @pytest.mark.parametrize(
@@ -291,11 +291,11 @@ def test_calibration_file_holds_the_cases_the_planner_names():
 @pytest.mark.parametrize("phase", list(PHASES))
 def test_each_phase_within_10_percent_of_measured(case, phase):
     predicted = plan.plan(
-        plan.CALIBRATION_SHAPES[case["model"]],
+        tables.CALIBRATION_SHAPES[case["model"]],
         world_size=2,
         zero_stage=3,
         micro_batch=case["micro_batch"],
-        seq_len=plan.CALIBRATION_SEQ_LEN,
+        seq_len=tables.CALIBRATION_SEQ_LEN,
         activation_checkpointing=case["activation_checkpointing"],
         fused_loss=case.get("fused_loss", False),  # measured before model.fused_loss: Hugging Face's
         fused_norm=case.get("fused_norm", False),  # likewise, before model.fused_norm
@@ -314,15 +314,15 @@ def test_each_phase_within_10_percent_of_measured(case, phase):
 
 
 def test_communication_volume():
-    shape = plan.resolve_shape("meta-llama/Meta-Llama-3-8B")
+    shape = tables.resolve_shape("meta-llama/Meta-Llama-3-8B")
     P, W = shape.num_params, 4
-    z3 = plan.comm_bytes_per_step(shape, W, 3)
-    z1 = plan.comm_bytes_per_step(shape, W, 1)
+    z3 = comm.comm_bytes_per_step(shape, W, 3)
+    z1 = comm.comm_bytes_per_step(shape, W, 1)
     assert z3 == pytest.approx(3 * 2 * P * (W - 1) / W, rel=0.01)  # all-gather x2 + reduce-scatter
     assert z1 == pytest.approx(2 * 2 * P * (W - 1) / W, rel=1e-9)  # an all-reduce's worth
-    assert plan.comm_bytes_per_step(shape, W, 3, grad_accum_steps=8) == pytest.approx(8 * z3)
-    assert plan.comm_bytes_per_step(shape, W, 1, grad_accum_steps=8) == z1
-    assert plan.comm_bytes_per_step(shape, 1, 3) == 0
+    assert comm.comm_bytes_per_step(shape, W, 3, grad_accum_steps=8) == pytest.approx(8 * z3)
+    assert comm.comm_bytes_per_step(shape, W, 1, grad_accum_steps=8) == z1
+    assert comm.comm_bytes_per_step(shape, 1, 3) == 0
 
 
 def test_dpo_plans_a_reference_forward():
@@ -337,12 +337,12 @@ def test_dpo_plans_a_reference_forward():
     assert dpo["dpo_reference"] == "each-step" and dpo["lora_rank"] == 16
     with_ref, without = plan.plan(**dpo), plan.plan(**(dpo | {"dpo_reference": ""}))
     assert with_ref["memory_gib"] == without["memory_gib"]
-    extra = (with_ref["comm_gib_per_step"] - without["comm_gib_per_step"]) * plan.GIB
+    extra = (with_ref["comm_gib_per_step"] - without["comm_gib_per_step"]) * tables.GIB
     # one more all-gather of the bf16 base (2 bytes a parameter; a ring over 2 ranks moves half)
     assert extra == pytest.approx(2 * dpo["model_shape"].num_params / 2, rel=0.02)
     # LoRA with activation checkpointing: 6 FLOPs a parameter and token; the reference adds 2
     assert with_ref["train_tflop_per_rank_per_step"] / without["train_tflop_per_rank_per_step"] == pytest.approx(8 / 6)
-    assert plan.main(["--config", str(ROOT / "configs/llama3-8b-dpo-c7i.yaml")]) == 0
+    assert cli.main(["--config", str(ROOT / "configs/llama3-8b-dpo-c7i.yaml")]) == 0
 
 
 def test_the_plan_says_how_a_dpo_run_keeps_its_reference(capsys):
@@ -352,7 +352,7 @@ def test_the_plan_says_how_a_dpo_run_keeps_its_reference(capsys):
     from raytrain_cpu.config.schema import load_config
 
     def table(*argv: str) -> str:
-        assert plan.main(["--model", "tiny", *argv]) == 0
+        assert cli.main(["--model", "tiny", *argv]) == 0
         return capsys.readouterr().out
 
     plain, each, precomputed = table(), table("--dpo"), table("--dpo", "precomputed")
@@ -362,7 +362,7 @@ def test_the_plan_says_how_a_dpo_run_keeps_its_reference(capsys):
     assert figures == [line for line in precomputed.splitlines() if "GiB" in line or "TFLOP" in line]
     assert figures != [line for line in each.splitlines() if "GiB" in line or "TFLOP" in line]
     with pytest.raises(SystemExit) as e:  # argparse names the choices
-        plan.main(["--model", "tiny", "--dpo", "later"])
+        cli.main(["--model", "tiny", "--dpo", "later"])
     assert e.value.code == 2 and "invalid choice: 'later'" in capsys.readouterr().err
 
     config = ROOT / "configs/llama3-8b-dpo-c7i.yaml"
@@ -371,7 +371,7 @@ def test_the_plan_says_how_a_dpo_run_keeps_its_reference(capsys):
         load_config(config, ["train.dpo_loss=simpo", "train.dpo_precompute_reference=false"])
     )
     assert simpo["dpo_reference"] == "none"
-    assert "; SimPO: no reference model" in plan.format_table(plan.plan(**simpo))
+    assert "; SimPO: no reference model" in cli.format_table(plan.plan(**simpo))
     assert plan.inputs_from_config(load_config(None, []))["dpo_reference"] == ""
 
 
@@ -386,10 +386,10 @@ def test_full_dpo_plans_a_frozen_copy_of_the_starting_model():
         assert full["memory_gib"][stage] - plain["memory_gib"][stage] == pytest.approx(ref)
     assert full["memory_gib"]["peak"] - plain["memory_gib"]["peak"] >= ref
     zero1 = plan.plan(**kw, dpo_reference="each-step", zero_stage=1)
-    assert zero1["components_gib"]["reference"] * plan.GIB == 2 * plan.resolve_shape(kw["model_shape"]).num_params
+    assert zero1["components_gib"]["reference"] * tables.GIB == 2 * tables.resolve_shape(kw["model_shape"]).num_params
     lora = plan.plan(**kw, dpo_reference="each-step", lora_rank=16)  # the base with the adapters off: no copy
     assert lora["components_gib"]["reference"] == 0
-    assert "a frozen copy of the starting model" in plan.format_table(full)
+    assert "a frozen copy of the starting model" in cli.format_table(full)
 
 
 # ----------------------------------------------------------------------------- recommendation
@@ -428,7 +428,7 @@ def test_zero2_advised_only_where_it_fits():
     """A ZeRO-3 plan names ZeRO-2 where the whole model fits the node at every rank, and only then."""
     small = plan.plan("tiny", 2, instance="c7i.8xlarge")
     assert "deepspeed.zero_stage=2" in small["zero_stage_advice"]
-    assert "ZeRO-2 also fits c7i.8xlarge" in plan.format_table(small)
+    assert "ZeRO-2 also fits c7i.8xlarge" in cli.format_table(small)
     assert plan.plan("tiny", 2, zero_stage=2)["zero_stage_advice"] is None  # already below 3
     assert plan.plan("tiny", 2, offload="cpu")["zero_stage_advice"] is None
     # 70B on 16 ranks fits a c7i.12xlarge (96 GiB) each at ZeRO-3, sharded, but not whole at ZeRO-2.
@@ -438,9 +438,9 @@ def test_zero2_advised_only_where_it_fits():
 
 
 def test_instance_catalog_memory_per_vcpu():
-    assert plan.instance_catalog("c7i")["c7i.48xlarge"][:2] == (192, 384)
-    assert plan.instance_catalog("m7i")["m7i.48xlarge"][1] == 768
-    assert plan.instance_catalog("r7i")["r7i.8xlarge"][1] == 256
+    assert tables.instance_catalog("c7i")["c7i.48xlarge"][:2] == (192, 384)
+    assert tables.instance_catalog("m7i")["m7i.48xlarge"][1] == 768
+    assert tables.instance_catalog("r7i")["r7i.8xlarge"][1] == 256
 
 
 def test_bad_inputs_are_rejected():
@@ -457,7 +457,7 @@ def test_bad_inputs_are_rejected():
 
 
 def test_cli_json(capsys):
-    assert plan.main(["--model", "meta-llama/Meta-Llama-3-8B", "-w", "4", "-s", "1024", "-c", "--json"]) == 0
+    assert cli.main(["--model", "meta-llama/Meta-Llama-3-8B", "-w", "4", "-s", "1024", "-c", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["memory_gib"]) == {"after_load", "after_master", "after_optimizer", "peak"}
     assert out["inputs"]["activation_checkpointing"] is True and out["inputs"]["world_size"] == 4
@@ -465,7 +465,7 @@ def test_cli_json(capsys):
 
 
 def test_cli_table_from_run_config(capsys):
-    assert plan.main(["--config", str(ROOT / "configs" / "llama3-8b-c7i.yaml")]) == 0
+    assert cli.main(["--config", str(ROOT / "configs" / "llama3-8b-c7i.yaml")]) == 0
     out = capsys.readouterr().out
     for line in ("after sharded load", "after fp32 master", "after optimizer states", "peak during training"):
         assert line in out
@@ -474,7 +474,7 @@ def test_cli_table_from_run_config(capsys):
 
 def test_cli_flags_override_the_run_config(capsys):
     cfg = str(ROOT / "configs" / "local.yaml")
-    assert plan.main(["--config", cfg, "--zero-stage", "1", "--json"]) == 0
+    assert cli.main(["--config", cfg, "--zero-stage", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"]["name"] == "tiny" and out["inputs"]["zero_stage"] == 1
     assert out["inputs"]["micro_batch"] == 8 and out["inputs"]["seq_len"] == 256
@@ -507,7 +507,7 @@ def test_cli_flags_override_the_run_config(capsys):
     ],
 )
 def test_cli_names_the_flag_and_value_at_fault(capsys, argv, message):
-    assert plan.main(["--model", "tiny", *argv]) == 2
+    assert cli.main(["--model", "tiny", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
 
@@ -515,25 +515,25 @@ def test_cli_names_the_flag_and_value_at_fault(capsys, argv, message):
 def test_cli_lora_flags_take_the_rank_of_a_run_config(capsys):
     """--lora-targets needs a LoRA rank, which a run config's lora: section gives as well as --lora-rank."""
     config = str(ROOT / "configs/llama3-8b-lora-c7i.yaml")
-    assert plan.main(["--config", config, "--lora-targets", "q_proj,v_proj", "--json"]) == 0
+    assert cli.main(["--config", config, "--lora-targets", "q_proj,v_proj", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["inputs"]["lora_targets"] == ["q_proj", "v_proj"]
-    assert plan.main(["--config", config, "--lora-rank", "0", "--lora-targets", "q_proj"]) == 2
+    assert cli.main(["--config", config, "--lora-rank", "0", "--lora-targets", "q_proj"]) == 2
     assert "--lora-targets sets LoRA's adapters" in capsys.readouterr().err
 
 
 def test_cli_says_a_model_file_is_missing_or_not_a_config(tmp_path, capsys):
-    assert plan.main(["--model", "/nonexistent/config.json"]) == 2
+    assert cli.main(["--model", "/nonexistent/config.json"]) == 2
     assert capsys.readouterr().err == (
         "error: model '/nonexistent/config.json': /nonexistent/config.json does not exist; "
         "give a Hugging Face config.json (or its directory)\n"
     )
-    assert plan.main(["--model", str(tmp_path)]) == 2
+    assert cli.main(["--model", str(tmp_path)]) == 2
     assert f"{tmp_path} has no config.json" in capsys.readouterr().err
     (tmp_path / "config.json").write_text("{not json")
-    assert plan.main(["--model", str(tmp_path)]) == 2
+    assert cli.main(["--model", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'config.json'} is not a Llama-style")
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10}))
-    assert plan.main(["--model", str(tmp_path / "config.json")]) == 2
+    assert cli.main(["--model", str(tmp_path / "config.json")]) == 2
     assert "config.json (no 'num_attention_heads')" in capsys.readouterr().err
 
 
@@ -543,25 +543,25 @@ def test_deepspeed_settings_match_the_training_loop():
     from raytrain_cpu.trainer.engine import deepspeed_config
 
     zero = deepspeed_config(load_config(None, ["train.grad_accum_steps=1"]), 2)["zero_optimization"]
-    assert zero["reduce_bucket_size"] == plan.DS_REDUCE_BUCKET_SIZE
-    assert zero["stage3_prefetch_bucket_size"] == plan.DS_PREFETCH_BUCKET_SIZE
-    assert zero["stage3_max_live_parameters"] == plan.DS_MAX_LIVE_PARAMETERS
-    assert zero["stage3_param_persistence_threshold"] == plan.DS_PARAM_PERSISTENCE_THRESHOLD
-    assert zero["sub_group_size"] == plan.DS_SUB_GROUP_SIZE
+    assert zero["reduce_bucket_size"] == tables.DS_REDUCE_BUCKET_SIZE
+    assert zero["stage3_prefetch_bucket_size"] == tables.DS_PREFETCH_BUCKET_SIZE
+    assert zero["stage3_max_live_parameters"] == tables.DS_MAX_LIVE_PARAMETERS
+    assert zero["stage3_param_persistence_threshold"] == tables.DS_PARAM_PERSISTENCE_THRESHOLD
+    assert zero["sub_group_size"] == tables.DS_SUB_GROUP_SIZE
     lowered = deepspeed_config(load_config(None, ["deepspeed.max_live_parameters=100000000"]), 2)
-    assert lowered["zero_optimization"]["stage3_max_live_parameters"] == plan.LIVE_CHOICES["1e8"]
+    assert lowered["zero_optimization"]["stage3_max_live_parameters"] == tables.LIVE_CHOICES["1e8"]
 
 
 def test_kept_pages_raise_only_the_training_peak(tmp_path, capsys):
     """The workers' jemalloc keeps freed pages (cpu.JEMALLOC_CONF): KEPT_PAGES at the peak, the
     other phases as measured with glibc; a run config on glibc plans without it."""
     kept, handed_back = (plan.plan(LLAMA3_8B, 4, kept_pages=k)["memory_gib"] for k in (True, False))
-    assert kept["peak"] == pytest.approx(plan.KEPT_PAGES * handed_back["peak"])
+    assert kept["peak"] == pytest.approx(tables.KEPT_PAGES * handed_back["peak"])
     assert {k: v for k, v in kept.items() if k != "peak"} == {k: v for k, v in handed_back.items() if k != "peak"}
     config = tmp_path / "run.yaml"
     config.write_text("scaling:\n  allocator: system\n")
     assert plan.inputs_from_run_config(str(config))["kept_pages"] is False
-    assert plan.main(["--model", "meta-llama/Meta-Llama-3-8B", "-w", "4", "--no-kept-pages", "--json"]) == 0
+    assert cli.main(["--model", "meta-llama/Meta-Llama-3-8B", "-w", "4", "--no-kept-pages", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["memory_gib"]["peak"] == pytest.approx(handed_back["peak"])
 
 
@@ -576,31 +576,31 @@ def test_fits_leave_the_release_margin_free_on_every_rank(tmp_path, capsys):
     assert (guarded["release_margin_gib"], bare["release_margin_gib"]) == (0.5, 0.0)
     assert bare["recommendation"]["fits_instance"] and not guarded["recommendation"]["fits_instance"]
     assert guarded["recommendation"]["instance"] != "c7i.12xlarge"  # the recommendation moves up too
-    assert "fits leave 0.50 GiB per rank above the peak" in plan.format_table(guarded)
-    assert "scaling.free_memory_growth_mib=0 never hands kept pages back" in plan.format_table(bare)
+    assert "fits leave 0.50 GiB per rank above the peak" in cli.format_table(guarded)
+    assert "scaling.free_memory_growth_mib=0 never hands kept pages back" in cli.format_table(bare)
     config = tmp_path / "run.yaml"
     config.write_text("scaling:\n  free_memory_growth_mib: 1024\n")
     assert plan.inputs_from_run_config(str(config))["free_memory_growth_mib"] == 1024
-    assert plan.main(["--model", LLAMA3_8B, "-w", "16", "--free-memory-growth-mib", "0", "--json"]) == 0
+    assert cli.main(["--model", LLAMA3_8B, "-w", "16", "--free-memory-growth-mib", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["release_margin_gib"] == 0.0
     with pytest.raises(ValueError, match="free_memory_growth_mib must be >= 0"):
         plan.plan(LLAMA3_8B, 16, free_memory_growth_mib=-1)
     from raytrain_cpu.config.scaling import ScalingConfig
 
-    assert ScalingConfig().free_memory_growth_mib == plan.FREE_MEMORY_GROWTH_MIB  # plans the default run
+    assert ScalingConfig().free_memory_growth_mib == tables.FREE_MEMORY_GROWTH_MIB  # plans the default run
 
 
 def test_collective_buffers_only_when_all_ranks_share_a_node():
     """raytrain_cpu.collectives maps 2 x world slots on one machine; across nodes gloo maps none."""
     from raytrain_cpu.trainer import collectives
 
-    assert plan.SHM_SLOT_BYTES == collectives.DEFAULT_SLOT_BYTES
-    one_node = plan.plan(plan.CALIBRATION_SHAPES["llama-37m"], world_size=2, ranks_per_node=2, kept_pages=False)
-    two_nodes = plan.plan(plan.CALIBRATION_SHAPES["llama-37m"], world_size=2, ranks_per_node=1, kept_pages=False)
-    assert one_node["components_gib"]["collective_buffers"] * plan.GIB == 4 * plan.SHM_SLOT_BYTES
+    assert tables.SHM_SLOT_BYTES == collectives.DEFAULT_SLOT_BYTES
+    one_node = plan.plan(tables.CALIBRATION_SHAPES["llama-37m"], world_size=2, ranks_per_node=2, kept_pages=False)
+    two_nodes = plan.plan(tables.CALIBRATION_SHAPES["llama-37m"], world_size=2, ranks_per_node=1, kept_pages=False)
+    assert one_node["components_gib"]["collective_buffers"] * tables.GIB == 4 * tables.SHM_SLOT_BYTES
     assert two_nodes["components_gib"]["collective_buffers"] == 0
     gap = one_node["memory_gib"]["peak"] - two_nodes["memory_gib"]["peak"]
-    assert gap * plan.GIB == pytest.approx(4 * plan.SHM_SLOT_BYTES)
+    assert gap * tables.GIB == pytest.approx(4 * tables.SHM_SLOT_BYTES)
 
 
 def test_max_live_parameters_reaches_the_plan(tmp_path):
@@ -615,7 +615,7 @@ def test_max_live_parameters_reaches_the_plan(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("deepspeed:\n  max_live_parameters: 100000000\n")
     assert plan.inputs_from_run_config(str(config))["max_live_parameters"] == 100_000_000
-    assert "ZeRO-3 peak by deepspeed.max_live_parameters: 1e9" in plan.format_table(base)
+    assert "ZeRO-3 peak by deepspeed.max_live_parameters: 1e9" in cli.format_table(base)
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -625,7 +625,7 @@ LLAMA3_8B = "meta-llama/Meta-Llama-3-8B"
 
 
 def test_lora_params_of_llama3_8b():
-    shape = plan.resolve_shape(LLAMA3_8B)
+    shape = tables.resolve_shape(LLAMA3_8B)
     # per layer, r x (in + out) per projection: q, o 8192; k, v 5120; gate, up, down 18432 -> 81920 x 16
     assert shape.lora_params(16) == 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * 18432) == 41_943_040
     assert shape.lora_params(8, ("q_proj", "v_proj")) == 32 * 8 * (8192 + 5120)
@@ -643,7 +643,7 @@ def test_lora_needs_far_less_memory_and_traffic_than_full_fine_tuning():
     for k in ("master", "adam"):
         assert lora["components_gib"][k] < full["components_gib"][k] / 100
     # the reused fp32 gradient buffer: all of the adapters' (4 B each over 4 ranks), below the full run's sub group
-    assert lora["components_gib"]["fp32_grad_buffer"] * plan.GIB == 41_943_040
+    assert lora["components_gib"]["fp32_grad_buffer"] * tables.GIB == 41_943_040
     assert lora["components_gib"]["fp32_grad_buffer"] < full["components_gib"]["fp32_grad_buffer"] / 10
     # glibc fragments LoRA's transients more (LORA_FRAGMENTATION), so the peak shrinks less
     # than the trainable state does
@@ -662,13 +662,13 @@ def test_lora_8b_fits_one_small_node_where_full_fine_tuning_needs_three():
 
 
 def test_cli_lora_flags_and_run_config(capsys):
-    assert plan.main(["--model", LLAMA3_8B, "--lora-rank", "16", "-w", "2", "--json"]) == 0
+    assert cli.main(["--model", LLAMA3_8B, "--lora-rank", "16", "-w", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["inputs"]["lora_rank"] == 16 and out["model"]["trainable_params"] == 41_943_040
-    assert plan.main(["--config", str(ROOT / "configs/llama3-8b-lora-c7i.yaml")]) == 0
+    assert cli.main(["--config", str(ROOT / "configs/llama3-8b-lora-c7i.yaml")]) == 0
     table = capsys.readouterr().out
     assert "LoRA rank 16" in table and "the base is frozen" in table
-    assert plan.main(["--model", LLAMA3_8B, "--lora-rank", "8", "--lora-targets", "q_proj,v_proj", "--json"]) == 0
+    assert cli.main(["--model", LLAMA3_8B, "--lora-rank", "8", "--lora-targets", "q_proj,v_proj", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["inputs"]["lora_targets"] == ["q_proj", "v_proj"]
 
 
@@ -719,8 +719,8 @@ def test_lora_activation_change_matches_autograd(dtype, targets, dropout):
                             num_heads=4, num_kv_heads=2)  # fmt: skip
     measured = _saved_bytes_of_one_layer(dtype, 8, targets, dropout) - _saved_bytes_of_one_layer(dtype)
     kw = dict(micro_batch=1, seq_len=64, dtype=dtype)
-    lora = plan.memory_breakdown(shape, 1, lora_rank=8, lora_targets=targets, lora_dropout=dropout, **kw)
-    full = plan.memory_breakdown(shape, 1, **kw)
+    lora = memory.memory_breakdown(shape, 1, lora_rank=8, lora_targets=targets, lora_dropout=dropout, **kw)
+    full = memory.memory_breakdown(shape, 1, **kw)
     assert (lora["activations"] - full["activations"]) / shape.num_layers == measured
 
 
@@ -730,23 +730,23 @@ def test_lora_activation_change_matches_autograd(dtype, targets, dropout):
 def test_loss_chunk_mirrors_the_loss_module():
     from raytrain_cpu.model.ops import loss
 
-    assert plan.LOSS_CHUNK_BYTES == loss.CHUNK_BYTES
+    assert tables.LOSS_CHUNK_BYTES == loss.CHUNK_BYTES
 
 
 def test_fused_loss_holds_less_than_logits_for_every_token():
     """Llama-3-8B, 2,048 tokens per rank: the fused loss's chunk, the logits' gradient in bf16
     and the output layer's gradient, against Hugging Face's ~14 bytes per token and entry."""
-    shape = plan.resolve_shape("meta-llama/Meta-Llama-3-8B")
+    shape = tables.resolve_shape("meta-llama/Meta-Llama-3-8B")
     kw = dict(micro_batch=1, seq_len=2048)
-    fused = plan.memory_breakdown(shape, 4, **kw)["logits"]
-    unfused = plan.memory_breakdown(shape, 4, fused_loss=False, **kw)["logits"]
-    assert unfused == plan.LOGITS_BYTES_PER_VOCAB * shape.vocab_size * 2048
+    fused = memory.memory_breakdown(shape, 4, **kw)["logits"]
+    unfused = memory.memory_breakdown(shape, 4, fused_loss=False, **kw)["logits"]
+    assert unfused == tables.LOGITS_BYTES_PER_VOCAB * shape.vocab_size * 2048
     assert fused == 2 * shape.vocab_size * 2048 + 2 * shape.vocab_size * shape.hidden_size
     assert fused < 0.45 * unfused
     # LoRA freezes the output layer: one chunk's temporaries only.
-    lora = plan.memory_breakdown(shape, 4, lora_rank=16, **kw)["logits"]
-    assert lora == plan.FUSED_LOSS_CHUNK_BYTES_PER_VOCAB * shape.vocab_size * (
-        plan.LOSS_CHUNK_BYTES // (4 * shape.vocab_size)
+    lora = memory.memory_breakdown(shape, 4, lora_rank=16, **kw)["logits"]
+    assert lora == tables.FUSED_LOSS_CHUNK_BYTES_PER_VOCAB * shape.vocab_size * (
+        tables.LOSS_CHUNK_BYTES // (4 * shape.vocab_size)
     )
 
 

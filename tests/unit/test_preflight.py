@@ -532,9 +532,10 @@ def test_a_run_that_cannot_fit_a_node_stops_before_it_loads(tmp_path, make_confi
     memory: it stops above the node's memory (Ray's monitor would kill each restart after its
     load), warns above what the planner leaves a node, and says nothing when it fits."""
     from raytrain_cpu.launch.driver import check_memory
-    from raytrain_cpu.planner import memory as plan
+    from raytrain_cpu.planner import plan
+    from raytrain_cpu.planner import tables as plan_tables
 
-    s = plan.resolve_shape("meta-llama/Meta-Llama-3-8B")
+    s = plan_tables.resolve_shape("meta-llama/Meta-Llama-3-8B")
     d = model_dir(
         tmp_path, model_type="llama", vocab_size=s.vocab_size, hidden_size=s.hidden_size,
         intermediate_size=s.intermediate_size, num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads,

@@ -15,7 +15,7 @@ from benchmarks.bench import common
 from raytrain_cpu.config.checks import ConfigError
 from raytrain_cpu.model import loading as model
 from raytrain_cpu.model import shape as model_shape
-from raytrain_cpu.planner import memory as plan
+from raytrain_cpu.planner import tables as plan_tables
 from raytrain_cpu.trainer import dpo
 
 # google/gemma-7b's config.json (its head_dim is not hidden // heads = 192; it ties its head).
@@ -51,7 +51,7 @@ def test_gemma_7b_shapes_use_its_own_head_dim(tmp_path):
     assert model_shape.shape_of_model_config(hf.config).num_params == shape.num_params
 
     (tmp_path / "config.json").write_text(json.dumps(GEMMA_7B))
-    assert plan.resolve_shape(str(tmp_path)).num_params == shape.num_params
+    assert plan_tables.resolve_shape(str(tmp_path)).num_params == shape.num_params
     assert model_shape.model_dims(str(tmp_path))["head_dim"] == 256
     gemms = {g.name: g for g in model_shape.gemms_for_model(str(tmp_path), tokens=8)}
     assert gemms["fwd 3072->4096"].count == 3 * 28  # q, and k and v (16 kv heads x 256 = 4096 too)
@@ -80,7 +80,7 @@ def test_a_config_without_head_dim_keeps_hidden_over_heads():
         "model_type": "llama",
     }
     shape = model_shape.shape_from_hf_config(llama, name="meta-llama/Meta-Llama-3-8B")
-    assert shape == plan.KNOWN_SHAPES["meta-llama/meta-llama-3-8b"]
+    assert shape == plan_tables.KNOWN_SHAPES["meta-llama/meta-llama-3-8b"]
     assert shape.head_dim == 128 and shape.q_dim == 4096
     assert model_shape.llama_gemms(64, 176, 4, 2, 2048, 2, tokens=64) == model_shape.llama_gemms(
         64, 176, 4, 2, 2048, 2, 64, head_dim=16
