@@ -191,7 +191,7 @@ def suite_train(r: Runner, args) -> dict[str, Any]:
 
 def suite_placement(r: Runner, args) -> dict[str, Any]:
     """This project's default placement vs Ray's plain settings vs pinned, interleaved twice."""
-    from raytrain_cpu.launch.driver import local_ray_cpus
+    from raytrain_cpu.launch.sizing import local_ray_cpus
 
     cpus = local_ray_cpus() or os.cpu_count() or 1  # what a local Ray offers
     ray_threads = max(1, math.floor(max((cpus - 1) / 2, 0)))  # Ray's OMP_NUM_THREADS: floor of the worker's CPUs, min 1

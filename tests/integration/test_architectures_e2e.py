@@ -97,7 +97,8 @@ def offline_hub_copy(model: Path, hub_cache: Path, monkeypatch) -> str:
 @pytest.mark.parametrize("arch", TRAINED)
 def test_train_resume_and_export(arch, model_dirs, ray_session, make_config, monkeypatch):
     """2 workers train 2 steps (RESUMED: then resume to 3), exporting at the end with the logits check."""
-    from raytrain_cpu.launch.driver import run, validate_before_ray
+    from raytrain_cpu.launch.driver import run
+    from raytrain_cpu.launch.validate import validate_before_ray
 
     model = model_dirs[arch]
     if arch in RELATIVE:  # Ray Train's workers run elsewhere: the driver records it absolute

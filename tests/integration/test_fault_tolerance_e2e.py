@@ -157,7 +157,7 @@ def _tree(path: Path) -> dict[str, bytes]:
 
 
 def test_save_is_whole_or_absent(tmp_path, process_group):
-    from raytrain_cpu.launch.driver import newest_checkpoint
+    from raytrain_cpu.launch.resume import newest_checkpoint
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -199,7 +199,7 @@ def test_save_is_whole_or_absent(tmp_path, process_group):
 
 
 def test_incomplete_checkpoint_fails_loudly(tmp_path, process_group):
-    from raytrain_cpu.launch.driver import newest_checkpoint
+    from raytrain_cpu.launch.resume import newest_checkpoint
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -306,7 +306,7 @@ def test_a_damaged_checkpoint_is_stepped_past_kept_and_named_once(tmp_path, proc
     still hands the old name steps past it again; a save at its step takes a fresh name; the
     driver drops it from Ray Train's record (which refuses to start on a missing directory).
     With nothing that verifies the run fails naming them all, renaming nothing."""
-    from raytrain_cpu.launch.driver import newest_checkpoint
+    from raytrain_cpu.launch.resume import newest_checkpoint
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -378,7 +378,7 @@ def test_a_damaged_checkpoint_is_stepped_past_kept_and_named_once(tmp_path, proc
 def test_a_conversion_that_finds_damage_steps_back_on_the_driver(tmp_path, process_group, monkeypatch):
     """A resume on another worker count converts the checkpoint first, which hashes every shard:
     a damaged one is stepped past there too, and the one before converted instead."""
-    from raytrain_cpu.launch import driver as main
+    from raytrain_cpu.launch import resume as main
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -782,7 +782,7 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_one_before(straight, tmp_p
     hashes see it: the driver's, in Ray tasks before it plans the data stream). The run resumes from step 32, the losses follow the straight run's exactly,
     the damaged checkpoint is kept under a new name, one line says so, and the run's own
     checkpoint at step 48 takes a fresh name (Ray Train still lists the damaged one's)."""
-    from raytrain_cpu.launch import driver as main
+    from raytrain_cpu.launch import resume as main
     from raytrain_cpu.launch.driver import run
 
     monkeypatch.setattr(main, "HASH_IN_DRIVER_BYTES", 0)  # the cluster's way: one Ray task per saved rank

@@ -222,7 +222,7 @@ def test_worker_resources_no_node_of_a_local_ray_has_fail_at_once(ray_session, m
     """A cluster config's node-type resource on one machine (configs/llama3-8b-c7i.yaml's
     c7i_48xl): a local Ray never grows, so the error names it at once (Ray Train used to wait
     for it forever, printing "No available node types can fulfill resource request")."""
-    from raytrain_cpu.launch.driver import worker_nodes
+    from raytrain_cpu.launch.sizing import worker_nodes
 
     cfg = make_config("scaling.num_workers=2", "scaling.resources_per_worker={c7i_48xl: 1}")
     with pytest.raises(ConfigError, match=r"^scaling: no node offers 2 workers \{'CPU': 1, 'c7i_48xl': 1.0\}") as e:

@@ -141,8 +141,9 @@ def test_the_best_checkpoint_is_kept_and_a_run_stops_early(ray_session, make_con
     resume (which trains with the config's new learning rate); running the stopped run again
     trains nothing; `evaluate` measures the best checkpoint as the run did. One worker: ZeRO-3's
     edge case, whose checkpoints hold one rank's partitions."""
-    from raytrain_cpu.launch.driver import print_summary, run
+    from raytrain_cpu.launch.driver import run
     from raytrain_cpu.launch.evaluate import main as evaluate_main
+    from raytrain_cpu.launch.summary import print_summary
     from raytrain_cpu.model.export import main as export_main
     from raytrain_cpu.trainer.schedule import lr_factor
 

@@ -12,7 +12,7 @@ from raytrain_cpu.config.checks import ConfigError
 from raytrain_cpu.config.data import MixSource, mix_counts
 from raytrain_cpu.config.schema import Config, load_config
 from raytrain_cpu.data.sources import DataError, check_sources
-from raytrain_cpu.launch.driver import check_storage, validate_before_ray
+from raytrain_cpu.launch.validate import check_storage, validate_before_ray
 from raytrain_cpu.planner import plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,7 +119,7 @@ def test_epochs_become_steps_that_train_every_block(epochs, blocks, batch, steps
 
 
 def test_epochs_set_the_steps_once_the_data_are_packed(capsys):
-    from raytrain_cpu.launch.driver import steps_of_epochs
+    from raytrain_cpu.launch.datasets import steps_of_epochs
 
     cfg = load_config(None, ["train.epochs=2.5"])
     resolved = steps_of_epochs(cfg, {"blocks": 1000}, 16)

@@ -169,7 +169,7 @@ def test_a_sigterm_while_ray_starts_is_held_then_stops_the_run():
 
     from ray._private import utils as ray_utils
 
-    from raytrain_cpu.launch import driver as raytrain_main
+    from raytrain_cpu.launch import signals as raytrain_main
 
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(KeyboardInterrupt), raytrain_main.sigterm_held_while_ray_starts():

@@ -283,7 +283,7 @@ def test_allocator_in_use(tmp_path):
 
 def test_worker_env_turns_omp_binding_off_for_shared_nodes(monkeypatch):
     from raytrain_cpu.config.schema import load_config
-    from raytrain_cpu.launch.driver import worker_env
+    from raytrain_cpu.launch.sizing import worker_env
 
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     cfg = load_config(None, ["scaling.allocator=system", "scaling.glibc_mmap_threshold=0"])
@@ -294,7 +294,7 @@ def test_worker_env_turns_omp_binding_off_for_shared_nodes(monkeypatch):
 def test_glibc_workers_get_a_fixed_mmap_threshold_and_twice_it_to_trim(monkeypatch):
     """Without jemalloc/tcmalloc: 32 MiB by default (a kept heap), 1 MiB on request (less memory)."""
     from raytrain_cpu.config.schema import load_config
-    from raytrain_cpu.launch.driver import worker_env
+    from raytrain_cpu.launch.sizing import worker_env
 
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)

@@ -303,7 +303,7 @@ def test_sft_weight_adds_the_chosen_answers_per_token_loss():
 
 
 def test_the_summary_names_a_preference_loss_other_than_dpos():
-    from raytrain_cpu.launch.driver import _preference_line
+    from raytrain_cpu.launch.summary import _preference_line
 
     s = {"eval_dpo_loss": 0.2482, "eval_reward_accuracy": 0.562}
     assert _preference_line(s) == "eval DPO         loss 0.2482, reward accuracy 56.2%\n"

@@ -119,7 +119,7 @@ def test_the_driver_hashes_a_small_checkpoint_itself_and_finds_a_changed_byte(tm
     start): a byte changed with the size kept is named as a sha256 mismatch."""
     import hashlib
 
-    from raytrain_cpu.launch.driver import HASH_IN_DRIVER_BYTES, hash_checkpoint
+    from raytrain_cpu.launch.resume import HASH_IN_DRIVER_BYTES, hash_checkpoint
 
     ckpt = tmp_path / ck_layout.checkpoint_dir_name(8)
     files = {}

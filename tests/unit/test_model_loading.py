@@ -112,7 +112,7 @@ def test_a_local_model_changed_in_place_is_named_on_resume(tmp_path):
     from raytrain_cpu.checkpoint import layout as ck_layout
     from raytrain_cpu.config.checks import ConfigError
     from raytrain_cpu.config.schema import load_config
-    from raytrain_cpu.launch.driver import check_model_unchanged, newest_checkpoint
+    from raytrain_cpu.launch.resume import check_model_unchanged, newest_checkpoint
 
     model = _model_dir(tmp_path / "model")
     identity = ck_identity.model_identity(str(model), model, None)
@@ -148,7 +148,8 @@ def test_a_hub_model_resumes_at_the_commit_its_checkpoint_recorded(tmp_path, mon
 
     from raytrain_cpu.checkpoint import identity as ck_identity
     from raytrain_cpu.config.schema import load_config
-    from raytrain_cpu.launch.driver import check_model_unchanged, fetch_from_hub, newest_checkpoint
+    from raytrain_cpu.launch.driver import fetch_from_hub
+    from raytrain_cpu.launch.resume import check_model_unchanged, newest_checkpoint
     from raytrain_cpu.model.hub import snapshot_revision
 
     old, new = "a" * 40, "b" * 40

@@ -42,7 +42,7 @@ def fake_run_dir(cfg, step: int = 2, world: int = 2) -> Path:
 
 
 def test_changed_settings_are_named_before_ray(make_config):
-    from raytrain_cpu.launch.driver import validate_before_ray
+    from raytrain_cpu.launch.validate import validate_before_ray
 
     old = make_config("run.name=r")
     run_dir = fake_run_dir(old)
@@ -65,7 +65,7 @@ def test_lora_settings_are_hashed_only_when_lora_is_on(make_config):
     """A LoRA checkpoint holds adapter state for its rank and targets: changing them (or turning
     LoRA off) can't resume; a full fine-tuning run hashes as before LoRA existed."""
     from raytrain_cpu.checkpoint.identity import config_hash
-    from raytrain_cpu.launch.driver import validate_before_ray
+    from raytrain_cpu.launch.validate import validate_before_ray
 
     assert config_hash(make_config().to_dict()) == config_hash(make_config("lora.alpha=64").to_dict())
     fake_run_dir(make_config("run.name=r", "lora.rank=4"))
@@ -80,7 +80,7 @@ def test_a_mixture_is_hashed_only_when_set_and_named_by_entry(make_config):
     """data.mix is part of the data a run trains on: a resume names the entry that changed, or
     how many there were; a run without one hashes as before mixtures existed."""
     from raytrain_cpu.checkpoint.identity import config_hash, hashed_settings
-    from raytrain_cpu.launch.driver import validate_before_ray
+    from raytrain_cpu.launch.validate import validate_before_ray
 
     assert "mix" not in hashed_settings(make_config().to_dict())["data"]
     mix = "data.mix=[{source: bundled, weight: 1}, {source: bundled, name: again, weight: %s}]"
@@ -97,7 +97,7 @@ def test_a_checkpoint_from_before_attention_span_resumes_as_it_trained(make_conf
     """Checkpoints made before data.attention_span existed attended across documents: a text run
     resumes as before ('auto' is 'block' for text), a chat run is told to keep 'block'."""
     from raytrain_cpu.checkpoint.identity import config_hash
-    from raytrain_cpu.launch.driver import validate_before_ray
+    from raytrain_cpu.launch.validate import validate_before_ray
 
     for fmt, changed in (("text", None), ("chat", 'data.attention_span: "block" → "document"')):
         old = make_config("run.name=r", f"data.format={fmt}").to_dict()
@@ -117,7 +117,7 @@ def test_a_checkpoint_from_before_attention_span_resumes_as_it_trained(make_conf
 
 
 def test_without_config_yaml_the_hashes_are_named(make_config):
-    from raytrain_cpu.launch.driver import validate_before_ray
+    from raytrain_cpu.launch.validate import validate_before_ray
 
     run_dir = fake_run_dir(make_config("run.name=r"))
     (run_dir / "config.yaml").unlink()
@@ -128,7 +128,7 @@ def test_without_config_yaml_the_hashes_are_named(make_config):
 def test_another_worker_count_must_keep_the_global_batch(make_config):
     """A resume may change the worker count (the checkpoint is converted) and how the global batch
     splits over the workers, never the global batch: the error names the setting that keeps it."""
-    from raytrain_cpu.launch.driver import validate_before_ray
+    from raytrain_cpu.launch.validate import validate_before_ray
 
     fake_run_dir(make_config("run.name=r"), world=2)  # micro batch 4 x 2 workers: 8 blocks a step
     validate_before_ray(make_config("run.name=r", "scaling.num_workers=2"))
@@ -157,7 +157,7 @@ def test_ranking_resumes_only_by_the_metric_its_checkpoints_were_scored_with(mak
     from raytrain_cpu.checkpoint import layout as ck_layout
     from raytrain_cpu.checkpoint import record as ck_record
     from raytrain_cpu.compat import ray as ray_compat
-    from raytrain_cpu.launch.driver import check_ranking
+    from raytrain_cpu.launch.validate import check_ranking
 
     def scored(cfg, results: dict[str, str | None]) -> None:  # {checkpoint: its metric, or None: no score}
         run_dir = cfg.run.run_dir
@@ -337,7 +337,7 @@ def test_a_run_without_evaluation_says_why():
     """Too little held-out text for one eval block per worker (a corpus of 24 documents holds
     out none at every 50th): the console says so and how to get one, rather than a summary
     with eval perplexity n/a and no word why (cache meta.json as prepare writes it)."""
-    from raytrain_cpu.launch.driver import no_evaluation
+    from raytrain_cpu.launch.datasets import no_evaluation
 
     held_out = {"eval_source": "held out: every 50th document", "documents": 24, "eval_blocks": 0, "seq_len": 256}
     assert no_evaluation(held_out, 2) == (
@@ -389,7 +389,7 @@ def model_dir(tmp_path: Path, **config) -> Path:
     ],
 )
 def test_seq_len_above_the_models_context(tmp_path, make_config, config, key):
-    from raytrain_cpu.launch.driver import validate_before_ray
+    from raytrain_cpu.launch.validate import validate_before_ray
 
     d = model_dir(tmp_path, **config)
     validate_before_ray(make_config(f"model.name_or_path={d}", "data.seq_len=1024"))
@@ -407,7 +407,7 @@ def test_a_tokenizer_must_fit_the_models_embedding(tmp_path, make_config):
     model without tokenizer files stop before Ray, naming the setting."""
     import shutil
 
-    from raytrain_cpu.launch.driver import check_tokenizer_fits
+    from raytrain_cpu.launch.validate import check_tokenizer_fits
     from raytrain_cpu.model.tokenizer import BUNDLED_TOKENIZER
 
     d = model_dir(tmp_path, model_type="llama", vocab_size=100)
@@ -434,7 +434,7 @@ def test_a_tokenizer_must_fit_the_models_embedding(tmp_path, make_config):
 
 
 def test_a_model_type_without_a_causal_lm_class(tmp_path, make_config):
-    from raytrain_cpu.launch.driver import validate_before_ray
+    from raytrain_cpu.launch.validate import validate_before_ray
 
     d = model_dir(tmp_path, model_type="t5", architectures=["T5ForConditionalGeneration"], n_positions=512)
     with pytest.raises(ConfigError, match=r"^model.name_or_path: .* holds a 't5' model \(T5ForConditionalGeneration\)"):
@@ -445,7 +445,7 @@ def test_settings_recorded_in_the_manifest_win_over_config_yaml(make_config):
     """A manifest that records its hashed settings names the changes even when config.yaml was replaced."""
     from raytrain_cpu.checkpoint import identity as ck_identity
     from raytrain_cpu.checkpoint import layout as ck_layout
-    from raytrain_cpu.launch.driver import validate_before_ray
+    from raytrain_cpu.launch.validate import validate_before_ray
 
     old = make_config("run.name=r")
     run_dir = fake_run_dir(old)
@@ -463,7 +463,7 @@ def test_how_a_step_runs_may_change_on_a_resume_and_fields_added_since_do_not_bl
     checkpoint made before model.attention existed resumes. What the step computes may not."""
     from raytrain_cpu.checkpoint import identity as ck_identity
     from raytrain_cpu.checkpoint import layout as ck_layout
-    from raytrain_cpu.launch.driver import validate_before_ray
+    from raytrain_cpu.launch.validate import validate_before_ray
 
     old = make_config("run.name=r")
     run_dir = fake_run_dir(old)
@@ -494,7 +494,7 @@ def test_a_resume_keeps_the_zero_stage_and_sub_groups_its_shards_were_laid_out_b
     """The ZeRO stage and (at ZeRO-3) the sub-group size shape the optimizer shards: a resume that
     changes them stops before Ray, naming the old values; a manifest that predates a key skips it."""
     from raytrain_cpu.checkpoint import layout as ck_layout
-    from raytrain_cpu.launch.driver import validate_before_ray
+    from raytrain_cpu.launch.validate import validate_before_ray
 
     run_dir = fake_run_dir(make_config("run.name=r"))
     manifest_path = run_dir / "checkpoint_000002" / ck_layout.MANIFEST
@@ -511,7 +511,7 @@ def test_a_resume_keeps_the_zero_stage_and_sub_groups_its_shards_were_laid_out_b
 
 def test_workers_must_leave_ray_data_a_cpu():
     """Ray Data needs a whole CPU beside the workers, or they wait for their first batch forever."""
-    from raytrain_cpu.launch.driver import check_data_cpus
+    from raytrain_cpu.launch.sizing import check_data_cpus
 
     check_data_cpus(2, 2, 0.5)  # this project's 2-vCPU default: 1 CPU left
     check_data_cpus(192, 1, 184)
@@ -522,7 +522,7 @@ def test_workers_must_leave_ray_data_a_cpu():
 def test_local_ray_offers_the_mask_but_at_least_two_cpus(one_vcpu):
     """Under a 1-vCPU mask a local Ray offers 2 CPUs: the workers and Ray Data share the one."""
     from raytrain_cpu.host.threads import affinity_cpus
-    from raytrain_cpu.launch.driver import local_ray_cpus
+    from raytrain_cpu.launch.sizing import local_ray_cpus
 
     assert affinity_cpus() == 1 and local_ray_cpus() == 2
 
@@ -531,7 +531,7 @@ def test_a_run_that_cannot_fit_a_node_stops_before_it_loads(tmp_path, make_confi
     """Llama-3-8B's shape at world size 4 with the planner's peak per rank against a node's
     memory: it stops above the node's memory (Ray's monitor would kill each restart after its
     load), warns above what the planner leaves a node, and says nothing when it fits."""
-    from raytrain_cpu.launch.driver import check_memory
+    from raytrain_cpu.launch.sizing import check_memory
     from raytrain_cpu.planner import plan
     from raytrain_cpu.planner import tables as plan_tables
 
@@ -578,7 +578,7 @@ def test_auto_workers_resume_with_the_checkpoints_count(make_config):
     """scaling.num_workers=0 follows the cluster's nodes, which may differ by the time a run
     resumes (an autoscaler still starting them, a lost node): a resume takes the checkpoint's
     worker count instead, as its shards need; an explicit count stays and is checked."""
-    from raytrain_cpu.launch.driver import resume_world
+    from raytrain_cpu.launch.resume import resume_world
 
     cfg = make_config("run.name=r")
     assert resume_world(cfg) is cfg  # no checkpoint yet
@@ -593,7 +593,7 @@ def test_storage_without_room_for_a_checkpoint_stops_before_training(make_config
     import collections
     import shutil
 
-    from raytrain_cpu.launch.driver import check_checkpoint_room
+    from raytrain_cpu.launch.validate import check_checkpoint_room
 
     cfg = make_config("run.name=r")
     cfg.run.run_dir.mkdir(parents=True)
@@ -621,7 +621,7 @@ def test_mlflow_asked_for_but_not_installed(make_config, monkeypatch):
     """metrics.mlflow_tracking_uri without mlflow stops before Ray (rank 0 warned and trained on)."""
     import importlib.util
 
-    from raytrain_cpu.launch.driver import validate_before_ray
+    from raytrain_cpu.launch.validate import validate_before_ray
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else find_spec(name, *a))
@@ -633,7 +633,7 @@ def test_an_allocator_asked_for_but_not_installed(make_config, monkeypatch):
     """An explicit scaling.allocator the machine lacks stops before Ray (the workers ran on glibc's
     malloc, and only their start-up line said so); auto falls back as it always has."""
     from raytrain_cpu.host import memory as host_memory
-    from raytrain_cpu.launch.driver import validate_before_ray
+    from raytrain_cpu.launch.validate import validate_before_ray
 
     monkeypatch.setattr(host_memory, "find_allocator", lambda choice="auto", search_dirs=(): ("system", ""))
     with pytest.raises(ConfigError, match=r"^scaling.allocator: tcmalloc is not installed here"):
@@ -644,7 +644,7 @@ def test_an_allocator_asked_for_but_not_installed(make_config, monkeypatch):
 def test_compile_asked_for_without_a_cpp_compiler(make_config, monkeypatch):
     """model.compile=true where inductor finds no C++ compiler stops before Ray (inductor failed
     in the first step on every worker, with a page of its own traceback)."""
-    from raytrain_cpu.launch.driver import validate_before_ray
+    from raytrain_cpu.launch.validate import validate_before_ray
 
     monkeypatch.setenv("CXX", "no-such-compiler++")
     with pytest.raises(ConfigError, match=r"^model.compile: true, .* no C\+\+ compiler \(no-such-compiler\+\+ is not"):
