@@ -210,7 +210,7 @@ def test_incomplete_checkpoint_fails_loudly(tmp_path, process_group):
 
     # Another number of workers: the global batch must stay, and the driver must have converted it.
     with pytest.raises(
-        ck_layout.CheckpointError, match=r"global batch of 8 blocks .*micro_batch_size=4.*raytrain_cpu.model.export"
+        ck_layout.CheckpointError, match=r"global batch of 8 blocks .*micro_batch_size=4.*raytrain_cpu.export"
     ):
         ck_load.load_into(FakeEngine(), good, rank=0, world=2, config_dict=CONFIG)
     halves = load_config(None, ["train.micro_batch_size=4"]).to_dict()
