@@ -1,5 +1,6 @@
 """Fixtures and hooks for both tiers (tests/unit, tests/integration): one local Ray for the
-session, the session's shared runs, a tiny-run config factory, and each test's tier marker.
+session, the session's shared runs, a tiny-run config factory, the bundled tokenizer, and each
+test's tier marker.
 Plain helpers live in tests/helpers.py (`from helpers import ...`): a module named conftest is
 ambiguous once tests/unit has its own conftest.py."""
 
@@ -156,6 +157,23 @@ def ray_session():
 def shared_cache(tmp_path_factory):
     """One data cache for the session: packing the bundled text once saves ~20 s a test."""
     return str(tmp_path_factory.mktemp("data_cache"))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The bundled tokenizer, as the `tokenizers` library loads it (the chat data tests' tokens)."""
+    from tokenizers import Tokenizer
+
+    from raytrain_cpu.model.tokenizer import BUNDLED_TOKENIZER
+
+    return Tokenizer.from_file(str(BUNDLED_TOKENIZER / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def eos_id(tok):
+    from raytrain_cpu.model.tokenizer import EOS
+
+    return tok.token_to_id(EOS)
 
 
 @pytest.fixture

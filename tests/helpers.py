@@ -3,6 +3,7 @@ shared runs' settings, a fake EC2 metadata service."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -292,3 +293,258 @@ class FakeIMDS:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+# ----------------------------------------------------------------------------- a run directory, a stub hub
+
+
+def fake_run_dir(cfg, step: int = 2, world: int = 2) -> Path:
+    """A run directory as run() leaves it after a checkpoint: config.yaml, a checkpoint with its
+    manifest (the settings' hash, no shards), and Ray Train's snapshot naming it as the latest."""
+    import yaml
+
+    from raytrain_cpu.checkpoint import identity as ck_identity
+    from raytrain_cpu.checkpoint import layout as ck_layout
+    from raytrain_cpu.compat import ray as ray_compat
+
+    run_dir = cfg.run.run_dir
+    ckpt = run_dir / ck_layout.checkpoint_dir_name(step)
+    ckpt.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    t = cfg.train
+    manifest = {"step": step, "world_size": world, "config_hash": ck_identity.config_hash(cfg.to_dict())}
+    manifest["global_batch"] = t.micro_batch_size * t.grad_accum_steps * world
+    (ckpt / ck_layout.MANIFEST).write_text(
+        json.dumps({**manifest, "format": ck_layout.FORMAT, "ds_tag": ck_layout.DS_TAG, "files": {}})
+    )
+    snapshot = {"latest_checkpoint_result": {"checkpoint_dir_name": ckpt.name}}
+    (run_dir / ray_compat.SNAPSHOT).write_text(json.dumps(snapshot))
+    return run_dir
+
+
+# The stub hub's one public dataset: its parquet files and their git blob ids (a test changes one).
+PUBLIC_DATASET = "owner/wiki"
+
+
+HUB_FILES = {"default/train/0000.parquet": "b" * 40, "default/train/0001.parquet": "c" * 40}
+
+
+def _hub_tree(folder: str) -> list[dict]:
+    """The hub's tree listing of one folder (not recursive), as /api/datasets/<id>/tree/main answers."""
+    entries = {}
+    for path, oid in HUB_FILES.items():
+        rest = path.removeprefix(f"{folder}/" if folder else "")
+        if rest == path and folder:
+            continue
+        if "/" in rest:
+            sub = f"{folder}/{rest.split('/')[0]}".strip("/")
+            entries[sub] = {"type": "directory", "path": sub, "oid": "d" * 40}
+        else:
+            entries[path] = {
+                "type": "file",
+                "path": path,
+                "size": 10,
+                "oid": oid,
+                "lfs": {"oid": oid, "size": 10, "pointerSize": 130},
+            }
+    return list(entries.values())
+
+
+@contextlib.contextmanager
+def stub_hub_server():
+    """A local stand-in for the hub's API, serving its URL: it answers as huggingface.co does for
+    PUBLIC_DATASET (HUB_FILES), for a gated repo without a token (401, X-Error-Code GatedRepo) and
+    for a repo that does not exist (404, RepoNotFound): the real client, the real HTTP, nothing
+    downloaded."""
+    import http.server
+    import threading
+    import urllib.parse
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            url = urllib.parse.urlparse(self.path)
+            if url.path.startswith(f"/api/datasets/{PUBLIC_DATASET}"):
+                listing = "/tree/main" in url.path
+                tree = _hub_tree(urllib.parse.unquote(url.path.partition("/tree/main")[2]).strip("/"))
+                if not listing or tree:
+                    return self._json(tree if listing else {"id": PUBLIC_DATASET, "sha": "0" * 40})
+            gated = "gated" in self.path
+            self.send_response(401 if gated else 404)
+            missing = "EntryNotFound" if PUBLIC_DATASET in self.path else "RepoNotFound"  # a folder it lacks
+            self.send_header("X-Error-Code", "GatedRepo" if gated else missing)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def _json(self, obj) -> None:
+            body = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+# ----------------------------------------------------------------------------- other architectures
+
+# Small enough that a leg costs little more than Ray Train's start-up.
+_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {**_SHAPE, "num_key_value_heads": 2}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {**_SHAPE, "num_key_value_heads": 2, "tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {**_SHAPE, "num_key_value_heads": 2, "sliding_window": None}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {**_SHAPE, "num_key_value_heads": 1, "head_dim": 16}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 4}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {**_SHAPE, "num_key_value_heads": 2}),
+}
+
+
+CONTEXT = 256  # max_position_embeddings / n_positions
+
+
+def build_model(arch: str, out: Path) -> Path:
+    """A randomly initialised `arch` written with save_pretrained (safetensors) + the bundled tokenizer."""
+    import torch
+    import transformers
+
+    from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
+
+    tok = load_tokenizer(resolve_tokenizer_path("bundled", "tiny"))
+    config_cls, model_cls, shape = ARCHS[arch]
+    positions = {"n_positions": CONTEXT} if arch == "gpt2" else {"max_position_embeddings": CONTEXT}
+    config = getattr(transformers, config_cls)(
+        vocab_size=len(tok),
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=None,
+        **positions,
+        **shape,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+# ----------------------------------------------------------------------------- sharded loading
+
+
+def loading_tensors() -> dict:
+    """Tensors of awkward sizes for a checkpoint that ranks read their ZeRO-3 partitions of."""
+    import torch
+
+    return {
+        "a.weight": torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5),  # 35: odd, padded partition
+        "b.weight": torch.linspace(-1, 1, 3 * 4 * 5).reshape(3, 4, 5).to(torch.bfloat16),
+        "norm.weight": torch.tensor([3.5]),  # fewer elements than ranks: rank 1 holds only padding
+        "c.bias": torch.arange(8, dtype=torch.float32),
+    }
+
+
+class FakeZero3Model:
+    """The attributes `_read_own_partitions` uses of a ZeRO-3 model: partitioned parameters."""
+
+    def __init__(self, shapes: dict, dtype, world: int):
+        from types import SimpleNamespace
+
+        import torch
+
+        self.params = {}
+        for name, shape in shapes.items():
+            numel = shape.numel()
+            part = torch.full((-(-numel // world),), float("nan"), dtype=dtype)
+            part.ds_numel = part.numel()
+            self.params[name] = SimpleNamespace(ds_shape=shape, ds_numel=numel, ds_tensor=part, ds_process_group=None)
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+
+# ----------------------------------------------------------------------------- chat data
+
+
+def runs(tok, ids, labels) -> list[tuple[bool, str]]:
+    """[(trained, decoded text)] of the maximal runs of tokens that are / are not trained."""
+    from raytrain_cpu.data.sft import IGNORE
+
+    out: list[tuple[bool, list[int]]] = []
+    for tid, lab in zip(ids, labels):
+        assert lab in (IGNORE, tid)  # a label is the token itself (the model shifts) or -100
+        if out and out[-1][0] == (lab != IGNORE):
+            out[-1][1].append(tid)
+        else:
+            out.append((lab != IGNORE, [tid]))
+    return [(t, tok.decode(run, skip_special_tokens=False)) for t, run in out]
+
+
+GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+
+
+# ----------------------------------------------------------------------------- attention, fine-tuning, data
+
+
+def tiny_llama_choosing(attn: str, seq_len: int = 96, dtype=None, **overrides):
+    """A tiny Hugging Face Llama (fp32 unless `dtype`) and attention.choose's pick for it: (model,
+    chosen, timings)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from raytrain_cpu.config.schema import load_config
+    from raytrain_cpu.model.loading import tiny_llama_config
+    from raytrain_cpu.model.ops import attention
+
+    cfg = load_config(
+        None,
+        ["model.tiny.hidden_size=64", "model.tiny.num_heads=4", "model.tiny.num_kv_heads=2", "model.tiny.num_layers=2"],
+    )
+    config = tiny_llama_config(cfg, 256, eos_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval().to(torch.float32 if dtype is None else dtype)
+    chosen, timings = attention.choose(model, attn, micro_batch=2, seq_len=seq_len, **overrides)
+    return model, chosen, timings
+
+
+SFT = [
+    "data.format=chat",  # the bundled chat examples made from wikitext articles
+    "data.seq_len=128",
+    "train.micro_batch_size=4",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "train.warmup_steps=1",
+]
+
+
+WIKI = "\n = Alpha = \n\n Alpha is a letter .\n\n = = History = = \n\n It is old .\n = Beta = \n\n Beta too .\n\n"
+
+
+def spec(kind="text", bad="error", column="text", wikitext=True):
+    from raytrain_cpu.data.sources import SourceSpec
+
+    return SourceSpec(kind, ("x",), column, wikitext, bad)
+
+
+def cache_of(path, blocks: int, first_value: int, seq_len: int = 4) -> str:
+    """A cache split of `blocks` blocks, block i filled with first_value + i."""
+    import numpy as np
+
+    from raytrain_cpu.data.prepare import _BlockWriter
+
+    writer = _BlockWriter(path, seq_len)
+    for i in range(blocks):
+        writer.add(np.full(seq_len, first_value + i, dtype=np.int32))
+    writer.close()
+    return str(path)

@@ -1,15 +1,7 @@
-"""Architectures other than Llama, built from configs with the bundled tokenizer (vocab 2048):
-Qwen2 (biases, tied embeddings), Mistral, Gemma (tied, scaled embeddings), GPT-2 (Conv1D
-weights, learned positions, tied) and Phi-3 (fused projections). Each one's parameters are
-counted and its decoder layers found. Each but Mistral (Llama's modules and weight names, its
-sliding window aside) trains on 2 workers and is exported at the end, its logits checked
-against the trained model's. GPT-2, the layout furthest from Llama's, also resumes with more
-steps first: resuming restores DeepSpeed's partitions by parameter, whatever the
-architecture, so one resume covers what the others would (each leg costs a Ray Train start,
-~20 s on 2 cores). Qwen2's model is given as a relative path, as users type one, and Phi-3's as
-a hub id that an earlier run fetched, trained with the hub offline. Tiny Llama, the default, is
-covered by tests/test_train_e2e.py.
-This module's in-process tests: tests/unit/test_architectures.py."""
+"""Architectures other than Llama (Qwen2, Mistral, Gemma, GPT-2, Phi-3) through Ray: each but
+Mistral trains on 2 workers and is exported, its logits checked against the trained model's;
+GPT-2 also resumes, Qwen2's model is given as a relative path and Phi-3's as a hub id fetched
+earlier. Why these legs and no more, and the in-process tests: tests/unit/test_architectures.py."""
 
 from __future__ import annotations
 
@@ -17,47 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-# Small enough that a leg costs little more than Ray Train's start-up.
-_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
-
-
-ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {**_SHAPE, "num_key_value_heads": 2}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {**_SHAPE, "num_key_value_heads": 2, "tie_word_embeddings": True}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {**_SHAPE, "num_key_value_heads": 2, "sliding_window": None}),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {**_SHAPE, "num_key_value_heads": 1, "head_dim": 16}),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 4}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {**_SHAPE, "num_key_value_heads": 2}),
-}
-
-
-CONTEXT = 256  # max_position_embeddings / n_positions
-
-
-def build_model(arch: str, out: Path) -> Path:
-    """A randomly initialised `arch` written with save_pretrained (safetensors) + the bundled tokenizer."""
-    import torch
-    import transformers
-
-    from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
-
-    tok = load_tokenizer(resolve_tokenizer_path("bundled", "tiny"))
-    config_cls, model_cls, shape = ARCHS[arch]
-    positions = {"n_positions": CONTEXT} if arch == "gpt2" else {"max_position_embeddings": CONTEXT}
-    config = getattr(transformers, config_cls)(
-        vocab_size=len(tok),
-        bos_token_id=tok.eos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=None,
-        **positions,
-        **shape,
-    )
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(config)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+from helpers import ARCHS, CONTEXT, build_model
 
 
 @pytest.fixture(scope="module")

@@ -8,24 +8,9 @@ import time
 
 import numpy as np
 import pytest
+from helpers import WIKI, cache_of
 
-from raytrain_cpu.data.prepare import _BlockWriter
-from raytrain_cpu.data.sources import DataError, SourceSpec
-
-WIKI = "\n = Alpha = \n\n Alpha is a letter .\n\n = = History = = \n\n It is old .\n = Beta = \n\n Beta too .\n\n"
-
-
-def spec(kind="text", bad="error", column="text", wikitext=True):
-    return SourceSpec(kind, ("x",), column, wikitext, bad)
-
-
-def _cache_of(path, blocks: int, first_value: int, seq_len: int = 4) -> str:
-    """A cache split of `blocks` blocks, block i filled with first_value + i."""
-    writer = _BlockWriter(path, seq_len)
-    for i in range(blocks):
-        writer.add(np.full(seq_len, first_value + i, dtype=np.int32))
-    writer.close()
-    return str(path)
+from raytrain_cpu.data.sources import DataError
 
 
 @pytest.mark.slow
@@ -213,7 +198,7 @@ def test_eval_streams_cover_every_block_once_whatever_the_worker_count(ray_sessi
     from raytrain_cpu.data.stream import eval_stream
 
     n_eval, seq = 7, 4
-    _cache_of(tmp_path / "text" / "eval", n_eval, 100, seq)  # block i holds 100 + i
+    cache_of(tmp_path / "text" / "eval", n_eval, 100, seq)  # block i holds 100 + i
     chat = _ExampleWriter(tmp_path / "chat" / "eval", seq, pad_id=0)
     chat_labels = [np.array([-100, 2 + 10 * i, 3 + 10 * i, 4 + 10 * i], dtype=np.int32) for i in range(n_eval)]
     for i, labels in enumerate(chat_labels):  # one example a block, filling it: its prompt takes no loss

@@ -1,34 +1,9 @@
-"""Fault tolerance: restarts, whole checkpoints, exact resume, distributed = single process.
-
-Issue 6, point by point, and elastic training after it (fast tests first, then the Ray runs, marked slow):
-
-1. restart on failure ........ test_kill_and_hang_recover_and_resume_exactly (a worker SIGKILLed),
-                               test_elastic_run_shrinks_on_node_loss_and_grows_back (a node removed)
-2. whole checkpoints only .... test_save_is_whole_or_absent, test_incomplete_checkpoint_fails_loudly
-3. deterministic resume ...... test_rng_state_round_trip, test_kill_and_hang_recover_and_resume_exactly
-4. distributed = single ...... test_distributed_matches_single_process
-5. world-size changes ........ test_resume_on_fewer_workers_follows_the_straight_run
-                               (the global batch kept: tests/test_preflight.py),
-                               test_elastic_run_shrinks_on_node_loss_and_grows_back (in the run)
-6. export at the end ......... test_export_on_finish (the CLI itself: tests/test_export.py)
-7. failures surface fast ..... test_kill_and_hang_recover_and_resume_exactly (a worker SIGSTOPped),
-                               test_save_is_whole_or_absent (storage full / read-only)
-8. spot notices .............. test_elastic_run_shrinks_on_node_loss_and_grows_back (the node it
-                               loses is drained for preemption first)
-9. elastic training .......... test_elastic_run_shrinks_on_node_loss_and_grows_back (a node removed
-                               and one added on a Ray Cluster; the batch rule: tests/test_config.py)
-
-Issue 59: files fsynced before their manifest (test_checkpoint_files_are_fsynced_before_the_manifest);
-a damaged checkpoint stepped past, kept and named (test_a_damaged_checkpoint_is_stepped_past_kept_and_named_once,
-test_a_conversion_that_finds_damage_steps_back_on_the_driver; on Ray: the driver's start in
-test_a_damaged_latest_checkpoint_resumes_from_the_one_before, a restart in
-test_kill_and_hang_recover_and_resume_exactly); the RNG state as tensors (test_rng_state_round_trip).
-
-The slow tests share two 2-worker runs of the same config: `straight` (conftest.py: 64 steps,
-no faults) and the fault run (killed, then hung, then finished).
-Run this file alone as a script to get the measured figures printed: it is the
-cluster scenario's entry point too (`python tests/integration/test_fault_tolerance_e2e.py '<json>'`).
-This module's in-process tests: tests/unit/test_fault_tolerance.py."""
+"""Fault tolerance through Ray and spawned ranks: restarts, whole checkpoints, exact resume,
+distributed = single process, elastic training. The slow tests share two 2-worker runs of the
+same config: `straight` (conftest.py) and the fault run (killed, then hung, then finished). Run
+alone as a script, this file is the cluster scenario's entry point
+(`python tests/integration/test_fault_tolerance_e2e.py '<json>'`). Which test covers which point
+of issues 6 and 59, and the in-process tests: tests/unit/test_fault_tolerance.py."""
 
 from __future__ import annotations
 

@@ -11,16 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-SFT = [
-    "data.format=chat",  # the bundled chat examples made from wikitext articles
-    "data.seq_len=128",
-    "train.micro_batch_size=4",
-    "train.eval_every=0",
-    "train.eval_batches=2",
-    "train.warmup_steps=1",
-]
-
+from helpers import SFT
 
 LORA = ["lora.rank=8", "lora.alpha=16", "train.lr=2e-2"]
 

@@ -8,10 +8,9 @@ This module's in-process tests: tests/unit/test_model_loading.py."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import torch.multiprocessing as mp
+from helpers import FakeZero3Model, loading_tensors
 from safetensors.torch import save_file
 
 from raytrain_cpu.model.loading import _checkpoint_files, _read_own_partitions
@@ -20,27 +19,7 @@ from raytrain_cpu.trainer.engine import free_port
 WORLD = 2
 
 
-TENSORS = {
-    "a.weight": torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5),  # 35: odd, padded partition
-    "b.weight": torch.linspace(-1, 1, 3 * 4 * 5).reshape(3, 4, 5).to(torch.bfloat16),
-    "norm.weight": torch.tensor([3.5]),  # fewer elements than ranks: rank 1 holds only padding
-    "c.bias": torch.arange(8, dtype=torch.float32),
-}
-
-
-class _FakeModel:
-    """The attributes `_read_own_partitions` uses of a ZeRO-3 model: partitioned parameters."""
-
-    def __init__(self, shapes: dict[str, torch.Size], dtype: torch.dtype, world: int):
-        self.params = {}
-        for name, shape in shapes.items():
-            numel = shape.numel()
-            part = torch.full((-(-numel // world),), float("nan"), dtype=dtype)
-            part.ds_numel = part.numel()
-            self.params[name] = SimpleNamespace(ds_shape=shape, ds_numel=numel, ds_tensor=part, ds_process_group=None)
-
-    def named_parameters(self):
-        return iter(self.params.items())
+TENSORS = loading_tensors()
 
 
 def _rank(rank: int, port: int, files: dict[str, str], out: str) -> None:
@@ -50,7 +29,7 @@ def _rank(rank: int, port: int, files: dict[str, str], out: str) -> None:
 
     init_local_group(rank, WORLD, port)
     try:
-        model = _FakeModel({k: v.shape for k, v in TENSORS.items()}, torch.float32, WORLD)
+        model = FakeZero3Model({k: v.shape for k, v in TENSORS.items()}, torch.float32, WORLD)
         _read_own_partitions(model, files)
         torch.save({k: p.ds_tensor for k, p in model.params.items()}, f"{out}/rank{rank}.pt")
     finally:

@@ -11,38 +11,11 @@ import json
 
 import numpy as np
 import pytest
+from helpers import GOOD, runs
 
 from raytrain_cpu.data.sft import IGNORE
 from raytrain_cpu.data.sources import DataError
-from raytrain_cpu.model.tokenizer import BUNDLED_SFT, BUNDLED_TOKENIZER, EOS
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(BUNDLED_TOKENIZER / "tokenizer.json"))
-
-
-@pytest.fixture(scope="module")
-def eos_id(tok):
-    return tok.token_to_id(EOS)
-
-
-def runs(tok, ids, labels) -> list[tuple[bool, str]]:
-    """[(trained, decoded text)] of the maximal runs of tokens that are / are not trained."""
-    out: list[tuple[bool, list[int]]] = []
-    for tid, lab in zip(ids, labels):
-        assert lab in (IGNORE, tid)  # a label is the token itself (the model shifts) or -100
-        if out and out[-1][0] == (lab != IGNORE):
-            out[-1][1].append(tid)
-        else:
-            out.append((lab != IGNORE, [tid]))
-    return [(t, tok.decode(run, skip_special_tokens=False)) for t, run in out]
-
-
-GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
-
+from raytrain_cpu.model.tokenizer import BUNDLED_SFT, EOS
 
 # ----------------------------------------------------------------------------- prepare through Ray
 

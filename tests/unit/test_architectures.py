@@ -16,47 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-# Small enough that a leg costs little more than Ray Train's start-up.
-_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
-
-
-ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {**_SHAPE, "num_key_value_heads": 2}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {**_SHAPE, "num_key_value_heads": 2, "tie_word_embeddings": True}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {**_SHAPE, "num_key_value_heads": 2, "sliding_window": None}),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {**_SHAPE, "num_key_value_heads": 1, "head_dim": 16}),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 4}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {**_SHAPE, "num_key_value_heads": 2}),
-}
-
-
-CONTEXT = 256  # max_position_embeddings / n_positions
-
-
-def build_model(arch: str, out: Path) -> Path:
-    """A randomly initialised `arch` written with save_pretrained (safetensors) + the bundled tokenizer."""
-    import torch
-    import transformers
-
-    from raytrain_cpu.model.tokenizer import load_tokenizer, resolve_tokenizer_path
-
-    tok = load_tokenizer(resolve_tokenizer_path("bundled", "tiny"))
-    config_cls, model_cls, shape = ARCHS[arch]
-    positions = {"n_positions": CONTEXT} if arch == "gpt2" else {"max_position_embeddings": CONTEXT}
-    config = getattr(transformers, config_cls)(
-        vocab_size=len(tok),
-        bos_token_id=tok.eos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=None,
-        **positions,
-        **shape,
-    )
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(config)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+from helpers import ARCHS, build_model
 
 
 @pytest.fixture(scope="module")

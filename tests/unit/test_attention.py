@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_llama_choosing
 
 from raytrain_cpu.config.checks import ConfigError
 from raytrain_cpu.config.schema import load_config
 from raytrain_cpu.model import shape as model_shape
-from raytrain_cpu.model.loading import tiny_llama_config
 from raytrain_cpu.model.ops import attention, fused_attention
 
 # (batch, heads, kv_heads, seq, head_dim): whole blocks, grouped queries with a ragged last
@@ -123,23 +123,9 @@ def test_causal_blocks_under_a_document_mask_match_masked_sdpa(shape, block, kee
         assert b < 1.5 * f, f"{name}: {b:.2e} against masked SDPA's {f:.2e}"
 
 
-def _tiny_llama(attn: str, seq_len: int = 96, dtype: torch.dtype = torch.float32, **overrides):
-    from transformers import LlamaForCausalLM
-
-    cfg = load_config(
-        None,
-        ["model.tiny.hidden_size=64", "model.tiny.num_heads=4", "model.tiny.num_kv_heads=2", "model.tiny.num_layers=2"],
-    )
-    config = tiny_llama_config(cfg, 256, eos_token_id=0)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval().to(dtype)
-    chosen, timings = attention.choose(model, attn, micro_batch=2, seq_len=seq_len, **overrides)
-    return model, chosen, timings
-
-
 def test_llama_on_causal_blocks_trains_like_sdpa_and_leaves_masked_cached_and_autocast_calls_to_sdpa():
-    sdpa, _, _ = _tiny_llama("sdpa")
-    blocks, chosen, timings = _tiny_llama("causal_blocks")
+    sdpa, _, _ = tiny_llama_choosing("sdpa")
+    blocks, chosen, timings = tiny_llama_choosing("causal_blocks")
     assert chosen == "causal_blocks" and timings == {}
     assert blocks.config._attn_implementation == attention.NAME
     ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(1))
@@ -170,8 +156,8 @@ def test_llama_on_causal_blocks_trains_like_sdpa_and_leaves_masked_cached_and_au
 
 
 def test_llama_on_causal_blocks_keeps_packed_documents_apart(monkeypatch):
-    sdpa, _, _ = _tiny_llama("sdpa")
-    blocks, _, _ = _tiny_llama("causal_blocks")
+    sdpa, _, _ = tiny_llama_choosing("sdpa")
+    blocks, _, _ = tiny_llama_choosing("causal_blocks")
     ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(1))
     lengths = [[40, 56], [10, 1, 85]]
     positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
@@ -213,7 +199,7 @@ def test_auto_times_both_and_every_rank_takes_the_same_choice():
         return [0.001, 1.0]
 
     # At seq 96 a block of 128 would be one padded block: only the default block is timed.
-    model, chosen, timings = _tiny_llama("auto", agree=agree)
+    model, chosen, timings = tiny_llama_choosing("auto", agree=agree)
     assert set(timings) == {"sdpa", "causal_blocks"} and len(seen[0]) == 2
     assert chosen == "sdpa" and model.config._attn_implementation == "sdpa"
 
@@ -250,10 +236,10 @@ def test_timing_takes_more_rounds_where_they_are_quick(monkeypatch):
 
 def test_auto_times_each_block_size_and_the_taller_blocks_train_like_the_default():
     # The ranks' all-reduce says: blocks of 128 queries were the fastest (as on AMX).
-    tall, chosen, timings = _tiny_llama("auto", seq_len=256, agree=lambda v: [3.0, 2.0, 1.0])
+    tall, chosen, timings = tiny_llama_choosing("auto", seq_len=256, agree=lambda v: [3.0, 2.0, 1.0])
     assert list(timings) == ["sdpa", "causal_blocks", "causal_blocks_128"]
     assert chosen == "causal_blocks_128" and tall.config._attn_implementation == "raytrain_causal_blocks_128"
-    default, chosen, _ = _tiny_llama("causal_blocks", seq_len=256)
+    default, chosen, _ = tiny_llama_choosing("causal_blocks", seq_len=256)
     assert chosen == "causal_blocks" and default.config._attn_implementation == attention.NAME
     ids = torch.randint(0, 256, (2, 256), generator=torch.Generator().manual_seed(1))
     losses = [m(input_ids=ids, labels=ids).loss.item() for m in (default, tall)]
@@ -276,7 +262,7 @@ def test_a_resumed_auto_run_keeps_the_checkpoints_attention_without_timing(kept)
     from raytrain_cpu.trainer.loading import choose_attention
     from raytrain_cpu.trainer.state import Worker
 
-    model, _, _ = _tiny_llama("sdpa")
+    model, _, _ = tiny_llama_choosing("sdpa")
     logged = []
     cfg = load_config(None, ["model.attention=auto"])
     w = Worker(cfg, {}, 0, 1, Path("."), 4, logged.append, resumed={"attention": kept, "step": 3})
@@ -294,7 +280,7 @@ def test_the_worker_keeps_the_probabilities_as_configured(setting):
     from raytrain_cpu.trainer.loading import choose_attention
     from raytrain_cpu.trainer.state import Worker
 
-    model, _, _ = _tiny_llama("sdpa")
+    model, _, _ = tiny_llama_choosing("sdpa")
     logged = []
     cfg = load_config(None, ["model.attention=causal_blocks_128", f"model.attention_probs={setting}"])
     w = Worker(cfg, {}, 0, 1, Path("."), 4, logged.append)
@@ -321,7 +307,7 @@ def test_a_llama_keeping_the_probabilities_trains_to_the_same_bits():
     ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(1))
     results = []
     for keep in (False, True):
-        model, chosen, _ = _tiny_llama("causal_blocks", keep_probs=lambda block: keep)  # noqa: B023
+        model, chosen, _ = tiny_llama_choosing("causal_blocks", keep_probs=lambda block: keep)  # noqa: B023
         model.to(torch.bfloat16)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -405,8 +391,8 @@ def test_the_fused_operators_pass_torch_library_opcheck():
 
 def test_a_bf16_llama_on_the_fused_kernel_trains_like_the_blocks_and_sends_documents_to_them():
     _fused_kernel()
-    blocks, _, _ = _tiny_llama("causal_blocks", seq_len=128, dtype=torch.bfloat16)
-    fused, chosen, _ = _tiny_llama("fused", seq_len=128, dtype=torch.bfloat16)
+    blocks, _, _ = tiny_llama_choosing("causal_blocks", seq_len=128, dtype=torch.bfloat16)
+    fused, chosen, _ = tiny_llama_choosing("fused", seq_len=128, dtype=torch.bfloat16)
     assert chosen == "fused" and fused.config._attn_implementation == "raytrain_fused"
     ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(1))
     losses = []
@@ -433,7 +419,7 @@ def test_auto_times_the_fused_kernel_in_bf16_and_an_explicit_fused_needs_bf16():
     assert 0 < timings["fused"] < float("inf")
     assert "fused" not in attention.time_attention((1, 4, 2, 200, 64), torch.float32)
     with pytest.raises(RuntimeError, match="model.attention=fused: it computes bf16 only"):
-        _tiny_llama("fused")  # an fp32 model
+        tiny_llama_choosing("fused")  # an fp32 model
     assert load_config(None, ["model.attention=fused"]).model.attention == "fused"
     with pytest.raises(ConfigError, match="fused computes in bf16 only"):
         load_config(None, ["model.attention=fused", "model.dtype=fp32"])
@@ -448,7 +434,7 @@ def test_a_resumed_auto_run_keeps_the_fused_kernel_and_times_afresh_where_it_doe
     # One rank: the ranks' sums (whether the kernel builds everywhere, the timings) are its own.
     monkeypatch.setattr(engine, "allreduce_sum", lambda values: values)
     cfg = load_config(None, ["model.attention=auto"])
-    model, _, _ = _tiny_llama("sdpa", dtype=torch.bfloat16)
+    model, _, _ = tiny_llama_choosing("sdpa", dtype=torch.bfloat16)
     logged = []
     w = Worker(cfg, {}, 0, 1, Path("."), 4, logged.append, resumed={"attention": "fused", "step": 3})
     assert choose_attention(w, model) == "fused" and model.config._attn_implementation == "raytrain_fused"

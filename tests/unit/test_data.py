@@ -8,16 +8,11 @@ import time
 
 import numpy as np
 import pytest
+from helpers import WIKI, cache_of, spec
 
 from raytrain_cpu.data.prepare import _BlockWriter
-from raytrain_cpu.data.sources import DataError, SourceSpec, _group_wikitext, file_documents
+from raytrain_cpu.data.sources import DataError, _group_wikitext, file_documents
 from raytrain_cpu.data.stream import StreamPlan, document_positions, global_order, mix_pattern, mix_positions
-
-WIKI = "\n = Alpha = \n\n Alpha is a letter .\n\n = = History = = \n\n It is old .\n = Beta = \n\n Beta too .\n\n"
-
-
-def spec(kind="text", bad="error", column="text", wikitext=True):
-    return SourceSpec(kind, ("x",), column, wikitext, bad)
 
 
 def test_wikitext_articles_blank_lines_dropped():
@@ -140,7 +135,7 @@ def test_decoded_columns_hold_the_windows_files_and_the_least_recent_go(tmp_path
     columns of a window's 8 files once did not fit 16 entries); a plan asks for its windows'."""
     from raytrain_cpu.data import stream as data
 
-    c, d, e = (f"{_cache_of(tmp_path / name, 30, 0)}/part-00000.parquet" for name in "cde")
+    c, d, e = (f"{cache_of(tmp_path / name, 30, 0)}/part-00000.parquet" for name in "cde")
     decoded = data._DecodedColumns(files=2)
     first = decoded(c, "input_ids")
     assert decoded(c, "input_ids") is first  # kept, not read again
@@ -243,20 +238,11 @@ def test_a_mixture_interleaves_by_share_and_each_source_runs_on():
     np.testing.assert_array_equal(later_own, own[1234:2222])
 
 
-def _cache_of(path, blocks: int, first_value: int, seq_len: int = 4) -> str:
-    """A cache split of `blocks` blocks, block i filled with first_value + i."""
-    writer = _BlockWriter(path, seq_len)
-    for i in range(blocks):
-        writer.add(np.full(seq_len, first_value + i, dtype=np.int32))
-    writer.close()
-    return str(path)
-
-
 def test_a_mixture_plan_reads_each_source_through_its_own_epochs(tmp_path):
     """Two real caches, 3:1, the small one read many times over: each block's rows come from its
     source, block ids count on from the first source's, and each source goes through whole seeded
     epochs of its own (the small one a new order each time). Two workers read what one does."""
-    dirs = (_cache_of(tmp_path / "big", 40, 0), _cache_of(tmp_path / "small", 5, 1000))
+    dirs = (cache_of(tmp_path / "big", 40, 0), cache_of(tmp_path / "small", 5, 1000))
     micro, steps = 2, 10
     end = steps * micro * 2 * 2  # 2 workers x accumulation 2: 80 positions, 20 of the small source
 
@@ -292,7 +278,7 @@ def test_a_mixture_of_text_and_labelled_blocks_labels_the_text_with_its_inputs(t
     for i in range(6):
         chat.add_example(np.array([1, 2, 3], dtype=np.int32) + 10 * i, np.array([-100, 2, 3], dtype=np.int32))
     chat.close()
-    text = _cache_of(tmp_path / "text", 6, 500)
+    text = cache_of(tmp_path / "text", 6, 500)
     plan = StreamPlan((str(tmp_path / "chat"), text), (6, 6), 1, 64, 4, 1, 0, 0, 8, (0, 1), (True, False), 7)
     batch = plan.fetch({"id": np.arange(8)})
     is_text = batch["block_id"] >= 6

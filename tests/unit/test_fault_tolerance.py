@@ -26,8 +26,8 @@ test_kill_and_hang_recover_and_resume_exactly); the RNG state as tensors (test_r
 
 The slow tests share two 2-worker runs of the same config: `straight` (conftest.py: 64 steps,
 no faults) and the fault run (killed, then hung, then finished).
-Run this file alone as a script to get the measured figures printed: it is the
-cluster scenario's entry point too (`python tests/test_fault_tolerance.py '<json>'`).
+The integration half, run alone as a script, prints the measured figures: it is the cluster
+scenario's entry point too (`python tests/integration/test_fault_tolerance_e2e.py '<json>'`).
 The tests of this module that need Ray, a subprocess or a process group: tests/integration/test_fault_tolerance_e2e.py."""
 
 from __future__ import annotations

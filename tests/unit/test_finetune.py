@@ -8,15 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-SFT = [
-    "data.format=chat",  # the bundled chat examples made from wikitext articles
-    "data.seq_len=128",
-    "train.micro_batch_size=4",
-    "train.eval_every=0",
-    "train.eval_batches=2",
-    "train.warmup_steps=1",
-]
-
 
 def _main_error(capsys, *overrides: str) -> str:
     from raytrain_cpu.launch.driver import main

@@ -10,35 +10,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import FakeZero3Model, loading_tensors
 from safetensors.torch import save_file
 
 from raytrain_cpu.model.loading import _checkpoint_files, _read_own_partitions
 
-TENSORS = {
-    "a.weight": torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5),  # 35: odd, padded partition
-    "b.weight": torch.linspace(-1, 1, 3 * 4 * 5).reshape(3, 4, 5).to(torch.bfloat16),
-    "norm.weight": torch.tensor([3.5]),  # fewer elements than ranks: rank 1 holds only padding
-    "c.bias": torch.arange(8, dtype=torch.float32),
-}
-
-
-class _FakeModel:
-    """The attributes `_read_own_partitions` uses of a ZeRO-3 model: partitioned parameters."""
-
-    def __init__(self, shapes: dict[str, torch.Size], dtype: torch.dtype, world: int):
-        self.params = {}
-        for name, shape in shapes.items():
-            numel = shape.numel()
-            part = torch.full((-(-numel // world),), float("nan"), dtype=dtype)
-            part.ds_numel = part.numel()
-            self.params[name] = SimpleNamespace(ds_shape=shape, ds_numel=numel, ds_tensor=part, ds_process_group=None)
-
-    def named_parameters(self):
-        return iter(self.params.items())
+TENSORS = loading_tensors()
 
 
 def test_checkpoint_files_follow_the_index(tmp_path):
@@ -53,14 +33,16 @@ def test_checkpoint_files_follow_the_index(tmp_path):
 
 def test_a_parameter_missing_from_the_checkpoint_is_named(tmp_path):
     save_file({"a.weight": TENSORS["a.weight"]}, str(tmp_path / "model.safetensors"))
-    model = _FakeModel({"a.weight": TENSORS["a.weight"].shape, "lm_head.weight": torch.Size([4, 4])}, torch.float32, 1)
+    model = FakeZero3Model(
+        {"a.weight": TENSORS["a.weight"].shape, "lm_head.weight": torch.Size([4, 4])}, torch.float32, 1
+    )
     with pytest.raises(ValueError, match="lm_head.weight"):
         _read_own_partitions(model, _checkpoint_files(str(tmp_path)))
 
 
 def test_a_shape_mismatch_is_named(tmp_path):
     save_file({"a.weight": TENSORS["a.weight"]}, str(tmp_path / "model.safetensors"))
-    model = _FakeModel({"a.weight": torch.Size([5, 7])}, torch.float32, 1)
+    model = FakeZero3Model({"a.weight": torch.Size([5, 7])}, torch.float32, 1)
     with pytest.raises(ValueError, match=r"a.weight: checkpoint shape \(7, 5\)"):
         _read_own_partitions(model, _checkpoint_files(str(tmp_path)))
 

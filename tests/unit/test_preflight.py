@@ -15,30 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import HUB_FILES, PUBLIC_DATASET, fake_run_dir, stub_hub_server
 
 from raytrain_cpu.config.checks import ConfigError
-
-
-def fake_run_dir(cfg, step: int = 2, world: int = 2) -> Path:
-    """A run directory as run() leaves it after a checkpoint: config.yaml, a checkpoint with its
-    manifest (the settings' hash, no shards), and Ray Train's snapshot naming it as the latest."""
-    from raytrain_cpu.checkpoint import identity as ck_identity
-    from raytrain_cpu.checkpoint import layout as ck_layout
-    from raytrain_cpu.compat import ray as ray_compat
-
-    run_dir = cfg.run.run_dir
-    ckpt = run_dir / ck_layout.checkpoint_dir_name(step)
-    ckpt.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    t = cfg.train
-    manifest = {"step": step, "world_size": world, "config_hash": ck_identity.config_hash(cfg.to_dict())}
-    manifest["global_batch"] = t.micro_batch_size * t.grad_accum_steps * world
-    (ckpt / ck_layout.MANIFEST).write_text(
-        json.dumps({**manifest, "format": ck_layout.FORMAT, "ds_tag": ck_layout.DS_TAG, "files": {}})
-    )
-    snapshot = {"latest_checkpoint_result": {"checkpoint_dir_name": ckpt.name}}
-    (run_dir / ray_compat.SNAPSHOT).write_text(json.dumps(snapshot))
-    return run_dir
 
 
 def test_changed_settings_are_named_before_ray(make_config):
@@ -229,75 +208,11 @@ def test_rerunning_a_finished_run_prints_its_summary_and_changes_nothing(make_co
     assert not (run_dir / "summary.json").exists()
 
 
-# The stub hub's one public dataset: its parquet files and their git blob ids (a test changes one).
-PUBLIC_DATASET = "owner/wiki"
-
-
-HUB_FILES = {"default/train/0000.parquet": "b" * 40, "default/train/0001.parquet": "c" * 40}
-
-
-def _tree(folder: str) -> list[dict]:
-    """The hub's tree listing of one folder (not recursive), as /api/datasets/<id>/tree/main answers."""
-    entries = {}
-    for path, oid in HUB_FILES.items():
-        rest = path.removeprefix(f"{folder}/" if folder else "")
-        if rest == path and folder:
-            continue
-        if "/" in rest:
-            sub = f"{folder}/{rest.split('/')[0]}".strip("/")
-            entries[sub] = {"type": "directory", "path": sub, "oid": "d" * 40}
-        else:
-            entries[path] = {
-                "type": "file",
-                "path": path,
-                "size": 10,
-                "oid": oid,
-                "lfs": {"oid": oid, "size": 10, "pointerSize": 130},
-            }
-    return list(entries.values())
-
-
 @pytest.fixture(scope="module")
 def stub_hub():
-    """A local stand-in for the hub's API answering as huggingface.co does for a gated repo
-    without a token (401, X-Error-Code GatedRepo) and for a repo that does not exist (404,
-    RepoNotFound): the real client, the real HTTP, nothing downloaded."""
-    import http.server
-    import threading
-    import urllib.parse
-
-    class Hub(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            url = urllib.parse.urlparse(self.path)
-            if url.path.startswith(f"/api/datasets/{PUBLIC_DATASET}"):
-                listing = "/tree/main" in url.path
-                tree = _tree(urllib.parse.unquote(url.path.partition("/tree/main")[2]).strip("/"))
-                if not listing or tree:
-                    return self._json(tree if listing else {"id": PUBLIC_DATASET, "sha": "0" * 40})
-            gated = "gated" in self.path
-            self.send_response(401 if gated else 404)
-            missing = "EntryNotFound" if PUBLIC_DATASET in self.path else "RepoNotFound"  # a folder it lacks
-            self.send_header("X-Error-Code", "GatedRepo" if gated else missing)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def _json(self, obj) -> None:
-            body = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        do_HEAD = do_GET
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    """The stub hub's URL for this module's tests (helpers.stub_hub_server)."""
+    with stub_hub_server() as url:
+        yield url
 
 
 def test_a_hub_dataset_updated_under_the_same_file_names_is_new_data_to_the_cache_key(

@@ -13,6 +13,7 @@ import shutil
 
 import numpy as np
 import pytest
+from helpers import GOOD, runs
 
 from raytrain_cpu.config.checks import ConfigError
 from raytrain_cpu.config.data import DataConfig
@@ -41,18 +42,6 @@ CHATML = (
 )
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(BUNDLED_TOKENIZER / "tokenizer.json"))
-
-
-@pytest.fixture(scope="module")
-def eos_id(tok):
-    return tok.token_to_id(EOS)
-
-
 def cfg(fmt: str = "chat", **kw) -> DataConfig:
     return DataConfig(format=fmt, source="jsonl", path="rows.jsonl", **kw)
 
@@ -61,18 +50,6 @@ def encode(tok, eos_id, template, messages, train_on_prompt=False):
     text, spans = template.render(messages)
     ids, labels, prompt = example_tokens(tok.encode(text, add_special_tokens=False), spans, train_on_prompt, eos_id)
     return text, ids, labels, prompt
-
-
-def runs(tok, ids, labels) -> list[tuple[bool, str]]:
-    """[(trained, decoded text)] of the maximal runs of tokens that are / are not trained."""
-    out: list[tuple[bool, list[int]]] = []
-    for tid, lab in zip(ids, labels):
-        assert lab in (IGNORE, tid)  # a label is the token itself (the model shifts) or -100
-        if out and out[-1][0] == (lab != IGNORE):
-            out[-1][1].append(tid)
-        else:
-            out.append((lab != IGNORE, [tid]))
-    return [(t, tok.decode(run, skip_special_tokens=False)) for t, run in out]
 
 
 def own_template_tokenizer(tmp_path, template: str = CHATML):
@@ -294,9 +271,6 @@ def tokenize_rows(tok, eos_id, rows: list, fmt: str = "chat", bad_rows: str = "e
     actor = Tokenize(str(tdir / "tokenizer.json"), eos_id, sft=dataclasses.asdict(c))
     table = actor({"text": np.asarray(payloads, dtype=object), "skipped": np.zeros(len(payloads), dtype=np.int64)})
     return table, skipped + sum(table.column("skipped").to_pylist())
-
-
-GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
 
 
 def test_row_without_messages_or_prompt_names_file_and_row(tok, eos_id):
