@@ -108,6 +108,20 @@ class ModelShape:
             "attention_width": self.q_dim,
         }
 
+    def llama_config(self) -> dict[str, Any]:
+        """This shape as Llama config.json keys (shape_from_hf_config's inverse): what builds a
+        model of it, e.g. LlamaConfig(**shape.llama_config())."""
+        keys = {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
+        return keys | ({"head_dim": self.attention_head_dim} if self.attention_head_dim else {})
+
 
 # ----------------------------------------------------------------------------- config.json dicts
 

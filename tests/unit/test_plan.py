@@ -56,15 +56,7 @@ def test_param_count_matches_transformers(shape):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        tie_word_embeddings=shape.tie_word_embeddings,
-    )
+    config = LlamaConfig(**shape.llama_config())
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     assert shape.num_params == sum(p.numel() for p in model.parameters())
@@ -203,14 +195,7 @@ def test_activation_formula_matches_autograd(fused):
 
     shape = model_shape.ModelShape("probe", vocab_size=320, hidden_size=256, intermediate_size=704, num_layers=2,
                             num_heads=4, num_kv_heads=2)  # fmt: skip
-    config = LlamaConfig(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-    )
+    config = LlamaConfig(**shape.llama_config())
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16).train()
     attn = "sdpa"

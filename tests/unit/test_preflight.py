@@ -451,11 +451,7 @@ def test_a_run_that_cannot_fit_a_node_stops_before_it_loads(tmp_path, make_confi
     from raytrain_cpu.planner import tables as plan_tables
 
     s = plan_tables.resolve_shape("meta-llama/Meta-Llama-3-8B")
-    d = model_dir(
-        tmp_path, model_type="llama", vocab_size=s.vocab_size, hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size, num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads,
-        num_key_value_heads=s.num_kv_heads,
-    )  # fmt: skip
+    d = model_dir(tmp_path, model_type="llama", **s.llama_config())
     cfg = make_config(f"model.name_or_path={d}", "model.tokenizer=bundled", "data.seq_len=1024")
 
     def node(gib: float, workers: int = 4, per_node: int = 1) -> dict:
