@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from raytrain_cpu.config.checks import ConfigError, choice
+from raytrain_cpu.config.checks import ConfigError
 
 
 def type_hints(cls: type) -> dict[str, Any]:
@@ -23,11 +23,8 @@ def type_hints(cls: type) -> dict[str, Any]:
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Checks one leaf value against its annotated type; ints are accepted where floats are."""
     origin = typing.get_origin(tp)
-    if origin is typing.Literal:  # a choice: the value's type, then one of the listed values
-        options = typing.get_args(tp)
-        value = _coerce(value, type(options[0]), key)
-        choice(value, key, options)
-        return value
+    if origin is typing.Literal:  # a choice: read as its values' type; the section's check names the choices
+        return _coerce(value, type(typing.get_args(tp)[0]), key)
     if tp is bool:
         if isinstance(value, bool):
             return value
