@@ -496,10 +496,3 @@ def mark_layers_as_zero3_leaves(model, layers: list) -> list[str]:
         # the embeddings train).
         model.enable_input_require_grads()
     return sorted({type(m).__name__ for m in layers})
-
-
-def model_summary(model_dir: str) -> dict[str, Any]:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return {
-        k: cfg.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    }

@@ -1,4 +1,4 @@
-"""model.attention=fused: causal self-attention as one C++ kernel (raytrain_cpu/csrc/fused_attention.cpp).
+"""model.attention=fused: causal self-attention as one C++ kernel (raytrain_cpu/model/ops/csrc/fused_attention.cpp).
 
 Why a kernel of our own: on AMX the causal blocks (raytrain_cpu.model.ops.attention) run forward +
 backward at a small fraction of the host's rate for a plain GEMM, because each step between

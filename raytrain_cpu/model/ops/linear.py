@@ -3,7 +3,7 @@
 Why: a linear layer's weight gradient dW = dy^T x reduces over the tokens, the slow dimension
 of both its operands, and autograd hands oneDNN dy^T as a transposed view: on AMX that GEMM ran
 at about half the forward's rate (benchmarks/gemm_layouts.py), about half of a step's GEMM
-time. raytrain_cpu/csrc/weight_grad.cpp prepares each chunk of 512 tokens once, in cache, and
+time. raytrain_cpu/model/ops/csrc/weight_grad.cpp prepares each chunk of 512 tokens once, in cache, and
 runs oneDNN's micro-kernels on it: faster than autograd's at the bench model's shapes on one
 thread (benchmarks/weight_grad.py). It runs on the rank's ATen threads (each owns blocks of
 dW), but a win at one thread says nothing of many: oneDNN's own weight gradient
