@@ -57,6 +57,7 @@ from raytrain_cpu.obs.console import (
     ray_log_file,
     restart_notice,
 )
+from raytrain_cpu.obs.metrics import count_events, read_choices, read_metrics, run_log_size
 
 
 def quiet_worker_logs() -> None:
@@ -250,8 +251,6 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         "hashed_checkpoint": latest and Path(latest["path"]).name,  # the workers' first attempt checks only its sizes
     }
     trainer = make_trainer(cfg, loop_config, datasets, worlds, sizing, latest)
-    from raytrain_cpu.obs.metrics import run_log_size
-
     choices_start = run_log_size(cfg.run.run_dir)  # this attempt's lines of run.log start here
     result = trainer.fit()
     if restore_stderr is not None:
@@ -427,8 +426,6 @@ def write_summary(
 ) -> dict[str, Any]:
     """summary.json: the workers' figures with the driver's (wall time, data, scaling, guard
     events and choices over every attempt); returns it."""
-    from raytrain_cpu.obs.metrics import count_events, read_choices, read_metrics
-
     run_dir = cfg.run.run_dir
     worker_summary = json.loads((run_dir / ".worker_summary.json").read_text())
     summary = {

@@ -39,10 +39,6 @@ Reduce = Callable[[list[float]], list[float]]
 MIN_HISTORY = 10  # losses the running mean needs before spikes are judged against it
 
 
-class GuardStop(RuntimeError):
-    """A guard decided to end the run; the message says which step, which value and why."""
-
-
 @dataclass
 class Event:
     """One guard finding, written to metrics.jsonl as ``{step, event, value, threshold, action}``."""

@@ -394,13 +394,12 @@ class Trainer:
         """Every rank saves its shard; rank 0 writes the manifest; all report to Ray Train."""
         from raytrain_cpu.host import memory as host_memory
 
-        w, st = self.w, self.st
-        st.watch.checkpointed(free_checkpoint_name(Path(ray_storage_path()), st.step), st.step)
+        w, st, run_root = self.w, self.st, Path(ray_storage_path())
+        st.watch.checkpointed(free_checkpoint_name(run_root, st.step), st.step)
         manifest = checkpoint_manifest(w, st, reason, self.loaded)
         report = checkpoint_report(w, st)
         if self.block_log is not None:
             self.block_log.flush()
-        run_root = Path(ray_storage_path())
         st.last_ckpt = save_and_report(self.engine, run_root, st.step, manifest, report, w.rank, w.world, st.last_ckpt)
         host_memory.release_free_memory()  # the save's buffers: see engine.build_engine
 
