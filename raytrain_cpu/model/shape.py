@@ -237,7 +237,7 @@ def attention_shape(model_config: Any, micro_batch: int, seq_len: int) -> tuple[
     if not heads or not hidden:
         return None
     kv = getattr(model_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(model_config, "head_dim", None) or hidden // heads
+    head_dim = config_head_dim({"head_dim": getattr(model_config, "head_dim", None)}) or hidden // heads
     return micro_batch, heads, kv, seq_len, head_dim
 
 
