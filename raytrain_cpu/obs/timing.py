@@ -163,7 +163,16 @@ OP_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ZeRO-3 hooks", ("backwardhookfunction", "prebackwardfunction", "postbackwardfunction", "zerostage3")),
     (
         "GEMM",
-        ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm", "mkldnn", "raytrain::weight_grad"),
+        (
+            "aten::mm",
+            "aten::addmm",
+            "aten::bmm",
+            "aten::baddbmm",
+            "aten::_addmm",
+            "mkldnn",
+            "raytrain::weight_grad",
+            "raytrain_weight_grad::",
+        ),
     ),
     # raytrain_cpu.model.ops.attention's and fused_attention's operators count with everything they run (their GEMMs, softmax).
     (
@@ -175,6 +184,7 @@ OP_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "raytrain::causal_blocks",
             "raytrain_causal_blocks",
             "raytrain::fused_causal",
+            "raytrain_fused_attention::",
         ),
     ),
     ("collectives", ("gloo", "c10d", "all_gather", "allgather", "reduce_scatter", "all_reduce", "allreduce")),

@@ -48,8 +48,9 @@ def _capability() -> tuple[str, list[str]]:
 
 @functools.cache
 def build_kernel(name: str, source: Path):
-    """One of the project's C++ kernels (`source`) built for this CPU and loaded: (the extension,
-    '') or (None, why it is unavailable). Cached per process."""
+    """One of the project's C++ kernels (`source`, whose TORCH_LIBRARY is named `name`) built for
+    this CPU and loaded: (its operators, torch.ops.<name>, '') or (None, why it is unavailable).
+    Cached per process."""
     compiler = os.environ.get("CXX") or "c++"  # cpp_extension's choice (inductor's, host_features.cpp_compiler, is g++)
     if not shutil.which(compiler) or not shutil.which("ninja"):
         return None, f"needs a C++ compiler ({compiler}) and ninja on PATH"
@@ -62,10 +63,10 @@ def build_kernel(name: str, source: Path):
         # The name carries the source (with its headers), torch and CPU capability: a changed
         # kernel, another torch or another CPU type sharing the cache directory builds afresh
         # instead of loading a stale .so.
-        ext = load(f"{name}_{cap}_{digest}", [str(source)], extra_cflags=["-O3", *flags])
+        load(f"{name}_{cap}_{digest}", [str(source)], extra_cflags=["-O3", *flags], is_python_module=False)
     except Exception as e:  # a build error: the run goes on without the kernel
         return None, f"its build failed: {str(e).strip().splitlines()[-1][:200]}"
-    return ext, ""
+    return getattr(torch.ops, name), ""
 
 
 def _build():

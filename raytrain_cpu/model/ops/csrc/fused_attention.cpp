@@ -27,7 +27,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <cstring>
@@ -397,7 +397,8 @@ std::vector<at::Tensor> fused_backward(const at::Tensor& grad_out, const at::Ten
   return {dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)};
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// An operator library (weight_grad.cpp says why); Python calls torch.ops.raytrain_fused_attention.
+TORCH_LIBRARY(raytrain_fused_attention, m) {
   m.def("forward", &fused_forward);
   m.def("backward", &fused_backward);
 }
