@@ -407,11 +407,16 @@ class Trainer:
 
     def fit(self) -> None:
         """The whole attempt: set up → load → engine → resume → steps (log, eval, checkpoint) → finish."""
+        from raytrain_cpu.host.memory import freeze_gc_objects
+
         w, t = self.w, self.w.cfg.train
+        freeze_gc_objects()  # Ray's and torch's modules: see freeze_gc_objects
         self.setup()
         self.load()
+        freeze_gc_objects()  # transformers, DeepSpeed, the model: before the engine's own gc.collect()
         self.build_engine()
         self.resume()
+        freeze_gc_objects()  # the engine and its partitions, for the steps' collections
         st = self.st
         if self.eval_shards and t.eval_on_start and st.step == 0:  # the starting model's loss: the baseline
             self.evaluate()
