@@ -30,6 +30,11 @@ os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 # again): the same code on a 2-core host, without the pool's start-up in every compiling worker.
 # Set here, it reaches the session Ray's workers and the CLI runs the tests start.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Ray Train's PreemptionWatcher (an actor per run, watching for node drains) only in the test that
+# drains a node (the elastic scenario in tests/integration/test_fault_tolerance_e2e.py turns it
+# back on): each run's driver hands this to its controller, and every actor a run starts costs
+# a process and its imports, a sizeable share of a tiny run on 2 cores.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 TESTS = Path(__file__).resolve().parent
 

@@ -97,7 +97,7 @@ if sys.argv[2] == "import-first":  # as a notebook does: `import ray` before run
 print("quiet", quiet_ray_console(load_config(None, [f"run.verbose={sys.argv[1]}"])), flush=True)
 import ray
 
-ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=True, logging_level="WARNING")
+ray.init(address=sys.argv[3], log_to_driver=True, logging_level="WARNING")  # the session's Ray: no start-up of its own
 
 @ray.remote(num_cpus=0)
 def noisy():
@@ -114,12 +114,14 @@ VERBOSE_CASES = [("true", "import-after"), ("false", "import-first")]
 
 
 @pytest.fixture(scope="module")
-def ray_children():
-    """Both CHILD processes, started at once (each is mostly Ray starting up); each waits on its
-    stdin once it has printed its lines, and is killed at teardown if its test did not finish it."""
+def ray_children(ray_session):
+    """Both CHILD processes, started at once, each a driver of the session's Ray (what Ray forwards
+    to a driver is the same whether it started that Ray or joined it); each waits on its stdin once
+    it has printed its lines, and is killed at teardown if its test did not finish it."""
+    address = ray_session.get_runtime_context().gcs_address
     children = {
         case: subprocess.Popen(
-            [sys.executable, "-c", CHILD, *case],
+            [sys.executable, "-c", CHILD, *case, address],
             cwd=ROOT,
             env=child_env(),
             stdin=subprocess.PIPE,
@@ -180,11 +182,13 @@ def _broken_model(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cli_children(tmp_path_factory, shared_cache):
+def cli_children(ray_session, tmp_path_factory, shared_cache):
     """The two CLI runs below, started at once: each is mostly Ray starting and workers loading, so
-    side by side they take about the longer one's time (one after the other: 39 s + 28 s here).
-    Their consoles go to files (a pipe nobody reads could fill); a run a test left is interrupted
-    at teardown as a user would (a kill would leave its Ray running), then killed."""
+    side by side they take about the longer one's time. The one Ctrl-C stops starts a Ray of its
+    own, as the command does on a laptop; the failing one joins the session's (RAY_ADDRESS, as
+    under `ray job submit`), which saves a Ray's start-up. Their consoles go to files (a pipe
+    nobody reads could fill); a run a test left is interrupted at teardown as a user would (a
+    kill would leave its Ray running), then killed."""
     import signal
 
     root = tmp_path_factory.mktemp("cli_children")
@@ -197,11 +201,15 @@ def cli_children(tmp_path_factory, shared_cache):
         # Fails on its workers past run.max_failures (0).
         "broken": [*common, "run.name=broken", f"model.name_or_path={_broken_model(root)}", "train.max_steps=2"],
     }
+    envs = {
+        "stopped": child_env(),
+        "broken": child_env() | {"RAY_ADDRESS": ray_session.get_runtime_context().gcs_address},
+    }
     children = {}
     for name, args in runs.items():
         out, err = (open(root / f"{name}.{k}", "w") for k in ("out", "err"))  # noqa: SIM115 - closed below
         p = subprocess.Popen(
-            [sys.executable, "-m", "raytrain_cpu.main", *args], cwd=ROOT, env=child_env(), stdout=out, stderr=err
+            [sys.executable, "-m", "raytrain_cpu.main", *args], cwd=ROOT, env=envs[name], stdout=out, stderr=err
         )
         children[name] = {"p": p, "run_dir": root / name, "files": (out, err), "err": root / f"{name}.err"}
     yield children

@@ -210,6 +210,13 @@ def _start_trainer_node(root: Path, gcs_address: str, env: dict, outs: list, tri
     pytest.fail(f"the trainer node did not come up in {tries} tries\n{_tails(root)}")
 
 
+def _job_log(cluster: dict, sid: str) -> str:
+    """The job's driver log as the head keeps it (what `ray job logs` serves): polled from the
+    file, as each `ray` command is a Python process that imports Ray (about a core-second here)."""
+    logs = sorted((cluster["root"] / "head").glob(f"session_*/logs/job-driver-{sid}.log"))
+    return logs[-1].read_text(errors="replace") if logs else ""
+
+
 def _ray(cluster: dict, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
         [BIN / "ray", *args], env=cluster["env"], capture_output=True, text=True, timeout=timeout, cwd=cluster["root"]
@@ -241,7 +248,7 @@ def job(cluster, tmp_path_factory, shared_cache):
     assert submit.returncode == 0, submit.stdout + submit.stderr
     # No node can hold a worker yet: the job asks the autoscaler and waits; this test is the autoscaler.
     waiting = "[raytrain] waiting for nodes to hold 2 workers"
-    if not _until(lambda: waiting in _ray(cluster, "job", "logs", sid).stdout, [], timeout=120):
+    if not _until(lambda: waiting in _job_log(cluster, sid), [], timeout=120):
         _ray(cluster, "job", "stop", sid)
         pytest.fail(f"job {sid} did not wait for nodes:\n{_ray(cluster, 'job', 'logs', sid).stdout[-5000:]}")
     cluster["add_trainer_node"]()

@@ -361,11 +361,14 @@ def test_a_data_mixture_trains_by_weight_and_evaluates_each_source(ray_session, 
 
 def test_compiled_layers_train_as_eager_does(straight, tmp_path, shared_cache):
     """model.compile: each decoder layer compiled, gathered whole by ZeRO-3; the losses follow the
-    eager straight run's (conftest.py), checkpoints included."""
+    eager straight run's (conftest.py), checkpoints included. One worker accumulating twice (the
+    straight run's global batch): each worker compiles the layers itself, the costliest part of
+    this test on a small host, and the compiled code is the same at any worker count."""
     from raytrain_cpu.config.schema import load_config
     from raytrain_cpu.launch.driver import run
 
     extra = ["model.compile=true", f"model.compile_cache_dir={tmp_path / 'ic'}"]
+    extra += ["scaling.num_workers=1", "train.grad_accum_steps=2"]
     summary = run(load_config(None, straight_overrides("compiled", tmp_path, shared_cache, *extra)))
     losses, eager = run_losses(summary["run_dir"]), straight["losses"]
     assert sorted(losses) == list(range(1, STEPS + 1))

@@ -7,7 +7,7 @@ Issue 6, point by point, and elastic training after it (fast tests first, then t
 2. whole checkpoints only .... test_save_is_whole_or_absent, test_incomplete_checkpoint_fails_loudly
 3. deterministic resume ...... test_rng_state_round_trip, test_kill_and_hang_recover_and_resume_exactly
 4. distributed = single ...... test_distributed_matches_single_process
-5. world-size changes ........ test_resume_on_fewer_workers_follows_the_straight_run
+5. world-size changes ........ test_a_damaged_latest_checkpoint_resumes_from_the_one_before_on_fewer_workers
                                (the global batch kept: tests/test_preflight.py),
                                test_elastic_run_shrinks_on_node_loss_and_grows_back (in the run)
 6. export at the end ......... test_export_on_finish (the CLI itself: tests/test_export.py)
@@ -21,7 +21,7 @@ Issue 6, point by point, and elastic training after it (fast tests first, then t
 Issue 59: files fsynced before their manifest (test_checkpoint_files_are_fsynced_before_the_manifest);
 a damaged checkpoint stepped past, kept and named (test_a_damaged_checkpoint_is_stepped_past_kept_and_named_once,
 test_a_conversion_that_finds_damage_steps_back_on_the_driver; on Ray: the driver's start in
-test_a_damaged_latest_checkpoint_resumes_from_the_one_before, a restart in
+test_a_damaged_latest_checkpoint_resumes_from_the_one_before_on_fewer_workers, a restart in
 test_kill_and_hang_recover_and_resume_exactly); the RNG state as tensors (test_rng_state_round_trip).
 
 The slow tests share two 2-worker runs of the same config: `straight` (conftest.py: 64 steps,
