@@ -4,7 +4,6 @@ where set: bf16 or fp32 by host, or as RAYTRAIN_DTYPE_AUTO forces it); then resu
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 from pathlib import Path
@@ -12,14 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from helpers import BF16_LOSS_TOL, STEPS, run_losses, straight_overrides
+from helpers import (
+    BF16_LOSS_TOL,
+    STEPS,
+    fast_overrides,
+    run_losses,
+    spawn_two_ranks_on_tiny_model,
+    straight_overrides,
+)
 
 pytestmark = pytest.mark.slow
-
-
-def _tests_path() -> str:
-    here = Path(__file__).resolve().parent
-    return os.pathsep.join([str(here), str(here.parent)])
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -377,27 +378,31 @@ def test_compiled_layers_train_as_eager_does(straight, tmp_path, shared_cache):
     assert any((tmp_path / "ic").rglob("*.py")), "inductor wrote no compiled code"
 
 
-def _check_sharded_load(loop_config: dict) -> None:
+def _sharded_load_rank(rank: int, port: int, root: str, overrides: list[str]) -> None:
+    """One of 2 spawned ranks on a real gloo group (no Ray: the loader only needs the group, which
+    init_deepspeed reuses as it reuses Ray Train's): the tiny model loaded as the workers load it,
+    checked against its file, its resident sizes written for the test."""
     import deepspeed
-    import ray.train
     import torch
     from safetensors.torch import load_file
 
-    from raytrain_cpu.config.schema import Config
+    from raytrain_cpu.config.schema import load_config
     from raytrain_cpu.model.loading import load_sharded
-    from raytrain_cpu.trainer.engine import deepspeed_config, init_deepspeed
+    from raytrain_cpu.trainer.engine import deepspeed_config, init_deepspeed, init_local_group
 
-    world = ray.train.get_context().get_world_size()
+    world = 2
+    init_local_group(rank, world, port)
     init_deepspeed()
-    cfg = Config.from_dict(loop_config["config"])
-    model, hf_ds = load_sharded(loop_config["model_dir"], deepspeed_config(cfg, world), torch.bfloat16)
+    cfg = load_config(None, overrides)
+    model_dir = Path(root) / "model"
+    model, hf_ds = load_sharded(str(model_dir), deepspeed_config(cfg, world), torch.bfloat16)
     params = dict(model.named_parameters())
     total = sum(p.ds_numel for p in params.values())
     resident = sum(p.ds_tensor.numel() for p in params.values())
     assert all(p.numel() == 0 for p in params.values()), "a parameter is materialised whole on this rank"
     assert resident <= total / world + 64 * len(params), (resident, total)
     assert resident >= total / world
-    reference = load_file(str(Path(loop_config["model_dir"]) / "model.safetensors"))
+    reference = load_file(str(model_dir / "model.safetensors"))
     with deepspeed.zero.GatheredParameters(list(params.values())):
         for name, p in params.items():
             assert torch.equal(p.data, reference[name].to(p.dtype)), name
@@ -405,39 +410,18 @@ def _check_sharded_load(loop_config: dict) -> None:
     # random init of weights it then reads.
     from transformers import AutoConfig, LlamaForCausalLM
 
-    plain = LlamaForCausalLM(AutoConfig.from_pretrained(loop_config["model_dir"]))
+    plain = LlamaForCausalLM(AutoConfig.from_pretrained(str(model_dir)))
     plain_buffers = dict(plain.named_buffers())
     for name, b in model.named_buffers():
         assert torch.allclose(b.float(), plain_buffers[name].float()), name
-    # Ray Train v2 keeps no metrics reported without a checkpoint: hand the figures back in a file.
-    rank = ray.train.get_context().get_world_rank()
-    Path(loop_config["out"], f"rank{rank}.json").write_text(json.dumps({"resident": resident, "total": total}))
+    Path(root, f"rank{rank}.json").write_text(json.dumps({"resident": resident, "total": total}))
     del hf_ds
 
 
-def test_sharded_loading_is_exact_and_partitioned(ray_session, make_config, tmp_path):
-    import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    from raytrain_cpu.model.loading import write_tiny_model
-    from raytrain_cpu.model.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
-
-    cfg = make_config()
-    model_dir = write_tiny_model(cfg, load_tokenizer(str(BUNDLED_TOKENIZER)), tmp_path / "model")
-    trainer = TorchTrainer(
-        _check_sharded_load,
-        train_loop_config={"config": cfg.to_dict(), "model_dir": str(model_dir), "out": str(tmp_path)},
-        torch_config=TorchConfig(backend="gloo", timeout_s=120),
-        scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
-        run_config=ray.train.RunConfig(
-            storage_path=str(tmp_path / "runs"),
-            name="load",
-            # This module (and tests/helpers.py, which it imports) for the workers to unpickle _check_sharded_load.
-            worker_runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", "PYTHONPATH": _tests_path()}},
-        ),
-    )
-    result = trainer.fit()
-    assert result.error is None
+def test_sharded_loading_is_exact_and_partitioned(tmp_path, shared_cache):
+    """ZeRO-3 sharded loading on 2 ranks: every parameter partitioned (none whole on a rank), each
+    rank holding its share, the gathered weights equal to the file's, the buffers as built."""
+    spawn_two_ranks_on_tiny_model(_sharded_load_rank, tmp_path, fast_overrides(tmp_path / "runs", shared_cache))
     for r in (0, 1):
         m = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert m["total"] / 2 <= m["resident"] <= m["total"] / 2 + 64 * 20
