@@ -43,9 +43,10 @@ RAY_NOISE = [
 ]
 
 
-def test_prepare_cli_prints_its_own_lines_and_a_one_line_error(tmp_path):
-    """`python -m raytrain_cpu.data prepare` starts a Ray of its own: its console held Ray's progress
-    logs and a core-worker notice before the error, and overrides after --config were refused."""
+def test_prepare_cli_prints_its_own_lines_and_a_one_line_error(ray_session, tmp_path):
+    """`python -m raytrain_cpu.data prepare` (here joining the session's Ray, as under `ray job
+    submit`, rather than starting one): its console held Ray's progress logs and a core-worker
+    notice before the error, and overrides after --config were refused."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text(
         '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo."}]}\n{"x": 1}\n'
@@ -53,7 +54,8 @@ def test_prepare_cli_prints_its_own_lines_and_a_one_line_error(tmp_path):
     args = [f"data.path={bad}", "--config", "configs/sft-local.yaml", f"run.storage_path={tmp_path / 'runs'}"]
     p = subprocess.run(
         [sys.executable, "-m", "raytrain_cpu.data", "prepare", *args],
-        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=child_env() | {"RAY_ADDRESS": ray_session.get_runtime_context().gcs_address},
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert p.returncode == 2, p.stderr
     assert [line.split(" ", 1)[0] for line in p.stdout.splitlines()] == ["[data]", "[data]"], p.stdout
