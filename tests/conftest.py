@@ -47,6 +47,9 @@ TESTS = Path(__file__).resolve().parent
 def pytest_configure(config):
     config.addinivalue_line("markers", "unit: tests/unit (no Ray, no child processes, no process groups)")
     config.addinivalue_line("markers", "integration: tests/integration (Ray, subprocesses, 2-rank groups, training)")
+    config.addinivalue_line(
+        "markers", "late: runs after the rest of its tier (it reads a scenario a session fixture started earlier)"
+    )
 
 
 def _tier(item) -> str | None:
@@ -57,11 +60,13 @@ def _tier(item) -> str | None:
 def pytest_collection_modifyitems(config, items):
     """Marks each test with its tier, and runs the unit tier first: a failure there shows at once,
     and its pytest keeps one core of two busy, leaving the other to the CLI run (cli_run) started
-    meanwhile. Each module stays whole (a tier holds whole modules)."""
+    meanwhile. Each module stays whole (a tier holds whole modules), but for the tests marked
+    `late`, which go to the end of their tier: each waits on a scenario a session fixture started
+    in the background, which then runs beside the tests in between rather than being waited for."""
     for item in items:
         if _tier(item) in ("unit", "integration"):
             item.add_marker(_tier(item))
-    items.sort(key=lambda item: _tier(item) != "unit")
+    items.sort(key=lambda item: (_tier(item) != "unit", item.get_closest_marker("late") is not None))
 
 
 @pytest.fixture

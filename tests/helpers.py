@@ -25,9 +25,6 @@ FAST = [
     "train.warmup_steps=2",
     # Ray Train's controller notices a tiny run's end (and registers its checkpoints) sooner.
     "run.poll_interval_s=0.25",
-    # One tokenizer actor packs a test's few kilobytes as fast as two, and each actor is a process
-    # that imports the tokenizer; it also leaves a CPU of the 2-CPU test Ray to Ray Data's reads.
-    "data.tokenize_actors=1",
 ]
 
 
@@ -186,6 +183,8 @@ def straight_overrides(name: str, storage, cache: str, *extra: str) -> list[str]
         f"train.max_steps={STEPS}",
         f"train.checkpoint_every={CKPT_EVERY}",
         "run.num_to_keep=3",
+        # One tokenizer actor leaves a CPU of the 2-CPU test Ray for Ray Data's read tasks.
+        "data.tokenize_actors=1",
         *extra,
     )
 

@@ -792,12 +792,13 @@ def test_export_on_finish(straight):
 # ----------------------------------------------------------------------------- spot notice, node loss, elastic training
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def elastic_scenario(straight, tmp_path_factory, shared_cache):
     """The scenario (`_elastic_scenario`) in a subprocess with its own 3-node Ray Cluster, started
     once the straight run has made the data cache; yields a function that waits for its result.
-    test_kill_and_hang_recover_and_resume_exactly starts it, so the two run side by side: each
-    spends most of its time waiting on restarts, health checks and timeouts."""
+    test_kill_and_hang_recover_and_resume_exactly starts it, and the test that reads it runs
+    last (marked `late`): the scenario spends most of its ~3 minutes waiting on drains, restarts
+    and health checks, beside the tests in between."""
     root = tmp_path_factory.mktemp("elastic")
     args = {"storage": str(root), "cache": shared_cache}
     with open(root / "stdout.txt", "w") as out, open(root / "stderr.txt", "w") as err:
@@ -821,6 +822,7 @@ def elastic_scenario(straight, tmp_path_factory, shared_cache):
 
 
 @pytest.mark.slow
+@pytest.mark.late
 def test_elastic_run_shrinks_on_node_loss_and_grows_back(elastic_scenario, straight, record_property):
     """Points 1, 8 and 9 on a 3-node Ray Cluster (one machine), with scaling.min_workers=1 and
     num_workers=2, one worker a node. One node gets a spot notice, through raytrain_cpu.launch.spot
