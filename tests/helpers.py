@@ -235,9 +235,12 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def child_env() -> dict[str, str]:
-    """This environment without a Ray address or console knobs: a child process starts its own Ray."""
-    drop = ("RAY_ADDRESS", "RAY_DEDUP_LOGS_ALLOW_REGEX", "RAY_DEDUP_LOGS_SKIP_REGEX", "RAY_DISABLE_WORKER_LOG_PREFIX")
+def child_env(join_session: bool = False) -> dict[str, str]:
+    """This environment without console knobs, and without a Ray address (a child process starts
+    its own Ray) unless `join_session`: then it keeps the session's (RAY_ADDRESS, which the
+    ray_session fixture sets), and the child joins that Ray, as a job under `ray job submit` does."""
+    drop = ("RAY_DEDUP_LOGS_ALLOW_REGEX", "RAY_DEDUP_LOGS_SKIP_REGEX", "RAY_DISABLE_WORKER_LOG_PREFIX")
+    drop += () if join_session else ("RAY_ADDRESS",)
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 

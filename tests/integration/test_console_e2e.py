@@ -54,8 +54,7 @@ def test_prepare_cli_prints_its_own_lines_and_a_one_line_error(ray_session, tmp_
     args = [f"data.path={bad}", "--config", "configs/sft-local.yaml", f"run.storage_path={tmp_path / 'runs'}"]
     p = subprocess.run(
         [sys.executable, "-m", "raytrain_cpu.data", "prepare", *args],
-        cwd=ROOT, env=child_env() | {"RAY_ADDRESS": ray_session.get_runtime_context().gcs_address},
-        capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=child_env(join_session=True), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert p.returncode == 2, p.stderr
     assert [line.split(" ", 1)[0] for line in p.stdout.splitlines()] == ["[data]", "[data]"], p.stdout
@@ -90,6 +89,7 @@ def test_default_console_is_raytrain_lines_only(cli_run, record_property):
 
 
 CHILD = """
+import os
 import sys
 from raytrain_cpu.config.schema import load_config
 from raytrain_cpu.obs.console import quiet_ray_console
@@ -99,7 +99,7 @@ if sys.argv[2] == "import-first":  # as a notebook does: `import ray` before run
 print("quiet", quiet_ray_console(load_config(None, [f"run.verbose={sys.argv[1]}"])), flush=True)
 import ray
 
-ray.init(address=sys.argv[3], log_to_driver=True, logging_level="WARNING")  # the session's Ray: no start-up of its own
+ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, logging_level="WARNING")  # the session's Ray
 
 @ray.remote(num_cpus=0)
 def noisy():
@@ -120,12 +120,11 @@ def ray_children(ray_session):
     """Both CHILD processes, started at once, each a driver of the session's Ray (what Ray forwards
     to a driver is the same whether it started that Ray or joined it); each waits on its stdin once
     it has printed its lines, and is killed at teardown if its test did not finish it."""
-    address = ray_session.get_runtime_context().gcs_address
     children = {
         case: subprocess.Popen(
-            [sys.executable, "-c", CHILD, *case, address],
+            [sys.executable, "-c", CHILD, *case],
             cwd=ROOT,
-            env=child_env(),
+            env=child_env(join_session=True),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -203,15 +202,15 @@ def cli_children(ray_session, tmp_path_factory, shared_cache):
         # Fails on its workers past run.max_failures (0).
         "broken": [*common, "run.name=broken", f"model.name_or_path={_broken_model(root)}", "train.max_steps=2"],
     }
-    envs = {
-        "stopped": child_env(),
-        "broken": child_env() | {"RAY_ADDRESS": ray_session.get_runtime_context().gcs_address},
-    }
     children = {}
     for name, args in runs.items():
         out, err = (open(root / f"{name}.{k}", "w") for k in ("out", "err"))  # noqa: SIM115 - closed below
         p = subprocess.Popen(
-            [sys.executable, "-m", "raytrain_cpu.main", *args], cwd=ROOT, env=envs[name], stdout=out, stderr=err
+            [sys.executable, "-m", "raytrain_cpu.main", *args],
+            cwd=ROOT,
+            env=child_env(join_session=name == "broken"),
+            stdout=out,
+            stderr=err,
         )
         children[name] = {"p": p, "run_dir": root / name, "files": (out, err), "err": root / f"{name}.err"}
     yield children

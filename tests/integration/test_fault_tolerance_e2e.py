@@ -521,6 +521,13 @@ def _wait_for_new_group(old_pids: set[int], future, timeout: float = 300) -> tup
     raise AssertionError(f"no new worker group within {timeout}s")
 
 
+def _flip_a_byte(shard: Path) -> None:
+    """One byte in the middle of a checkpoint file changed, its size kept: only a hash sees it."""
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -556,9 +563,7 @@ def test_kill_and_hang_recover_and_resume_exactly(straight, tmp_path, shared_cac
         ckpt_kill = _wait_for_registered(run_dir, 2 * CKPT_EVERY, future)
         damaged = run_dir / ck_layout.checkpoint_dir_name(ckpt_kill)
         shard = damaged / ck_layout.DS_TAG / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        shard.write_bytes(bytes(data))
+        _flip_a_byte(shard)
         files = _tree(damaged)
         _wait_for_step(run_dir, ckpt_kill + 2, future)
         group = _alive_workers()
@@ -733,9 +738,7 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_one_before_on_fewer_worker
     _rewind(run_dir, STEPS - CKPT_EVERY)
     damaged = run_dir / ck_layout.checkpoint_dir_name(STEPS - CKPT_EVERY)
     shard = damaged / ck_layout.DS_TAG / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    _flip_a_byte(shard)
     files = _tree(damaged)
 
     cfg = straight["cfg"]

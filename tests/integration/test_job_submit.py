@@ -250,7 +250,7 @@ def job(cluster, tmp_path_factory, shared_cache):
     waiting = "[raytrain] waiting for nodes to hold 2 workers"
     if not _until(lambda: waiting in _job_log(cluster, sid), [], timeout=120):
         _ray(cluster, "job", "stop", sid)
-        pytest.fail(f"job {sid} did not wait for nodes:\n{_ray(cluster, 'job', 'logs', sid).stdout[-5000:]}")
+        pytest.fail(f"job {sid} did not wait for nodes:\n{_job_log(cluster, sid)[-5000:]}")
     cluster["add_trainer_node"]()
     try:
         follow = _ray(cluster, "job", "logs", "--follow", sid, timeout=600)

@@ -70,12 +70,12 @@ def build_kernel(name: str, source: Path):
 
 
 def _build():
-    """(the loaded extension, '') or (None, why it is unavailable)."""
+    """(the loaded operators, '') or (None, why it is unavailable)."""
     return build_kernel("raytrain_fused_attention", SOURCE)
 
 
 def kernel():
-    """The built kernel module, or None (why_unavailable() says why)."""
+    """The built kernel's operators (torch.ops.<its library>), or None (why_unavailable() says why)."""
     return _build()[0]
 
 

@@ -33,14 +33,14 @@ SOURCE = Path(__file__).parent / "csrc" / "weight_grad.cpp"
 
 
 def _build():
-    """(the loaded extension, '') or (None, why it is unavailable): fused_attention.build_kernel."""
+    """(the loaded operators, '') or (None, why it is unavailable): fused_attention.build_kernel."""
     from raytrain_cpu.model.ops.fused_attention import build_kernel
 
     return build_kernel("raytrain_weight_grad", SOURCE)
 
 
 def kernel():
-    """The built kernel module, or None (why_unavailable() says why)."""
+    """The built kernel's operators (torch.ops.<its library>), or None (why_unavailable() says why)."""
     return _build()[0]
 
 
