@@ -2,8 +2,9 @@
 
     python benchmarks/mixture_stream.py [--blocks 16384] [--seq-len 1024] [--rounds 5]
 
-A rank's training stream maps global positions to cache rows (`data.StreamPlan.fetch`, run in
-Ray Data's map_batches at 256 positions a batch). This times that function on real parquet
+A rank's training stream maps global positions to cache rows (`data.StreamPlan.fetch`; this
+times it at 256 positions a call, as Ray Data's map_batches called it until each rank read its
+own blocks one micro batch at a time: benchmarks/stream_reads.py). This times that function on real parquet
 caches written by the packer's own writer: one source of N blocks, against a 3:1 mixture of
 two sources holding the same N blocks, alternating A/B rounds in one process (this machine is
 shared and noisy: compare the ratio). Cold = a pass that reads the parquet files (from the page
@@ -29,7 +30,7 @@ from raytrain_cpu.data.stream import StreamPlan, mix_pattern
 from raytrain_cpu.host.features import cpu_features
 
 RESULTS = Path(__file__).parent / "results" / cpu_features().slug  # one folder per machine
-BATCH = 256  # positions per map_batches call, as data.train_stream
+BATCH = 256  # positions a call
 
 
 def write_cache(path: Path, blocks: int, seq_len: int, seed: int) -> str:

@@ -186,22 +186,3 @@ def drain_for_preemption(gcs, node_id: str, message: str, deadline_ms: int) -> t
     return gcs.drain_node(
         node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), message, deadline_ms
     )
-
-
-# ----------------------------------------------------------------------------- Ray Data
-
-
-def execution_callback_class() -> type:
-    """Ray Data's base class for the callbacks `DataContext.custom_execution_callback_classes`
-    takes (`ray.data._internal.execution.execution_callback.ExecutionCallback`): Ray Data
-    accepts only its subclasses there and exports it nowhere public."""
-    from ray.data._internal.execution.execution_callback import ExecutionCallback
-
-    return ExecutionCallback
-
-
-def waiting_consumers(executor) -> int:  # noqa: ANN001 - Ray Data's StreamingExecutor
-    """How many consumers are blocked on a streaming executor's output: its output operator's
-    state (`executor._output_node[1].num_waiting_consumers`); 0 where this Ray keeps no count."""
-    node = getattr(executor, "_output_node", None)
-    return getattr(node[1], "num_waiting_consumers", 0) if node is not None else 0

@@ -202,9 +202,10 @@ class DataConfig:
     random order and the blocks within each window in a seeded random order, so a reader
     holds one window at a time (data smaller than a window get a full permutation), decoded:
     4 x seq_len bytes a block and column (text 1 column, chat and DPO 3), 256 MiB for 65,536
-    text blocks of 1,024 tokens, in each of Ray Data's reading processes."""
+    text blocks of 1,024 tokens, in each training worker."""
     prefetch_batches: int = 4
-    """Batches each training worker prefetches from its Ray Data shard."""
+    """Micro batches each training worker reads ahead of its steps, on a thread of its own (0: each
+    when the step asks for it)."""
     format: Format = "text"
     """'text' (documents packed back to back, every token trained), 'chat' (rows with a list of
     {role, content} messages) or 'instruction' (rows with prompt/response fields, or Alpaca's

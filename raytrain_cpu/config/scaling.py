@@ -41,10 +41,11 @@ class ScalingConfig:
     the workers from the latest checkpoint, so the steps since it are trained again."""
     cpus_per_worker: float = 0.0
     """Ray CPUs each worker reserves; 0 derives it from what Ray reports, leaving
-    scaling.data_cpus free for Ray Data."""
+    scaling.data_cpus free."""
     data_cpus: float = 0.0
-    """CPUs per node left unreserved so Ray Data can read and prefetch next to training;
-    0 derives it: 1 on machines with up to 16 CPUs, 2 above."""
+    """CPUs per node the workers leave unreserved: room for Ray's own processes and each
+    worker's data reader thread, which the torch threads (counted from the reserved CPUs' cores)
+    then do not compete with; 0 derives it: 1 on machines with up to 16 CPUs, 2 above."""
     threads_per_worker: int = 0
     """torch intra-op threads per worker; 0 uses the physical cores behind the worker's CPUs."""
     resources_per_worker: dict[str, float] = field(default_factory=dict)

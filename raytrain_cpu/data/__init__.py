@@ -1,1 +1,1 @@
-"""Data: sources, tokenize and pack (plain text, SFT and DPO rows), per-rank streams, Ray Data throttle."""
+"""Data: sources, tokenize and pack (plain text, SFT and DPO rows), per-rank streams (read in each worker)."""

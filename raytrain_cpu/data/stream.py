@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,12 +86,19 @@ class _DecodedColumns:
     def __init__(self, files: int) -> None:
         self.files = files
         self.held: collections.OrderedDict[str, dict[str, np.ndarray]] = collections.OrderedDict()
+        # A rank's training stream reads ahead on a thread while its evaluations (and DPO's
+        # reference pass) read on the training thread: one reader at a time.
+        self.lock = threading.Lock()
 
     def keep(self, files: int) -> None:
         """Holds at least `files` files from now on (a stream's windows, every source's)."""
         self.files = max(self.files, files)
 
     def __call__(self, path: str, column: str) -> np.ndarray:
+        with self.lock:
+            return self._read(path, column)
+
+    def _read(self, path: str, column: str) -> np.ndarray:
         columns = self.held.setdefault(path, {})
         self.held.move_to_end(path)
         if column not in columns:
@@ -183,7 +191,7 @@ class StreamPlan:
         return sum(min(-(-n // BLOCKS_PER_FILE) + 1, per_window) for n in self.n_blocks)
 
     def fetch(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        _decoded_columns.keep(self.files_in_windows())  # in the reading process: Ray Data's task
+        _decoded_columns.keep(self.files_in_windows())
         pos = self.positions(batch["id"].astype(np.int64))
         src, src_pos = mix_positions(pos, self.pattern)
         first_id = np.cumsum((0, *self.n_blocks))
@@ -259,23 +267,42 @@ def document_positions(ids: np.ndarray, eos_id: int) -> np.ndarray:
     return column - np.maximum.accumulate(starts, axis=1)
 
 
-def train_stream(plan: StreamPlan):
-    """The Ray Dataset rank `plan.rank` iterates: its blocks in global order, lazily fetched.
+def rank_batches(
+    fetch: Callable[[np.ndarray], dict[str, np.ndarray]], rows: int, micro: int, first: int = 0, prefetch: int = 0
+) -> Iterator[dict[str, np.ndarray]]:
+    """fetch(ids) for this rank's rows [first, rows) in slices of `micro`, in order, read on a
+    thread `prefetch` batches ahead of the consumer (0: when asked).
 
-    No shuffle stage: the order is arithmetic on a seeded permutation, so the dataset is a
-    `range` mapped to cache rows, deterministic and cheap to restart at any position.
+    Read in the training process itself: a batch is a few blocks found by arithmetic (no shuffle
+    stage, no data to move between processes), so a pipeline of reading tasks would add only its
+    own start-up (seconds at every evaluation) and a scheduling loop that competes with the
+    training thread for the GIL. pyarrow decodes a cache file without the GIL.
     """
-    import ray
+    starts = range(first, rows, micro)
+    if not prefetch:
+        for lo in starts:
+            yield fetch(np.arange(lo, min(lo + micro, rows), dtype=np.int64))
+        return
+    from concurrent.futures import ThreadPoolExecutor
 
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytrain-data")
+    ahead: collections.deque = collections.deque()
+    try:
+        for lo in starts:
+            ahead.append(pool.submit(fetch, np.arange(lo, min(lo + micro, rows), dtype=np.int64)))
+            if len(ahead) > prefetch:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
+    finally:  # also when the consumer stops early (an early stop, an error): what was read ahead is dropped
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def train_batches(plan: StreamPlan, skip: int = 0, prefetch: int = 0) -> Iterator[dict[str, np.ndarray]]:
+    """Rank `plan.rank`'s micro batches in global order, after its first `skip` (a restart
+    inside the driver's run goes on from a later checkpoint than the plan's start)."""
     lo, hi = plan.local_range
-    return ray.data.range(hi - lo, override_num_blocks=max(1, min(64, (hi - lo) // 256))).map_batches(
-        plan.fetch, batch_format="numpy", batch_size=256, num_cpus=0.25
-    )
-
-
-def eval_dataset(world_size: int, rank: int, source: str = "") -> str:
-    """The name of a rank's eval stream (of a mixture's source) among the trainer's datasets."""
-    return f"eval_w{world_size}_rank{rank}" + (f"_{source}" if source else "")
+    return rank_batches(lambda ids: plan.fetch({"id": ids}), hi - lo, plan.micro, skip * plan.micro, prefetch)
 
 
 def eval_blocks_per_rank(n_eval: int, world_size: int, max_blocks: int = 0) -> int:
@@ -308,15 +335,8 @@ def read_eval_blocks(
     return {"block_id": np.where(padding, -1, ids), **rows}
 
 
-def eval_stream(
-    cache: Path,
-    world_size: int,
-    rank: int,
-    n_eval: int,
-    max_blocks: int = 0,
-    has_labels: bool = False,
-    documents_eos: int | None = None,
-):
+@dataclass(frozen=True)
+class EvalStream:
     """Rank r evaluates eval blocks r, r+W, ... (its first `max_blocks`; 0: all), so the ranks
     together evaluate every block once, whatever W (`python -m raytrain_cpu.evaluate` on one
     process measures the same targets). Every rank gets the same count, ceil(n_eval / W)
@@ -326,19 +346,49 @@ def eval_stream(
     split's stream that holds padding carries labels for all its rows (their inputs where real),
     so that every batch of the stream has the same columns.
 
-    Fetched by index like the training stream: an evaluation reads the blocks it evaluates,
-    not the whole split (reading and filtering the split cost seconds an evaluation).
+    Read by index like the training stream: an evaluation reads the blocks it evaluates, not the
+    whole split.
     """
-    import ray
 
-    per_rank = eval_blocks_per_rank(n_eval, world_size, max_blocks)
-    padded = per_rank > 0 and (per_rank - 1) * world_size + rank >= n_eval  # this rank's last row is padding
-    split_dir = str(Path(cache) / "eval")
+    cache: str
+    world_size: int
+    rank: int
+    n_eval: int
+    max_blocks: int = 0
+    has_labels: bool = False
+    documents_eos: int | None = None
 
-    def fetch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        block_id = batch["id"].astype(np.int64) * world_size + rank
-        return read_eval_blocks(split_dir, block_id, n_eval, has_labels, documents_eos, labelled=padded)
+    @property
+    def rows(self) -> int:
+        return eval_blocks_per_rank(self.n_eval, self.world_size, self.max_blocks)
 
-    return ray.data.range(per_rank, override_num_blocks=max(1, min(64, per_rank // 256))).map_batches(
-        fetch, batch_format="numpy", batch_size=256, num_cpus=0.25
+    def fetch(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        padded = self.rows > 0 and (self.rows - 1) * self.world_size + self.rank >= self.n_eval  # last row padding
+        block_id = ids.astype(np.int64) * self.world_size + self.rank
+        split_dir = str(Path(self.cache) / "eval")
+        return read_eval_blocks(split_dir, block_id, self.n_eval, self.has_labels, self.documents_eos, padded)
+
+    def batches(self, micro: int) -> Iterator[dict[str, np.ndarray]]:
+        """This rank's eval rows in batches of `micro`, read when asked."""
+        return rank_batches(self.fetch, self.rows, micro)
+
+
+# ----------------------------------------------------------------------------- a rank's streams from the driver's spec
+
+
+def rank_streams(spec: dict, world_size: int, rank: int) -> tuple[StreamPlan, dict[str, EvalStream]]:
+    """Rank `rank` of `world_size`'s training plan and eval streams (by source name; '' for a
+    single source) from the driver's plain dict (launch.datasets.stream_spec). A source with
+    fewer eval blocks than workers is not evaluated."""
+    t = spec["train"]
+    plan = StreamPlan(
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in t.items()}, world_size=world_size, rank=rank
     )
+    evals = {
+        name: EvalStream(
+            e["cache"], world_size, rank, e["n_eval"], spec["eval_blocks"], e["has_labels"], t["documents_eos"]
+        )
+        for name, e in spec["eval"].items()
+        if e["n_eval"] >= world_size
+    }
+    return plan, evals

@@ -1,4 +1,4 @@
-"""The run's data once packed: each rank's streams, the steps train.epochs makes, and what it
+"""The run's data once packed: what each rank opens its streams from, the steps train.epochs makes, and what it
 says when the data evaluates nothing or is read more than once."""
 
 from __future__ import annotations
@@ -11,48 +11,35 @@ from raytrain_cpu.config.checks import ConfigError
 from raytrain_cpu.config.schema import Config
 
 
-def build_datasets(
-    meta: dict, sources: list[tuple[str, Path, dict]], cfg: Config, worlds: list[int], start: int
-) -> dict[str, Any]:
-    """Each rank's stream for each worker count the run may have (one, unless elastic), named
-    train_w{W}_rank{r} / eval_w{W}_rank{r} (a mixture: one eval stream per source, ..._{name}):
-    all lazy, a worker iterates only its own. `sources`: data.mixture_sources of the cache's meta."""
-    from ray.data import DataContext
-
-    from raytrain_cpu.data import throttle as datathrottle
+def stream_spec(meta: dict, sources: list[tuple[str, Path, dict]], cfg: Config, worlds: list[int], start: int) -> dict:
+    """What every rank needs to open its own streams (data.stream.rank_streams), as a plain dict
+    for the loop config: the training stream's plan but for the worker count and rank, which
+    each attempt knows (an elastic run's changes), and each source's eval split.
+    `sources`: data.mixture_sources of the cache's meta."""
     from raytrain_cpu.data.prepare import documents_eos
-    from raytrain_cpu.data.stream import StreamPlan, eval_dataset, eval_stream, train_stream
 
-    # These streams' scheduling loops run inside the training workers: keep them from spinning.
-    datathrottle.install(DataContext.get_current())
-    eos = documents_eos(cfg)  # data.attention_span=document: the blocks carry each token's place in its document
-
-    end = cfg.train.max_steps * cfg.train.derive_global_batch(worlds[-1])
-    eval_blocks = cfg.train.eval_batches * cfg.train.micro_batch_size  # 0: the whole split
     # Chat/instruction blocks carry labels (-100 where no loss); a mixture's text blocks then too.
-    labelled = tuple(source_meta.get("data_format", "text") != "text" for _, _, source_meta in sources)
-    out = {}
-    for w, r in [(world, rank) for world in worlds for rank in range(world)]:
-        plan = StreamPlan(
-            tuple(str(source_cache / "train") for _, source_cache, _ in sources),
-            tuple(source_meta["blocks"] for _, _, source_meta in sources),
-            cfg.train.seed,
-            cfg.data.shuffle_window,
-            cfg.train.micro_batch_size,
-            w,
-            r,
-            start,
-            end,
-            pattern=tuple(meta.get("pattern", (0,))),
-            source_labels=labelled,
-            documents_eos=eos,
-        )
-        out[f"train_w{w}_rank{r}"] = train_stream(plan)
-        for (name, source_cache, source_meta), has_labels in zip(sources, labelled):
-            n_eval = source_meta["eval_blocks"]
-            if n_eval >= w:
-                out[eval_dataset(w, r, name)] = eval_stream(source_cache, w, r, n_eval, eval_blocks, has_labels, eos)
-    return out
+    labelled = [source_meta.get("data_format", "text") != "text" for _, _, source_meta in sources]
+    return {
+        "train": {
+            "train_dirs": [str(source_cache / "train") for _, source_cache, _ in sources],
+            "n_blocks": [source_meta["blocks"] for _, _, source_meta in sources],
+            "seed": cfg.train.seed,
+            "window": cfg.data.shuffle_window,
+            "micro": cfg.train.micro_batch_size,
+            "start": start,
+            "end": cfg.train.max_steps * cfg.train.derive_global_batch(worlds[-1]),
+            "pattern": list(meta.get("pattern", (0,))),
+            "source_labels": labelled,
+            # data.attention_span=document: the blocks carry each token's place in its document
+            "documents_eos": documents_eos(cfg),
+        },
+        "eval": {
+            name: {"cache": str(source_cache), "n_eval": source_meta["eval_blocks"], "has_labels": has_labels}
+            for (name, source_cache, source_meta), has_labels in zip(sources, labelled)
+        },
+        "eval_blocks": cfg.train.eval_batches * cfg.train.micro_batch_size,  # 0: the whole split
+    }
 
 
 def no_evaluation(meta: dict[str, Any], world: int, source: str = "") -> str:

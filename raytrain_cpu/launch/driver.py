@@ -26,11 +26,11 @@ from raytrain_cpu.config.checks import ConfigError, is_url
 from raytrain_cpu.config.help import options_help
 from raytrain_cpu.config.schema import Config, load_config
 from raytrain_cpu.launch.datasets import (
-    build_datasets,
     check_watched_metric,
     no_evaluation,
     note_epochs,
     steps_of_epochs,
+    stream_spec,
 )
 from raytrain_cpu.launch.resume import (
     check_model_unchanged,
@@ -166,8 +166,9 @@ def ray_train_env(cfg: Config) -> dict[str, str]:
     """The Ray Train settings that only environment variables carry."""
     env = {
         # A dead or hung peer ends the attempt within run.gloo_timeout_s wherever the others wait
-        # for it: in a gloo collective (the TorchConfig), in Ray Train's own barriers (report,
-        # preemption checks) or in the controller's health check of a worker that stopped answering.
+        # for it: in a gloo collective (compat.ray_backend.GlooConfig), in Ray Train's own barriers
+        # (report, preemption checks) or in the controller's health check of a worker that stopped
+        # answering.
         "RAY_TRAIN_COLLECTIVE_TIMEOUT_S": str(cfg.run.gloo_timeout_s),
         "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": str(cfg.run.gloo_timeout_s),
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(cfg.run.poll_interval_s),
@@ -227,7 +228,6 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
     if cfg.train.record_block_ids:
         (cfg.run.run_dir / "block_ids").mkdir(exist_ok=True)
     start = resume_position(latest, meta, global_batch)
-    datasets = build_datasets(meta, sources, cfg, worlds, start)
 
     # ---- trainer
     from raytrain_cpu.checkpoint.identity import config_hash
@@ -242,6 +242,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         "eval_sources": {name: source_meta["eval_blocks"] for name, _, source_meta in sources},
         "worker_bundle": {"CPU": sizing["cpus_per_worker"], **cfg.scaling.resources_per_worker},
         "start_position": start,
+        "streams": stream_spec(meta, sources, cfg, worlds, start),  # each rank opens its own
         "data_key": meta["key"],  # recorded in the checkpoints: a resume notices data that changed
         "data_cache": str(cache),  # train.dpo_precompute_reference reads the blocks it covers
         "train_blocks": meta["blocks"],  # the metrics rows' epoch counts passes over them
@@ -250,7 +251,7 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         "model": model,  # the manifests record it; every attempt checks model_dir still matches it
         "hashed_checkpoint": latest and Path(latest["path"]).name,  # the workers' first attempt checks only its sizes
     }
-    trainer = make_trainer(cfg, loop_config, datasets, worlds, sizing, latest)
+    trainer = make_trainer(cfg, loop_config, worlds, sizing, latest)
     choices_start = run_log_size(cfg.run.run_dir)  # this attempt's lines of run.log start here
     result = trainer.fit()
     if restore_stderr is not None:
@@ -376,15 +377,15 @@ def resume_position(latest: dict[str, Any] | None, meta: dict[str, Any], global_
 def make_trainer(
     cfg: Config,
     loop_config: dict[str, Any],
-    datasets: dict[str, Any],
     worlds: list[int],
     sizing: dict[str, Any],
     latest: dict[str, Any] | None,
 ):
     """The TorchTrainer on gloo that runs train_loop on every worker."""
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
+    from raytrain_cpu.compat.ray_backend import GlooConfig
     from raytrain_cpu.trainer.loop import train_loop
 
     world = sizing["num_workers"]
@@ -393,7 +394,7 @@ def make_trainer(
         train_loop,
         train_loop_config=loop_config,
         # gloo: the CPU collective backend that ships with PyTorch; oneCCL bindings are retired.
-        torch_config=TorchConfig(backend="gloo", timeout_s=cfg.run.gloo_timeout_s),
+        torch_config=GlooConfig(timeout_s=cfg.run.gloo_timeout_s),
         scaling_config=ray.train.ScalingConfig(
             num_workers=(worlds[0], worlds[-1]) if cfg.elastic else world,
             elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s,
@@ -410,8 +411,6 @@ def make_trainer(
             worker_runtime_env={"env_vars": {**RAY_ENV, **worker_env(cfg, sizing["workers_per_node"])}},
             callbacks=[restart_notice(cfg.run.max_failures, latest and Path(latest["path"]).name)],
         ),
-        datasets=datasets,
-        dataset_config=ray.train.DataConfig(datasets_to_split=[]),
     )
 
 

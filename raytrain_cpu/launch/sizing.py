@@ -1,5 +1,5 @@
 """Sizing the workers from what Ray reports: the nodes they may run on, their count, CPUs and
-threads, the room left for Ray Data, the memory they need, and their environment."""
+threads, the room they leave, the memory they need, and their environment."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ from raytrain_cpu.planner.sizing import workers_that_fit
 
 def local_ray_cpus() -> int | None:
     """CPUs a local Ray offers: the vCPUs this process may run on when a mask narrows them
-    (taskset, a cpuset; Ray itself counts the machine's), and never fewer than 2. Ray Data
-    needs a whole CPU beside the workers' reservations (see derive_scaling); on one vCPU the
-    workers and Ray Data then share it. None: Ray's own count."""
+    (taskset, a cpuset; Ray itself counts the machine's), and never fewer than 2: two workers
+    and Ray Data's tokenizers share one vCPU rather than refuse to start. None: Ray's own count."""
     from raytrain_cpu.host.threads import affinity_cpus
 
     cpus = affinity_cpus()
@@ -45,18 +44,6 @@ def worker_node_cpu(nodes: list[dict[str, Any]]):
         return ray.get(probe.remote(), timeout=120)
     except (ray.exceptions.RayError, TimeoutError):
         return cpu_features()  # a guess from the driver's node beats failing the run
-
-
-def check_data_cpus(cluster_cpus: float, workers: int, cpus_per_worker: float) -> None:
-    """Below one CPU left beside the workers Ray Data never schedules its reads, and the
-    workers wait for their first batch forever (seen with 1 CPU and 1 or 2 workers)."""
-    left = cluster_cpus - workers * cpus_per_worker
-    if left < 1:
-        raise ConfigError(
-            f"scaling: {workers} workers x {cpus_per_worker:g} CPUs leave {left:g} of the cluster's "
-            f"{cluster_cpus:g} CPUs to Ray Data, which needs at least 1 to feed them; lower "
-            "scaling.num_workers or scaling.cpus_per_worker, or give Ray more CPUs."
-        )
 
 
 def worker_nodes(cfg: Config) -> list[dict[str, Any]]:
@@ -156,7 +143,6 @@ def derive_scaling(cfg: Config) -> dict[str, Any]:
     Defaults: one rank per socket of each node (2 on a single-socket machine, for the demo);
     intra-op threads = the physical cores behind a worker's Ray CPUs (Ray counts vCPUs).
     """
-    import ray
 
     from raytrain_cpu.host.threads import default_workers_per_node, threads_per_worker
 
@@ -184,7 +170,6 @@ def derive_scaling(cfg: Config) -> dict[str, Any]:
             f"scaling.cpus_per_worker: {workers_per_node} workers x {cpus} CPUs don't fit a node with "
             f"{cpus_per_node:g} CPUs; lower scaling.cpus_per_worker or scaling.num_workers."
         )
-    check_data_cpus(sum(n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")), workers, cpus)
     threads = s.threads_per_worker or threads_per_worker(
         cpus, feats.threads_per_core, feats.usable_cores, workers_per_node
     )

@@ -190,7 +190,7 @@ def failure_reason(errors: dict[int, BaseException]) -> tuple[str, bool]:
     elif lines[0].startswith("Traceback"):  # an exception in the training loop: its last line
         message = MODULE_PREFIX.sub("", lines[-1])
     elif lines[0].startswith("ray::") and (raised := next(filter(EXCEPTION_LINE.match, lines[1:]), None)):
-        # A Ray task's error (a Ray Data read of the workers' blocks) names the task, then the
+        # A Ray task's error (a Ray Data read or tokenizing task) names the task, then the
         # exception that caused it, before the one Ray raised from it: that first is the cause.
         message = f"{MODULE_PREFIX.sub('', raised)} (in {lines[0].split('(')[0]})"
     else:

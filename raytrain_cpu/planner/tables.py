@@ -263,7 +263,7 @@ GIB_PER_VCPU = {"c7i": 2, "m7i": 4, "r7i": 8}
 
 
 # What a node keeps for itself: OS, page cache, raylet / GCS / dashboard agent, Ray Data's
-# tokenize and prefetch actors. Ray's memory monitor kills workers above 95% of node memory,
+# tokenizing actors (data preparation). Ray's memory monitor kills workers above 95% of node memory,
 # so training plans to stay under 90%.
 NODE_RESERVE_BYTES = 4 * GIB
 

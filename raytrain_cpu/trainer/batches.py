@@ -5,6 +5,7 @@ resumed stream is checked against."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,22 +42,27 @@ def loss_tokens(labels) -> int:
 # ----------------------------------------------------------------------------- the stream
 
 
-def open_batches(w: Worker, st: Loop, shard):
-    """This rank's micro batches, positioned at the first block the run has not trained on."""
+def as_torch(batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    """A stream's numpy batch as the model takes it: every column a torch int64 tensor."""
     import torch
 
-    t = w.cfg.train
-    batches = iter(
-        shard.iter_torch_batches(
-            batch_size=t.micro_batch_size, prefetch_batches=w.cfg.data.prefetch_batches, dtypes=torch.long
-        )
+    return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64)) for k, v in batch.items()}
+
+
+def torch_batches(numpy_batches) -> Iterator[dict[str, Any]]:
+    return map(as_torch, numpy_batches)
+
+
+def open_batches(w: Worker, st: Loop, plan) -> Iterator[dict[str, Any]]:
+    """This rank's micro batches (`plan`: its data.stream.StreamPlan), positioned at the first
+    block the run has not trained on."""
+    from raytrain_cpu.data.stream import train_batches
+
+    # After a restart inside this driver run, the plan still starts at the driver's start.
+    skip = ckpt_load.batches_to_skip(
+        w.loop_config["start_position"], st.step, w.global_batch, w.cfg.train.grad_accum_steps
     )
-    # After a restart inside this driver run, Ray replays each rank's stream from the driver's start.
-    for _ in range(
-        ckpt_load.batches_to_skip(w.loop_config["start_position"], st.step, w.global_batch, t.grad_accum_steps)
-    ):
-        next(batches)
-    return batches
+    return torch_batches(train_batches(plan, skip, w.cfg.data.prefetch_batches))
 
 
 def next_batch(w: Worker, st: Loop, batches, clock, block_log) -> dict[str, Any]:
@@ -64,8 +70,8 @@ def next_batch(w: Worker, st: Loop, batches, clock, block_log) -> dict[str, Any]
     batch = next(batches)
     wait = time.perf_counter() - t0
     if st.first_batch_wait is None:
-        # The first batch waits for the Ray Data pipeline to start: reported on its own, so
-        # data_wait_frac measures the steady-state stall, and left out of the step's time.
+        # The first batch waits for its cache files to be opened and decoded: reported on its own,
+        # so data_wait_frac measures the steady-state stall, and left out of the step's time.
         st.first_batch_wait, wait = wait, 0.0
         st.t_start += st.first_batch_wait
         st.step_t0 += st.first_batch_wait

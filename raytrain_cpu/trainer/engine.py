@@ -1,7 +1,7 @@
 """The DeepSpeed engine: its config, its communication on the process group, the engine and its
 LR scheduler, and the sums every rank all-reduces over that group.
 
-Ray Train has already created the gloo process group (TorchConfig(backend="gloo")); DeepSpeed
+Ray Train has already created the gloo process group (compat.ray_backend.GlooConfig); DeepSpeed
 reuses it rather than starting its own, so there is exactly one group and one timeout to reason
 about. Outside Ray (bench, planner calibration, tests) init_local_group makes the same group.
 """

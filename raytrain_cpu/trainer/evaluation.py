@@ -14,42 +14,43 @@ from raytrain_cpu.checkpoint import record as ckpt_record
 from raytrain_cpu.config.schema import Config
 from raytrain_cpu.model.tokenizer import resolve_tokenizer_path
 from raytrain_cpu.obs import metrics as obs
-from raytrain_cpu.trainer.batches import loss_tokens, model_inputs
+from raytrain_cpu.trainer.batches import loss_tokens, model_inputs, torch_batches
 from raytrain_cpu.trainer.engine import allreduce_sum
 from raytrain_cpu.trainer.state import Worker
 
 # ----------------------------------------------------------------------------- sums and metrics
 
 
-def _evaluated_sums(engine, shards: dict[str, Any], micro: int, sums_of: Callable[[Any], list[float]]) -> list[float]:
-    """Each source's sums (`sums_of` its batches) over this rank's eval blocks, in eval mode and
-    without gradients, then summed over every rank (an all-reduce every rank joins)."""
+def _evaluated_sums(engine, streams: dict[str, Any], micro: int, sums_of: Callable[[Any], list[float]]) -> list[float]:
+    """Each source's sums (`sums_of` its batches) over this rank's eval blocks (`streams`:
+    data.stream.EvalStream by source), in eval mode and without gradients, then summed over
+    every rank (an all-reduce every rank joins)."""
     import torch
 
     engine.eval()
     with torch.no_grad():
-        batches = (shard.iter_torch_batches(batch_size=micro, dtypes=torch.long) for shard in shards.values())
+        batches = (torch_batches(stream.batches(micro)) for stream in streams.values())
         sums = [x for source in batches for x in sums_of(source)]
     engine.train()
     return allreduce_sum(sums)
 
 
-def evaluate(engine, shards: dict[str, Any], micro: int, max_batches: int) -> dict[str, float]:
+def evaluate(engine, streams: dict[str, Any], micro: int, max_batches: int) -> dict[str, float]:
     """Token-weighted loss over every rank's eval targets (sums, not an average of averages);
     for chat/instruction data that is the response tokens only. A mixture's sources (the keys
-    of `shards`; '' for a single source) are also reported each: eval_loss/<name>, over its own
+    of `streams`; '' for a single source) are also reported each: eval_loss/<name>, over its own
     targets; eval_loss is over all of them together."""
-    sums = _evaluated_sums(engine, shards, micro, lambda batches: eval_sums(engine, batches, max_batches))
-    return eval_metrics(list(shards), sums)
+    sums = _evaluated_sums(engine, streams, micro, lambda batches: eval_sums(engine, batches, max_batches))
+    return eval_metrics(list(streams), sums)
 
 
-def evaluate_pairs(w: Worker, engine, shards: dict[str, Any]) -> dict[str, float]:
+def evaluate_pairs(w: Worker, engine, streams: dict[str, Any]) -> dict[str, float]:
     """DPO's evaluation over every rank's eval pairs (pair_eval_metrics). Preference data is
     never a mixture: one source."""
     t = w.cfg.train
     sums = _evaluated_sums(
         engine,
-        shards,
+        streams,
         t.micro_batch_size,
         lambda batches: pair_eval_sums(engine, w.reference, batches, w.fused_loss, w.dpo_settings, t.eval_batches),
     )

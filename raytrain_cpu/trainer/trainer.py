@@ -65,8 +65,8 @@ class Trainer:
         self.w = w
         self.st = Loop()
         self.cpu_setup: dict[str, Any] = {}
-        self.train_shard: Any = None
-        self.eval_shards: dict[str, Any] = {}
+        self.train_plan: Any = None  # data.stream.StreamPlan
+        self.eval_streams: dict[str, Any] = {}  # data.stream.EvalStream by source
         self.ds_config: dict[str, Any] = {}
         self.loaded: Loaded | None = None
         self.engine: Any = None
@@ -117,10 +117,10 @@ class Trainer:
 
     def setup(self) -> None:
         """Threads on this worker's cores, its training dtype and model.compile=auto settled, and
-        this rank's data shards. The process group is Ray Train's (gloo), which the engine reuses."""
+        this rank's data streams. The process group is Ray Train's (gloo), which the engine reuses."""
         self.cpu_setup = self._setup_cpu()
         self._resolve_compile()  # model.compile=auto reads the dtype _setup_cpu resolved
-        self._open_shards()
+        self._open_streams()
 
     def _setup_cpu(self) -> dict[str, Any]:
         """Threads on the physical cores this worker owns, and the dtype this CPU runs fastest."""
@@ -161,19 +161,12 @@ class Trainer:
         if why_not:
             w.log(f"[model] not compiled (model.compile=auto, {n / 1e6:.0f}M parameters): {why_not}")
 
-    def _open_shards(self) -> None:
-        """This rank's blocks in their global order (planned on the driver for each worker count)."""
-        import ray.train
-
-        from raytrain_cpu.data.stream import eval_dataset
+    def _open_streams(self) -> None:
+        """This rank's training plan and eval streams, from the driver's spec for every rank."""
+        from raytrain_cpu.data.stream import rank_streams
 
         w = self.w
-        self.train_shard = ray.train.get_dataset_shard(f"train_w{w.world}_rank{w.rank}")
-        self.eval_shards = {
-            name: ray.train.get_dataset_shard(eval_dataset(w.world, w.rank, name))
-            for name, n_eval in w.loop_config["eval_sources"].items()
-            if n_eval >= w.world  # fewer blocks than workers: that source is not evaluated
-        }
+        self.train_plan, self.eval_streams = rank_streams(w.loop_config["streams"], w.world, w.rank)
 
     def load(self) -> None:
         """The model in ZeRO-3 partitions (loading.load_model), with the DeepSpeed config it and
@@ -196,7 +189,7 @@ class Trainer:
         """The checkpoint from_ray chose restored (never DeepSpeed's `latest`), this rank's batches
         positioned after it, and the attempt's sinks, guard and clocks opened."""
         self.st = self._restore()
-        self.batches = open_batches(self.w, self.st, self.train_shard)
+        self.batches = open_batches(self.w, self.st, self.train_plan)
         self._open_observability()
         self.sampler = Sampler.for_run(self.w)
 
@@ -377,9 +370,11 @@ class Trainer:
         writes the rows and the lines."""
         w, st, engine, sink, sampler = self.w, self.st, self.engine, self.sink, self.sampler
         if w.preference:
-            st.eval_metrics = evaluate_pairs(w, engine, self.eval_shards)
+            st.eval_metrics = evaluate_pairs(w, engine, self.eval_streams)
         else:
-            st.eval_metrics = evaluate(engine, self.eval_shards, w.cfg.train.micro_batch_size, w.cfg.train.eval_batches)
+            st.eval_metrics = evaluate(
+                engine, self.eval_streams, w.cfg.train.micro_batch_size, w.cfg.train.eval_batches
+            )
         st.watch.after_eval(st.step, st.eval_metrics)
         if sink is not None:
             sink.write({"step": st.step, **st.eval_metrics, "time": time.time()})
@@ -418,7 +413,7 @@ class Trainer:
         self.resume()
         freeze_gc_objects()  # the engine and its partitions, for the steps' collections
         st = self.st
-        if self.eval_shards and t.eval_on_start and st.step == 0:  # the starting model's loss: the baseline
+        if self.eval_streams and t.eval_on_start and st.step == 0:  # the starting model's loss: the baseline
             self.evaluate()
         if st.watch.stop_reason:  # resumed from the checkpoint an early stop took (a restart after it)
             w.log(f"stopped early at step {st.step}: {st.watch.stop_reason}")
@@ -432,7 +427,7 @@ class Trainer:
             if self.guard.stop_reason:
                 w.log(f"stopping: {self.guard.stop_reason}")
                 break  # every rank reaches this at the same step: the decision was all-reduced
-            if self.eval_shards and ((t.eval_every and st.step % t.eval_every == 0) or st.step == t.max_steps):
+            if self.eval_streams and ((t.eval_every and st.step % t.eval_every == 0) or st.step == t.max_steps):
                 self.evaluate()
             reason = checkpoint_reason(w, st)
             if reason:

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import WIKI, cache_of
+from helpers import WIKI
 
 from raytrain_cpu.data.sources import DataError
 
@@ -145,102 +145,6 @@ def test_a_full_cache_filesystem_is_named_and_leaves_nothing(ray_session, tmp_pa
     with pytest.raises(DataError, match=r"^data.cache_dir: no space left in .*cache for the packed blocks"):
         data.prepare(cfg, log=lambda m: None)
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]  # the .tmp copy is gone
-
-
-def test_ray_data_tells_the_throttle_when_a_consumer_waits(ray_session):
-    """On a real stream, Ray's executor shows the throttle a waiting consumer (the first batch)
-    and none while the consumer is busy: a Ray that stopped counting them would space every step."""
-    import ray
-    from ray.data import DataContext
-
-    from raytrain_cpu.data import throttle as datathrottle
-
-    seen: list[bool] = []
-
-    class Recording(datathrottle.ThrottleScheduling):
-        def on_execution_step(self, executor) -> None:
-            seen.append(datathrottle.consumer_waiting(executor))
-            super().on_execution_step(executor)
-
-    # One task at a time, 32 of 0.1 s: the stream is still running through the consumer's busy
-    # spell however late its first batch comes (on a loaded machine, 8 tasks side by side once all
-    # finished before the first batch arrived, and no step saw a busy consumer).
-    def slow(batch):
-        time.sleep(0.1)
-        return batch
-
-    ctx = DataContext.get_current()
-    kept = list(ctx.custom_execution_callback_classes)
-    ctx.custom_execution_callback_classes = [Recording]
-    try:
-        ds = ray.data.range(256, override_num_blocks=32).map_batches(slow, batch_size=8, concurrency=1)
-        it = iter(ds.iter_batches(batch_size=8))
-        next(it)  # waited for
-        time.sleep(0.5)  # busy: the loop goes on without a waiting consumer
-        sum(1 for _ in it)
-    finally:
-        ctx.custom_execution_callback_classes = kept
-    assert True in seen and False in seen
-
-
-# ----------------------------------------------------------------------------- evaluation streams
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_eval_streams_cover_every_block_once_whatever_the_worker_count(ray_session, tmp_path, world):
-    """7 eval blocks on 2 or 3 workers: every rank gets ceil(7 / W) rows (ZeRO-3 needs every rank
-    in every forward), and together they hold every block once, as the one-process `evaluate`
-    does. Rank r's stream stopped at 7 // W rows, leaving up to W-1 trailing blocks out, so the
-    run's eval_loss depended on its worker count. A rank short of a block gets a padding row
-    without targets (every label -100), and a text stream holding one carries labels for all its
-    rows (their inputs), so its batches all have the same columns."""
-    from raytrain_cpu.data.prepare import _ExampleWriter
-    from raytrain_cpu.data.stream import eval_stream
-
-    n_eval, seq = 7, 4
-    cache_of(tmp_path / "text" / "eval", n_eval, 100, seq)  # block i holds 100 + i
-    chat = _ExampleWriter(tmp_path / "chat" / "eval", seq, pad_id=0)
-    chat_labels = [np.array([-100, 2 + 10 * i, 3 + 10 * i, 4 + 10 * i], dtype=np.int32) for i in range(n_eval)]
-    for i, labels in enumerate(chat_labels):  # one example a block, filling it: its prompt takes no loss
-        chat.add_example(np.array([1, 2, 3, 4], dtype=np.int32) + 10 * i, labels)
-    chat.close()
-    cases = [  # (cache, has_labels, documents_eos, each block's input_ids, its labels: None for text)
-        (tmp_path / "text", False, None, lambda b: np.full(seq, 100 + b), None),
-        (tmp_path / "text", False, 0, lambda b: np.full(seq, 100 + b), None),
-        (tmp_path / "chat", True, None, lambda b: np.arange(1, 5) + 10 * b, lambda b: chat_labels[b]),
-    ]
-    per_rank = -(-n_eval // world)
-    for cache, has_labels, eos, ids_of, labels_of in cases:
-        seen = []
-        for rank in range(world):
-            batches = list(
-                eval_stream(cache, world, rank, n_eval, 0, has_labels, eos).iter_batches(
-                    batch_size=2, batch_format="numpy"
-                )
-            )
-            assert len({tuple(sorted(b)) for b in batches}) == 1, "every batch of a rank has the same columns"
-            rows = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
-            assert len(rows["block_id"]) == per_rank, (cache.name, eos, rank)
-            assert ("position_ids" in rows) == (eos is not None)
-            padding = rows["block_id"] == -1
-            if "labels" not in rows:  # a text stream without padding: the model's labels are its inputs
-                assert not has_labels and not padding.any()
-                rows["labels"] = rows["input_ids"]
-            assert (rows["labels"][padding] == -100).all()
-            real = rows["block_id"][~padding]
-            assert real.tolist() == list(range(rank, n_eval, world))
-            for b, ids, labels in zip(real, rows["input_ids"][~padding], rows["labels"][~padding]):
-                np.testing.assert_array_equal(ids, ids_of(b))
-                np.testing.assert_array_equal(labels, ids if labels_of is None else labels_of(b))
-            seen += real.tolist()
-        assert sorted(seen) == list(range(n_eval)), (cache.name, eos)
-    # train.eval_batches cutting the streams short of the padding: no padding row, no labels for text
-    for rank in range(world):
-        (batch,) = eval_stream(tmp_path / "text", world, rank, n_eval, per_rank - 1).iter_batches(
-            batch_size=8, batch_format="numpy"
-        )
-        assert batch["block_id"].tolist() == list(range(rank, n_eval, world))[: per_rank - 1]
-        assert "labels" not in batch
 
 
 def test_eval_examples_cut_to_seq_len_are_counted_too(ray_session, tmp_path, make_config):

@@ -25,7 +25,7 @@ def test_prepare_chat_cache_has_labels_streams_yield_them_bad_rows(ray_session, 
     import pyarrow.parquet as pq
 
     from raytrain_cpu.data.prepare import prepare
-    from raytrain_cpu.data.stream import StreamPlan, eval_stream, read_meta, train_stream
+    from raytrain_cpu.data.stream import EvalStream, StreamPlan, read_meta
 
     # The bundled chat examples, as tests/test_finetune.py trains on them (same key: the cache is shared).
     cache = prepare(make_config("data.format=chat", "data.seq_len=128"))
@@ -76,11 +76,11 @@ def test_prepare_chat_cache_has_labels_streams_yield_them_bad_rows(ray_session, 
             source_labels=(True,),
             documents_eos=documents_eos,
         )
-        batch = next(iter(train_stream(plan).iter_batches(batch_size=8, batch_format="numpy")))
+        batch = plan.fetch({"id": np.arange(8)})
         np.testing.assert_array_equal(batch["labels"], labels[batch["block_id"]])
         np.testing.assert_array_equal(batch["input_ids"], ids[batch["block_id"]])
-        ev = eval_stream(cache, 1, 0, meta["eval_blocks"], has_labels=True, documents_eos=documents_eos)
-        ev = next(iter(ev.iter_batches(batch_size=4, batch_format="numpy")))
+        ev = EvalStream(str(cache), 1, 0, meta["eval_blocks"], has_labels=True, documents_eos=documents_eos)
+        ev = next(ev.batches(4))
         assert ev["labels"].shape == ev["input_ids"].shape and (ev["labels"] == IGNORE).any()
         assert ("position_ids" in batch) == ("position_ids" in ev) == (documents_eos is not None)
     np.testing.assert_array_equal(batch["position_ids"], positions[batch["block_id"]])

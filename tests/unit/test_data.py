@@ -343,43 +343,97 @@ def test_an_s3_object_rewritten_under_its_name_is_new_data_to_the_cache_key(make
     assert key() != before
 
 
-# ----------------------------------------------------------------------------- the scheduling loop's spacing
+# ----------------------------------------------------------------------------- a rank's batches, read in its own process
 
 
-def _executor(waiting: int):
-    """The slice of Ray Data's StreamingExecutor datathrottle reads: its output operator's state."""
-    from types import SimpleNamespace
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_a_ranks_batches_are_its_plans_rows_in_micro_slices_however_far_read_ahead(tmp_path, prefetch):
+    """train_batches: rank r's rows in order, `micro` at a time, the same read ahead or not; a
+    restart's `skip` starts that many micro batches in; a consumer that stops early (an early stop)
+    leaves no reader behind."""
+    import threading
 
-    return SimpleNamespace(_output_node=(None, SimpleNamespace(num_waiting_consumers=waiting)))
+    from raytrain_cpu.data.stream import train_batches
+
+    split = cache_of(tmp_path / "train", 50, 0)
+    plan = StreamPlan((split,), (50,), 3, 64, 2, 2, 1, 8, 8 + 5 * 8)  # 2 workers, micro 2, 5 steps of 2 micro batches
+    whole = plan.fetch({"id": np.arange(*plan.local_range)})
+    batches = list(train_batches(plan, prefetch=prefetch))
+    assert [len(b["pos"]) for b in batches] == [2] * 10
+    for column, values in whole.items():
+        np.testing.assert_array_equal(np.concatenate([b[column] for b in batches]), values)
+    skipped = list(train_batches(plan, skip=4, prefetch=prefetch))
+    assert [b["pos"].tolist() for b in skipped] == [b["pos"].tolist() for b in batches[4:]]
+    early = train_batches(plan, prefetch=prefetch)
+    next(early)
+    early.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("raytrain-data")]
 
 
-def test_the_scheduling_loop_is_spaced_only_while_no_consumer_waits(monkeypatch):
-    from raytrain_cpu.data import throttle as datathrottle
+def test_a_read_that_fails_fails_the_consumer():
+    from raytrain_cpu.data.stream import rank_batches
 
-    clock = [100.0]  # time passes only in sleeps
-    slept = []
+    def fetch(ids):
+        if ids[0] >= 4:
+            raise OSError(f"gone: {ids.tolist()}")
+        return {"id": ids}
 
-    def sleep(s: float) -> None:
-        slept.append(s)
-        clock[0] += s
+    got = rank_batches(fetch, 10, 2, prefetch=2)
+    assert next(got)["id"].tolist() == [0, 1]
+    next(got)
+    with pytest.raises(OSError, match=r"gone: \[4, 5\]"):
+        next(got)
 
-    monkeypatch.setattr(datathrottle.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(datathrottle.time, "sleep", sleep)
-    throttle = datathrottle.ThrottleScheduling()
-    throttle.on_execution_step(_executor(waiting=1))  # a rank waits for its batch: no wait at all
-    assert slept == []
-    throttle.on_execution_step(_executor(waiting=0))  # nobody waits: the step is spaced, in slices
-    assert sum(slept) == pytest.approx(datathrottle.MIN_STEP_INTERVAL_S)
-    assert max(slept) <= datathrottle.WAKE_S
-    # A consumer waiting past STALL_S is a stall (say, no CPU left for the stream's tasks): spaced again.
-    slept.clear()
-    for _ in range(round(datathrottle.STALL_S / 0.0625)):  # the loop goes round every 62.5 ms, unspaced
-        throttle.on_execution_step(_executor(waiting=1))
-        clock[0] += 0.0625
-    assert slept == []
-    throttle.on_execution_step(_executor(waiting=1))  # waited STALL_S: the rest of the interval is slept
-    assert sum(slept) == pytest.approx(datathrottle.MIN_STEP_INTERVAL_S - 0.0625)
-    assert datathrottle.consumer_waiting(object()) is False  # a Ray without the count: spaced
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_eval_streams_cover_every_block_once_whatever_the_worker_count(tmp_path, world):
+    """7 eval blocks on 2 or 3 workers: every rank gets ceil(7 / W) rows (ZeRO-3 needs every rank
+    in every forward), and together they hold every block once, as the one-process `evaluate`
+    does. Rank r's stream stopped at 7 // W rows, leaving up to W-1 trailing blocks out, so the
+    run's eval_loss depended on its worker count. A rank short of a block gets a padding row
+    without targets (every label -100), and a text stream holding one carries labels for all its
+    rows (their inputs), so its batches all have the same columns."""
+    from raytrain_cpu.data.prepare import _ExampleWriter
+    from raytrain_cpu.data.stream import EvalStream
+
+    n_eval, seq = 7, 4
+    cache_of(tmp_path / "text" / "eval", n_eval, 100, seq)  # block i holds 100 + i
+    chat = _ExampleWriter(tmp_path / "chat" / "eval", seq, pad_id=0)
+    chat_labels = [np.array([-100, 2 + 10 * i, 3 + 10 * i, 4 + 10 * i], dtype=np.int32) for i in range(n_eval)]
+    for i, labels in enumerate(chat_labels):  # one example a block, filling it: its prompt takes no loss
+        chat.add_example(np.array([1, 2, 3, 4], dtype=np.int32) + 10 * i, labels)
+    chat.close()
+    cases = [  # (cache, has_labels, documents_eos, each block's input_ids, its labels: None for text)
+        (tmp_path / "text", False, None, lambda b: np.full(seq, 100 + b), None),
+        (tmp_path / "text", False, 0, lambda b: np.full(seq, 100 + b), None),
+        (tmp_path / "chat", True, None, lambda b: np.arange(1, 5) + 10 * b, lambda b: chat_labels[b]),
+    ]
+    per_rank = -(-n_eval // world)
+    for cache, has_labels, eos, ids_of, labels_of in cases:
+        seen = []
+        for rank in range(world):
+            batches = list(EvalStream(str(cache), world, rank, n_eval, 0, has_labels, eos).batches(2))
+            assert len({tuple(sorted(b)) for b in batches}) == 1, "every batch of a rank has the same columns"
+            rows = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+            assert len(rows["block_id"]) == per_rank, (cache.name, eos, rank)
+            assert ("position_ids" in rows) == (eos is not None)
+            padding = rows["block_id"] == -1
+            if "labels" not in rows:  # a text stream without padding: the model's labels are its inputs
+                assert not has_labels and not padding.any()
+                rows["labels"] = rows["input_ids"]
+            assert (rows["labels"][padding] == -100).all()
+            real = rows["block_id"][~padding]
+            assert real.tolist() == list(range(rank, n_eval, world))
+            for b, ids, labels in zip(real, rows["input_ids"][~padding], rows["labels"][~padding]):
+                np.testing.assert_array_equal(ids, ids_of(b))
+                np.testing.assert_array_equal(labels, ids if labels_of is None else labels_of(b))
+            seen += real.tolist()
+        assert sorted(seen) == list(range(n_eval)), (cache.name, eos)
+    # train.eval_batches cutting the streams short of the padding: no padding row, no labels for text
+    for rank in range(world):
+        (batch,) = EvalStream(str(tmp_path / "text"), world, rank, n_eval, per_rank - 1).batches(8)
+        assert batch["block_id"].tolist() == list(range(rank, n_eval, world))[: per_rank - 1]
+        assert "labels" not in batch
 
 
 # ----------------------------------------------------------------------------- cache versions (no Ray)

@@ -424,18 +424,8 @@ def test_a_resume_keeps_the_zero_stage_and_sub_groups_its_shards_were_laid_out_b
         validate_before_ray(make_config("run.name=r", "deepspeed.zero_stage=2", "deepspeed.sub_group_size=1e9"))
 
 
-def test_workers_must_leave_ray_data_a_cpu():
-    """Ray Data needs a whole CPU beside the workers, or they wait for their first batch forever."""
-    from raytrain_cpu.launch.sizing import check_data_cpus
-
-    check_data_cpus(2, 2, 0.5)  # this project's 2-vCPU default: 1 CPU left
-    check_data_cpus(192, 1, 184)
-    with pytest.raises(ConfigError, match=r"2 workers x 0.5 CPUs leave 0.5 .*scaling.num_workers"):
-        check_data_cpus(1.5, 2, 0.5)
-
-
 def test_local_ray_offers_the_mask_but_at_least_two_cpus(one_vcpu):
-    """Under a 1-vCPU mask a local Ray offers 2 CPUs: the workers and Ray Data share the one."""
+    """Under a 1-vCPU mask a local Ray offers 2 CPUs: the two default workers share the one."""
     from raytrain_cpu.host.threads import affinity_cpus
     from raytrain_cpu.launch.sizing import local_ray_cpus
 
