@@ -521,11 +521,14 @@ def _wait_for_new_group(old_pids: set[int], future, timeout: float = 300) -> tup
     raise AssertionError(f"no new worker group within {timeout}s")
 
 
-def _flip_a_byte(shard: Path) -> None:
-    """One byte in the middle of a checkpoint file changed, its size kept: only a hash sees it."""
+def _flip_a_byte(checkpoint: Path) -> Path:
+    """One byte in the middle of the checkpoint's rank-1 optimizer shard changed, its size kept:
+    only a hash sees it. Returns the shard."""
+    shard = checkpoint / ck_layout.DS_TAG / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
+    return shard
 
 
 def _pid_alive(pid: int) -> bool:
@@ -562,8 +565,7 @@ def test_kill_and_hang_recover_and_resume_exactly(straight, tmp_path, shared_cac
         #    training has gone past it.
         ckpt_kill = _wait_for_registered(run_dir, 2 * CKPT_EVERY, future)
         damaged = run_dir / ck_layout.checkpoint_dir_name(ckpt_kill)
-        shard = damaged / ck_layout.DS_TAG / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
-        _flip_a_byte(shard)
+        shard = _flip_a_byte(damaged)
         files = _tree(damaged)
         _wait_for_step(run_dir, ckpt_kill + 2, future)
         group = _alive_workers()
@@ -737,8 +739,7 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_one_before_on_fewer_worker
     run_dir = storage / "straight"
     _rewind(run_dir, STEPS - CKPT_EVERY)
     damaged = run_dir / ck_layout.checkpoint_dir_name(STEPS - CKPT_EVERY)
-    shard = damaged / ck_layout.DS_TAG / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    _flip_a_byte(shard)
+    shard = _flip_a_byte(damaged)
     files = _tree(damaged)
 
     cfg = straight["cfg"]
@@ -819,9 +820,13 @@ def elastic_scenario(straight, tmp_path_factory, shared_cache):
         return json.loads(stdout.strip().splitlines()[-1])
 
     yield result
-    if proc.poll() is None:  # a test failed before waiting: the scenario's cluster goes with it
-        proc.kill()
-        proc.wait()
+    if proc.poll() is None:  # its test failed before waiting, or was not selected: the scenario stops
+        proc.terminate()  # and shuts its cluster down (SIGKILL left the nodes' agents behind)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.slow
@@ -883,6 +888,7 @@ def _scenario_cluster():
         "RAY_health_check_failure_threshold": "5",
         "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "5",
     }
+    # shutdown_at_exit (Cluster's default): also when the fixture ends an unfinished scenario (SIGTERM)
     return Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
 
 
@@ -1036,4 +1042,5 @@ def _elastic_scenario(args: dict) -> dict:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # out through atexit, where Cluster shuts down
     print(json.dumps(_elastic_scenario(json.loads(sys.argv[1]))))
