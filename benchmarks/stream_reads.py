@@ -9,25 +9,22 @@ window opened and decoded), the rate over the whole stream read ahead or not, an
 evaluations (`data.stream.EvalStream`): a tests-sized one (4 batches of 4 blocks) and a whole
 4,096-block eval split. Medians of alternating rounds in one process; each round starts with the
 files' columns dropped (read again from the page cache).
-Writes benchmarks/results/<machine>/stream_reads.json and .md.
+Writes benchmarks/results/<machine>/stream_reads.json and .md (bench.common.report_script).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from mixture_stream import write_cache  # benchmarks/ is this script's path
+from bench.common import report_script  # benchmarks/ is this script's path
+from mixture_stream import write_cache
 
 from raytrain_cpu.data import stream as data
 from raytrain_cpu.data.stream import EvalStream, StreamPlan, train_batches
-from raytrain_cpu.host.features import cpu_features
-
-RESULTS = Path(__file__).parent / "results" / cpu_features().slug  # one folder per machine
 
 
 def read_stream(plan: StreamPlan, prefetch: int) -> tuple[float, float]:
@@ -73,40 +70,26 @@ def main() -> None:
                 rate[name].append(r)
             tiny_eval.append(evaluation_s(EvalStream(tmp, 1, 0, 4096, 16), 4, 4))
             whole_eval.append(evaluation_s(EvalStream(tmp, 1, 0, 4096), 8, None))
-    rows = {k: {"first_batch_s": statistics.median(first[k]), "blocks_per_s": statistics.median(rate[k])} for k in ways}
-    features = cpu_features()
-    result = {
-        "host": {"cpu": features.model_name, "isa": features.best_isa},
-        "blocks": n,
-        "seq_len": seq,
-        "micro": micro,
-        "rounds": args.rounds,
-        "train_stream": rows,
-        "eval_4_batches_of_4_s": statistics.median(tiny_eval),
-        "eval_whole_4096_blocks_s": statistics.median(whole_eval),
-    }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "stream_reads.json").write_text(json.dumps(result, indent=2))
     table = [
-        f"# A rank's reads in its own process ({features.model_name}, {features.best_isa})",
-        "",
-        f"`python benchmarks/stream_reads.py --blocks {n} --seq-len {seq} --micro {micro} --rounds {args.rounds}`: "
-        f"{n:,} blocks of {seq} tokens, micro batches of {micro}; medians of {args.rounds} rounds.",
-        "",
-        "| training stream | first batch s | blocks/s | tokens/s |",
-        "| --- | ---: | ---: | ---: |",
+        {
+            "training stream": name,
+            "first batch s": statistics.median(first[name]),
+            "blocks/s": statistics.median(rate[name]),
+            "tokens/s": statistics.median(rate[name]) * seq,
+        }
+        for name in ways
     ]
-    for name, r in rows.items():
-        table.append(
-            f"| {name} | {r['first_batch_s']:.3f} | {r['blocks_per_s']:,.0f} | {r['blocks_per_s'] * seq:,.0f} |"
-        )
-    table += [
-        "",
-        f"Evaluation: 4 batches of 4 blocks {result['eval_4_batches_of_4_s']:.3f} s; a whole 4,096-block split "
-        f"in batches of 8 {result['eval_whole_4096_blocks_s']:.3f} s.",
+    evaluation = [
+        {"evaluation": "4 batches of 4 blocks", "s": statistics.median(tiny_eval)},
+        {"evaluation": "a whole 4,096-block split, batches of 8", "s": statistics.median(whole_eval)},
     ]
-    (RESULTS / "stream_reads.md").write_text("\n".join(table) + "\n")
-    print("\n".join(table))
+    note = f"{n:,} blocks of {seq} tokens, micro batches of {micro}; medians of {args.rounds} rounds"
+    report_script(
+        "stream_reads",
+        None,
+        tables={"A rank's training stream": table, "An evaluation's reads": evaluation},
+        notes=[note],
+    )
 
 
 if __name__ == "__main__":

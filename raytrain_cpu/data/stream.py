@@ -278,18 +278,17 @@ def rank_batches(
     own start-up (seconds at every evaluation) and a scheduling loop that competes with the
     training thread for the GIL. pyarrow decodes a cache file without the GIL.
     """
-    starts = range(first, rows, micro)
+    slices = (np.arange(lo, min(lo + micro, rows), dtype=np.int64) for lo in range(first, rows, micro))
     if not prefetch:
-        for lo in starts:
-            yield fetch(np.arange(lo, min(lo + micro, rows), dtype=np.int64))
+        yield from map(fetch, slices)
         return
     from concurrent.futures import ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytrain-data")
     ahead: collections.deque = collections.deque()
     try:
-        for lo in starts:
-            ahead.append(pool.submit(fetch, np.arange(lo, min(lo + micro, rows), dtype=np.int64)))
+        for ids in slices:
+            ahead.append(pool.submit(fetch, ids))
             if len(ahead) > prefetch:
                 yield ahead.popleft().result()
         while ahead:
@@ -358,15 +357,19 @@ class EvalStream:
     has_labels: bool = False
     documents_eos: int | None = None
 
-    @property
+    @functools.cached_property
     def rows(self) -> int:
         return eval_blocks_per_rank(self.n_eval, self.world_size, self.max_blocks)
 
+    @functools.cached_property
+    def padded(self) -> bool:
+        """Whether this rank's last row is padding."""
+        return self.rows > 0 and (self.rows - 1) * self.world_size + self.rank >= self.n_eval
+
     def fetch(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        padded = self.rows > 0 and (self.rows - 1) * self.world_size + self.rank >= self.n_eval  # last row padding
         block_id = ids.astype(np.int64) * self.world_size + self.rank
         split_dir = str(Path(self.cache) / "eval")
-        return read_eval_blocks(split_dir, block_id, self.n_eval, self.has_labels, self.documents_eos, padded)
+        return read_eval_blocks(split_dir, block_id, self.n_eval, self.has_labels, self.documents_eos, self.padded)
 
     def batches(self, micro: int) -> Iterator[dict[str, np.ndarray]]:
         """This rank's eval rows in batches of `micro`, read when asked."""

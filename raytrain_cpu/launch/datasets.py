@@ -1,5 +1,5 @@
-"""The run's data once packed: what each rank opens its streams from, the steps train.epochs makes, and what it
-says when the data evaluates nothing or is read more than once."""
+"""The run's data once packed: what each rank opens its streams from, the steps train.epochs
+makes, and what it says when the data evaluates nothing or is read more than once."""
 
 from __future__ import annotations
 

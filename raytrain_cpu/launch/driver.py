@@ -298,15 +298,14 @@ def start_ray(cfg: Config, quiet: bool) -> Callable[[], None] | None:
 
 
 def quiet_ray_data() -> None:
-    """One progress line from rank 0 instead of Ray Data's bars and per-operator logs (which it
-    writes every few seconds when stdout is not a terminal). Set before any dataset exists: a
-    dataset keeps a copy of the context it was built with, also on the workers."""
+    """raytrain's [data] lines instead of Ray Data's bars and per-operator logs while it prepares
+    the data (it writes them every few seconds when stdout is not a terminal). Set before any
+    dataset exists: a dataset keeps a copy of the context it was built with."""
     from ray.data import DataContext
 
     data_ctx = DataContext.get_current()
     data_ctx.enable_progress_bars = False
     data_ctx.print_on_execution_start = False
-    data_ctx.execution_options.preserve_order = True  # each rank's blocks arrive in plan order
 
 
 def check_the_fit(cfg: Config, model_dir: str, sizing: dict[str, Any], global_batch: int) -> list[int]:
