@@ -1,4 +1,5 @@
-"""Ray Train's torch process group on gloo, set up without importing torch in Ray Train's controller.
+"""Ray Train's torch process group on gloo, set up without importing torch in Ray Train's
+controller; and a TorchTrainer that starts only the helper actors a run uses.
 
 The controller unpickles the trainer's backend config. `ray.train.torch.TorchConfig`'s module
 imports torch at the top, so every run's controller imported torch (over a second of CPU on the
@@ -11,6 +12,19 @@ TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S (a hung peer is killed after that).
 
 `BackendConfig` and `Backend` are Ray Train's developer API; the worker group's `execute*`
 methods that a Backend calls are what Ray's own backends call, not a documented API: hence here.
+
+Beside its workers, a Ray Train run starts helper actors, each a process of its own that imports
+Ray (a sizeable share of a tiny run's CPU on a small host). `LeanTorchTrainer` leaves out the two
+a run can do without. Ray Train 2.60 builds them as default callbacks
+(`DataParallelTrainer._create_default_callbacks`, private), so they are filtered there:
+- the dataset manager (`DatasetsCallback`, one an attempt), which Ray Train starts with no
+  datasets too: the workers read their own blocks (`data.stream`), so the trainer is given none;
+- the placement-group cleaner (`PlacementGroupCleanerCallback`, one a run), a detached actor that
+  frees the workers' placement group should the controller die while the driver lives on. Ray
+  frees a job's placement groups when its driver exits, as a command-line run's does with the
+  run; the cleaner matters where one process starts run after run (a notebook, a test session).
+  Kept unless `run.placement_group_cleaner=false`.
+
 Imported only where the trainer is built (it imports `ray.train`).
 """
 
@@ -23,6 +37,9 @@ from dataclasses import dataclass
 
 import ray
 from ray.train.backend import Backend, BackendConfig
+from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from raytrain_cpu.compat import written_for
 
@@ -71,6 +88,25 @@ class GlooBackend(Backend):
             ray.get(futures, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             logger.warning(f"Torch process group shutdown timed out after {timeout_s} seconds")
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+class LeanTorchTrainer(DataParallelTrainer):
+    """What `TorchTrainer(torch_config=GlooConfig(...))` is (TorchTrainer is DataParallelTrainer
+    with a torch backend config; its module imports torch, this one's does not), less a dataset
+    manager when given no datasets, and less the placement-group cleaner unless
+    `placement_group_cleaner` (module docstring). Takes the backend as `backend_config`."""
+
+    def __init__(self, *args, placement_group_cleaner: bool = True, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self._placement_group_cleaner = placement_group_cleaner
+
+    def _create_default_callbacks(self) -> list:
+        unused = () if self.datasets else (DatasetsCallback,)
+        unused += () if self._placement_group_cleaner else (PlacementGroupCleanerCallback,)
+        return [c for c in super()._create_default_callbacks() if not isinstance(c, unused)]
 
 
 # ----------------------------------------------------------------------------- run on the workers

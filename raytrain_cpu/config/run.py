@@ -43,6 +43,12 @@ class RunSettings:
     failed. Ray's default, 2 s, kept every run seconds longer past its workers' end (the controller
     polls twice before it lets them go; benchmarks/poll_interval.py); a poll is one small call to
     each worker."""
+    placement_group_cleaner: bool = True
+    """Start Ray Train's placement-group cleaner beside each run: a detached actor that frees the
+    workers' reserved CPUs should the run's controller die while the process that started the run
+    lives on (a notebook, a script running several runs). Ray frees them anyway when that process
+    exits, as a command-line run's does; false saves the actor's process (a second or two of CPU
+    a run)."""
     preemption_check_every: int = 1
     """Ask Ray every this many steps whether a node of the run is being drained (a spot notice) and
     checkpoint at once if so; 0 never asks. Each check is a small barrier across the workers. An

@@ -382,18 +382,17 @@ def make_trainer(
 ):
     """The TorchTrainer on gloo that runs train_loop on every worker."""
     import ray.train
-    from ray.train.torch import TorchTrainer
 
-    from raytrain_cpu.compat.ray_backend import GlooConfig
+    from raytrain_cpu.compat.ray_backend import GlooConfig, LeanTorchTrainer
     from raytrain_cpu.trainer.loop import train_loop
 
     world = sizing["num_workers"]
     os.environ.update(ray_train_env(cfg))  # the driver's: Ray Train hands them to its controller
-    return TorchTrainer(
+    return LeanTorchTrainer(
         train_loop,
         train_loop_config=loop_config,
         # gloo: the CPU collective backend that ships with PyTorch; oneCCL bindings are retired.
-        torch_config=GlooConfig(timeout_s=cfg.run.gloo_timeout_s),
+        backend_config=GlooConfig(timeout_s=cfg.run.gloo_timeout_s),
         scaling_config=ray.train.ScalingConfig(
             num_workers=(worlds[0], worlds[-1]) if cfg.elastic else world,
             elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s,
@@ -410,6 +409,7 @@ def make_trainer(
             worker_runtime_env={"env_vars": {**RAY_ENV, **worker_env(cfg, sizing["workers_per_node"])}},
             callbacks=[restart_notice(cfg.run.max_failures, latest and Path(latest["path"]).name)],
         ),
+        placement_group_cleaner=cfg.run.placement_group_cleaner,
     )
 
 

@@ -239,6 +239,7 @@ def job(cluster, tmp_path_factory, shared_cache):
         "scaling.cpus_per_worker=0.5",
         "scaling.threads_per_worker=1",
         "scaling.resources_per_worker={trainer: 1}",  # only the second node has it
+        "run.placement_group_cleaner=true",  # Ray's default (FAST leaves it out): checked below
     )
     t0 = time.time()
     submit = _ray(

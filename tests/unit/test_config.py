@@ -450,3 +450,23 @@ def test_ray_train_gets_the_runs_timeouts_and_poll_interval(monkeypatch):
     assert ray_train_env(elastic)["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] == "15"
     with pytest.raises(ConfigError, match=r"run.poll_interval_s"):
         load_config(None, ["run.poll_interval_s=0"])
+
+
+def test_the_trainer_starts_no_dataset_manager_and_the_cleaner_only_when_asked():
+    """Ray Train's helper actors, each a process: no dataset manager for a trainer given no
+    datasets (the workers read their own blocks), the placement-group cleaner as configured."""
+    import ray.train
+
+    from raytrain_cpu.compat.ray_backend import GlooConfig, LeanTorchTrainer
+
+    def callbacks(**kwargs) -> set[str]:
+        trainer = LeanTorchTrainer(
+            lambda: None, backend_config=GlooConfig(), scaling_config=ray.train.ScalingConfig(num_workers=2), **kwargs
+        )
+        return {type(c).__name__ for c in trainer._create_default_callbacks()}
+
+    kept = callbacks()
+    assert "DatasetsCallback" not in kept and {"BackendSetupCallback", "PlacementGroupCleanerCallback"} <= kept
+    assert callbacks(placement_group_cleaner=False) == kept - {"PlacementGroupCleanerCallback"}
+    assert "DatasetsCallback" in callbacks(datasets={"train": lambda: ray.data.range(4)})  # given data: as Ray does
+    assert load_config(None, []).run.placement_group_cleaner  # Ray's default, kept
