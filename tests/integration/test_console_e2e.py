@@ -194,6 +194,7 @@ def cli_children(ray_session, tmp_path_factory, shared_cache):
 
     root = tmp_path_factory.mktemp("cli_children")
     common = [f"run.storage_path={root}", f"data.cache_dir={shared_cache}", "data.tokenize_actors=1"]
+    common.append("scaling.num_workers=1")  # what the console says does not depend on the workers' number
     common.append("run.poll_interval_s=0.25")  # Ray registers the checkpoints Ctrl-C waits for sooner
     runs = {
         # Trains "forever", checkpointing every 4 steps: Ctrl-C stops it.

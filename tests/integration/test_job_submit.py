@@ -345,7 +345,7 @@ def test_ray_job_stop_stops_the_run_where_it_can_resume(cluster, job, tmp_path, 
     sid = f"raytrain-stop-{secrets.token_hex(4)}"
     overrides = fast_overrides(
         tmp_path, shared_cache, "train.max_steps=100000", "train.checkpoint_every=2", "run.name=stopped",
-        "scaling.num_workers=2", "scaling.cpus_per_worker=0.5", "scaling.threads_per_worker=1",
+        "scaling.num_workers=1", "scaling.cpus_per_worker=0.5", "scaling.threads_per_worker=1",
         "scaling.resources_per_worker={trainer: 1}",
     )  # fmt: skip
     stop_wait = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}})  # the job supervisor's grace
