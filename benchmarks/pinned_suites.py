@@ -84,7 +84,7 @@ def main() -> int:
                 )
             running[i] = (proc, cpus, time.monotonic())
             print(f"[pinned] {i} on vCPUs {cpus}: {shlex.join(argv[1:])}", flush=True)
-        time.sleep(2)
+        time.sleep(0.25)  # a look at the running commands: a freed core group starts the next at once
         for i, (proc, cpus, t0) in list(running.items()):
             if proc.poll() is None and time.monotonic() - t0 < args.timeout:
                 continue

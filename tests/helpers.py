@@ -284,7 +284,8 @@ class FakeIMDS:
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        # shutdown() waits for serve_forever's next look (every 0.5 s by default): each test closes one.
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
     def notice(self, action: str, at: float) -> int:
         """Posts a notice that EC2 will `action` the instance at `at`; the time it says (whole seconds)."""
@@ -395,7 +396,7 @@ def stub_hub_server():
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()  # as FakeIMDS
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
