@@ -238,8 +238,6 @@ def run_on_ray(cfg: Config, model_dir: str, t0: float) -> dict[str, Any]:
         "model_dir": model_dir,
         "config_hash": config_hash(cfg_dict),
         "threads_per_worker": sizing["threads_per_worker"],
-        # Each source's eval blocks: a worker count above them evaluates nothing of that source.
-        "eval_sources": {name: source_meta["eval_blocks"] for name, _, source_meta in sources},
         "worker_bundle": {"CPU": sizing["cpus_per_worker"], **cfg.scaling.resources_per_worker},
         "start_position": start,
         "streams": stream_spec(meta, sources, cfg, worlds, start),  # each rank opens its own
