@@ -30,6 +30,8 @@ from pathlib import Path
 
 from bench.common import in_rep_order, report_script  # benchmarks/ is this script's path
 
+from raytrain_cpu.host.features import machine_cpu_seconds
+
 VARIANTS = ("torch_trainer", "lean", "lean_no_cleaner")
 
 
@@ -42,11 +44,6 @@ SHORT = [
     "model.attention=causal_blocks",
     "run.poll_interval_s=0.25",
 ]
-
-
-def busy_core_seconds() -> float:
-    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def use_trainer(variant: str) -> None:
@@ -74,12 +71,12 @@ def one_run(storage: Path, variant: str, name: str, steps: int, overrides: list[
         [f"run.storage_path={storage}", f"run.name={name}", f"train.max_steps={steps}", "train.eval_every=2"]
         + [f"run.placement_group_cleaner={variant != 'lean_no_cleaner'}", *SHORT, *overrides],
     )
-    b0, t0 = busy_core_seconds(), time.time()
+    b0, t0 = machine_cpu_seconds()[0], time.time()
     with contextlib.redirect_stdout(io.StringIO()):
         run(cfg)
     wall = time.time() - t0
     time.sleep(2)  # the run's actors exit
-    return {"variant": variant, "name": name, "wall_s": wall, "busy_core_s": busy_core_seconds() - b0}
+    return {"variant": variant, "name": name, "wall_s": wall, "busy_core_s": machine_cpu_seconds()[0] - b0}
 
 
 def main() -> None:

@@ -105,23 +105,17 @@ def log_streams_outlive_capture():
 # (set-up, call and teardown) and the machine's busy and total core-seconds meanwhile (/proc/stat).
 
 
-def _cpu_seconds() -> tuple[float, float]:
-    """(busy, total) core-seconds of this machine since boot."""
-    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = ticks[3] + ticks[4]  # idle and iowait
-    hz = os.sysconf("SC_CLK_TCK")
-    return (sum(ticks) - idle) / hz, sum(ticks) / hz
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     log = os.environ.get("RAYTRAIN_TEST_CPU_LOG")
     if not log:
         yield
         return
-    (busy, total), t0 = _cpu_seconds(), time.time()
+    from raytrain_cpu.host.features import machine_cpu_seconds
+
+    (busy, total), t0 = machine_cpu_seconds(), time.time()
     yield
-    busy_end, total_end = _cpu_seconds()
+    busy_end, total_end = machine_cpu_seconds()
     row = {"test": item.nodeid, "wall": time.time() - t0, "busy": busy_end - busy, "total": total_end - total}
     with open(log, "a") as f:
         f.write(json.dumps(row) + "\n")

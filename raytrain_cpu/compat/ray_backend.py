@@ -53,8 +53,8 @@ SHUTDOWN_TIMEOUT_DEFAULT_S = 30
 
 @dataclass
 class GlooConfig(BackendConfig):
-    """TorchTrainer's `torch_config` for a gloo process group whose collectives time out after
-    `timeout_s`."""
+    """The trainer's backend config (LeanTorchTrainer's `backend_config`; TorchTrainer takes it as
+    `torch_config`) for a gloo process group whose collectives time out after `timeout_s`."""
 
     timeout_s: int = 1800
     backend: str = "gloo"  # TorchTrainer reads it (and picks nccl where it is empty and GPUs are asked for)

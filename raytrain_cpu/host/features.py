@@ -287,3 +287,12 @@ def cpp_compiler() -> str:
     import shutil
 
     return shutil.which(cpp_compiler_name()) or ""
+
+
+def machine_cpu_seconds() -> tuple[float, float]:
+    """(busy, total) core-seconds of this whole machine since boot, every process's (/proc/stat;
+    busy leaves out idle and iowait): what a test or a benchmark cost the machine, Ray's
+    processes included, is the difference of two readings."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - ticks[3] - ticks[4]) / hz, sum(ticks) / hz
