@@ -1,6 +1,7 @@
 """DeepSpeed's private internals the trainer reaches into: its op-compatibility probe, its Muon
-module, and ZeRO-3's fp32 gradient preparation and gradient reduce-scatter, each replaced by an
-equivalent that computes the same bits with fewer new pages."""
+module, ZeRO-3's fp32 gradient preparation and gradient reduce-scatter, each replaced by an
+equivalent that computes the same bits with fewer new pages, and ZeRO++ hpZ's secondary
+partitions and group."""
 
 from __future__ import annotations
 
@@ -144,3 +145,59 @@ def reuse_reduce_scatter_buffer(on: bool, bucket_elements: int) -> None:
         if on
         else coalesced_collectives.reduce_scatter_coalesced
     )
+
+
+# ----------------------------------------------------------------------------- ZeRO++ hpZ
+
+
+def drop_stale_secondary_partitions(model) -> int:
+    """Forgets every hpZ secondary partition (zero_hpz_partition_size > 1); returns how many.
+
+    zero.Init makes each parameter's secondary partition (its 1/hpz slice, which forward and
+    backward gather within the node) from the parameter as built, before the sharded loader
+    writes the checkpoint's bytes into the primary partitions (model.loading reads into
+    `ds_tensor` only). The secondaries then hold the uninitialised weights, and DeepSpeed
+    refreshes them only after an optimizer step that is not skipped (stage3 _post_step) or a
+    checkpoint load, never for frozen parameters (LoRA's base, DPO's reference): the first
+    loss is garbage, bf16 overflows, every step is skipped, and nothing ever refreshes them.
+    Without a secondary, the next gather goes over all ranks from the primary partitions and
+    makes a new secondary from the gathered weights, which is what DeepSpeed does after a step.
+    """
+    dropped = 0
+    for p in model.parameters():
+        if getattr(p, "ds_secondary_tensor", None) is not None:
+            p.ds_secondary_tensor = None
+            dropped += 1
+    return dropped
+
+
+def reuse_hpz_group() -> None:
+    """Lets a second zero.Init in one process reuse the hpZ group the first one made.
+
+    DeepSpeed keeps one hpZ group per process (utils.groups) and asserts when asked to make it
+    again, which zero.Init does whenever it is given no group: transformers' zero.Init (through
+    HfDeepSpeedConfig) gives none, so a second model under the same config (DPO's reference,
+    a test's second engine) would fail. The same size reuses the group (new_group is a
+    collective that every rank must call alike, and each does the same here); another size
+    raises: DeepSpeed keeps one group a process. (A flat engine built after an hpZ one in the same
+    process would still pick the group up: stage3 reads it whatever the config says.)"""
+    from deepspeed import comm as dist
+    from deepspeed.utils import groups
+
+    create = groups._create_zero_param_parallel_group
+    if getattr(create, "reuses_group", False):
+        return
+
+    def create_once(group_size: int) -> None:
+        if groups._get_zero_param_intra_parallel_group() is None:
+            create(group_size)
+            return
+        wanted, have = min(group_size, dist.get_world_size()), groups._get_zero_param_intra_parallel_group_world_size()
+        if wanted != have:
+            raise RuntimeError(
+                f"this process already has an hpZ group of {have} ranks and a model asks for {wanted}: one "
+                "deepspeed.hpz_partition_size per process"
+            )
+
+    create_once.reuses_group = True  # type: ignore[attr-defined]
+    groups._create_zero_param_parallel_group = create_once

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-from raytrain_cpu.config.checks import absolute, choice, require
+from raytrain_cpu.config.checks import absolute, check_hpz_partition, choice, require
 
 Allocator = Literal["auto", "jemalloc", "tcmalloc", "system"]
 
@@ -50,6 +50,11 @@ class ScalingConfig:
     """torch intra-op threads per worker; 0 uses the physical cores behind the worker's CPUs."""
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     """Extra Ray resources each worker needs, e.g. {c7i_worker: 1}, to land on given nodes."""
+    instance_type: str = ""
+    """The AWS node type the workers land on (e.g. c7i.48xlarge), for the planner
+    (`python -m raytrain_cpu.plan --config`): it plans one rank per socket there, checks the fit
+    and predicts the step on its network and price. The run itself places workers by
+    scaling.resources_per_worker. Empty: the planner recommends a node."""
     node_wait_s: int = 1800
     """On a cluster that has no node for the workers yet (an autoscaler starts them on demand,
     as cluster/aws-c7i.yaml's worker types start at 0), how long the driver asks for them and
@@ -146,6 +151,16 @@ class DeepSpeedSettings:
     every rank runs on one machine (raytrain_cpu.trainer.collectives): gloo sends each byte through
     the loopback TCP stack, several times slower at ZeRO-3's sizes. Ranks on several machines, or no
     room in /dev/shm, keep gloo; false always uses gloo."""
+    cross_node_collectives: Literal["gloo", "striped"] = "gloo"
+    """Ranks on several machines (where the shared-memory collectives do not apply): "striped"
+    cuts each ZeRO-3 all-gather and reduce-scatter among all ranks into chunks on 4 extra gloo
+    groups issued at once (raytrain_cpu.trainer.collectives.StripedCollectives). gloo crosses each
+    node boundary on one TCP connection per direction, and clouds cap one flow below the node's
+    rate (AWS: 10 of a c7i.48xlarge's 50 Gbit/s in a placement group); 4 stripes use 4 flows.
+    Same bytes; all-gathers give gloo's bits, reduce-scatters' sums may round differently (gloo
+    segments each chunk itself). Under a per-flow cap of a fifth of the node's rate it ran about
+    4x gloo's speed, on an uncapped link about the same (benchmarks/flows.py). Costs 4 more gloo
+    groups' connections and threads per rank. "gloo": torch's own collectives."""
     sub_group_size: int = 100_000_000
     """ZeRO-3: elements of this rank's partition the optimizer updates at a time (DeepSpeed's
     sub groups). One sub group's fp32 gradient exists at a time, so this bounds it: 0.49 GiB
@@ -170,9 +185,23 @@ class DeepSpeedSettings:
     more. A gathered layer (plus the next, prefetched) is what the planner
     counts live anyway. model.compile (compile_scope 'layers') needs it: the gathers must stay
     outside the compiled layer."""
+    hpz_partition_size: int = 1
+    """ZeRO-3 (ZeRO++ hpZ): ranks that keep a second bf16 partition of the parameters among
+    themselves, so ZeRO-3's parameter gathers stay within that group (set it to one node's
+    ranks) instead of crossing the network to every rank. Each optimizer step's update makes
+    the second partition stale, so a step's first forward still gathers from every rank (and
+    refreshes it); the backward's re-gathers (layers beyond deepspeed.max_live_parameters) and
+    every later micro batch of the step (train.grad_accum_steps) then stay in the node, as do
+    all gathers of frozen weights (LoRA's base). Across nodes go the gradients' reduce-scatter
+    and that first gather. Costs each rank 1/hpz of the bf16 model for the second partition
+    (about 7.5 GiB per rank for an 8B model at 2 ranks a node). Groups are consecutive ranks,
+    which Ray Train places node by node. 1: flat ZeRO-3; 0: the ranks of each node (Ray Train's
+    local world size), which must be the same on every node. Must divide the workers."""
 
     def __post_init__(self) -> None:
         choice(str(self.zero_stage), "deepspeed.zero_stage", ("1", "2", "3"))
+        choice(self.cross_node_collectives, "deepspeed.cross_node_collectives", ("gloo", "striped"))
+        check_hpz_partition(self.hpz_partition_size, self.zero_stage)
         if self.config_file:
             require(
                 Path(self.config_file).is_file(),

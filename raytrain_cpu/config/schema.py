@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raytrain_cpu.config.checks import ConfigError, choice, require
+from raytrain_cpu.config.checks import ConfigError, check_hpz_partition, choice, require
 from raytrain_cpu.config.data import DataConfig
 from raytrain_cpu.config.load import build, raw_config
 from raytrain_cpu.config.model import LoraSettings, ModelConfig
@@ -84,6 +84,11 @@ class Config:
             "train.sample_tokens",
             f"{self.train.sample_tokens} leaves no room for the prompt in data.seq_len={self.data.seq_len} (the "
             "positions the model trains on); lower it.",
+        )
+        check_hpz_partition(
+            self.deepspeed.hpz_partition_size,
+            self.deepspeed.zero_stage,
+            self.worker_counts if self.scaling.num_workers else (),
         )
         if self.deepspeed.config_file:
             _check_deepspeed_file(self)
@@ -194,6 +199,11 @@ def _check_deepspeed_file(cfg: Config) -> None:
             zero.get("stage3_max_live_parameters"),
             "deepspeed.max_live_parameters",
             ds.max_live_parameters,
+        ),
+        "zero_optimization.zero_hpz_partition_size": (
+            zero.get("zero_hpz_partition_size"),
+            "deepspeed.hpz_partition_size",
+            ds.hpz_partition_size,
         ),
         "gradient_clipping": (extra.get("gradient_clipping"), "train.grad_clip", cfg.train.grad_clip),
     }

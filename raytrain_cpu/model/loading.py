@@ -419,6 +419,7 @@ def load_sharded(model_dir: str, ds_config: dict[str, Any], dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
+    from raytrain_cpu.compat import deepspeed_zero3
     from raytrain_cpu.compat.torch import preload_dynamo
     from raytrain_cpu.compat.transformers import no_zero3_weight_init
 
@@ -433,6 +434,8 @@ def load_sharded(model_dir: str, ds_config: dict[str, Any], dtype):
         with no_zero3_weight_init():  # the checkpoint overwrites every weight
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         _read_own_partitions(model, files)  # every parameter, or an error naming the missing ones
+        # hpZ's in-node copies were cut from the weights as built, not as read (compat's why)
+        deepspeed_zero3.drop_stale_secondary_partitions(model)
     model.config.use_cache = False
     del torch
     return model, hf_ds_config

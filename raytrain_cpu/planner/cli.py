@@ -23,6 +23,7 @@ from raytrain_cpu.planner.tables import (
     KEPT_PAGES,
     KNOWN_SHAPES,
     LOW_LIVE_STEP_COST,
+    PRICES_AS_OF,
     resolve_shape,
 )
 
@@ -108,12 +109,49 @@ def format_table(result: dict[str, Any]) -> str:
         "  fewest workers per c7i size: "
         + ", ".join(f"{k.split('.')[1]} {v if v else '-'}" for k, v in rec["min_workers_per_c7i_size"].items()),
     ]
+    lines += ["", *format_step(result)]
     if "fits_instance" in rec:
         verdict = "fits" if rec["fits_instance"] else "does NOT fit"
         lines.append(f"  on {result['network_node']}: {verdict} ({i['ranks_per_node']} rank(s) per node)")
     if i["offload"] == "cpu":
         lines.append("  note: offload to 'cpu' saves nothing on a CPU node (the states are in RAM either way).")
     return "\n".join(lines)
+
+
+def _step_line(s: dict[str, Any]) -> str:
+    return (
+        f"{s['step_time_s']:.3g} s = compute {s['compute_s']:.3g} + optimizer {s['optimizer_s']:.3g} + exposed "
+        f"communication {s['comm_exposed_s']:.3g} (in node {s['comm_in_node_s']:.3g}, network {s['comm_network_s']:.3g}); "
+        f"{s['tokens_per_s']:,.0f} tokens/s"
+    )
+
+
+def format_step(result: dict[str, Any]) -> list[str]:
+    """The step model's lines: the plan's step on its nodes, this machine's (--measure), and the
+    fastest and cheapest variant that fits."""
+    s, i = result["step"], result["inputs"]
+    lines = [
+        f"step on {s['nodes']} x {result['network_node']} ({i['ranks_per_node']} rank(s) a node, "
+        f"{s['rates']['threads']} threads a rank): {_step_line(s)}; "
+        f"${s['usd_per_million_tokens']:.2f} per million tokens at ${s['usd_per_node_hour']:.2f}/h "
+        f"(on-demand, {PRICES_AS_OF}); {s['network_gib_per_step']:.3g} GiB a step leave each node, "
+        f"bound by {s['bound_by']}",
+        f"  rates: {s['rates']['source']}",
+    ]
+    if "step_here" in result:
+        h = result["step_here"]
+        lines.append(
+            f"step on this machine ({i['world_size']} ranks, {h['rates']['threads']} thread(s) each): {_step_line(h)}"
+        )
+        lines.append(f"  rates: {h['rates']['source']}")
+    for key, what in (("recommended_by_time", "fastest"), ("recommended_by_cost", "cheapest")):
+        r = result[key]
+        if r:
+            lines.append(
+                f"{what} that fits: {r['variant']} on {r['nodes']} x {r['instance']}: {r['step_time_s']:.3g} s a step, "
+                f"${r['usd_per_million_tokens']:.2f} per million tokens ({r['peak_gib']:.1f} GiB a rank)"
+            )
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,8 +240,31 @@ def build_parser() -> argparse.ArgumentParser:
         "(train.dpo_precompute_reference=true): the reference's log-likelihoods computed before training, "
         "so training plans as SFT",
     )
-    p.add_argument("--ranks-per-node", type=int, default=1)
-    p.add_argument("--instance", help="check the fit on this node and time the traffic at its network rate")
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        help="ranks a node (default 1, or one a socket of --config's scaling.instance_type: 2 on a 48xlarge)",
+    )
+    p.add_argument("--instance", help="check the fit on this node and predict the step on its network")
+    p.add_argument(
+        "--hpz-partition-size",
+        type=int,
+        help="deepspeed.hpz_partition_size: ZeRO-3's gathers kept in groups of this many ranks (0: a node's)",
+    )
+    p.add_argument(
+        "--placement-group",
+        choices=("cluster", "none"),
+        default="cluster",
+        help="whether the nodes share a cluster placement group: AWS caps one TCP flow at 10 Gbit/s in one, 5 outside",
+    )
+    p.add_argument("--usd-per-hour", type=float, help="a node's price (default: the on-demand table's, us-east-1)")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="time this machine's rates (the run's ranks at once, each a decoder layer, the head and GEMMs at the "
+        "run's shapes on its share of the cores; the optimizer; copies; gloo over loopback) and predict its own "
+        "step; on an AMX (c7i-class) host they replace the assumed c7i rates",
+    )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return p
 
@@ -274,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         free_memory_growth_mib=FREE_MEMORY_GROWTH_MIB,
         max_live_parameters=DS_MAX_LIVE_PARAMETERS,
         dpo_reference="",
+        hpz_partition_size=1,
+        ranks_per_node=1,
+        instance=None,
     )
     try:
         if args.config:
@@ -299,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             free_memory_growth_mib=args.free_memory_growth_mib,
             max_live_parameters=None if args.max_live_parameters is None else int(args.max_live_parameters),
             dpo_reference=args.dpo,
+            hpz_partition_size=args.hpz_partition_size,
         )
         inputs |= {k: v for k, v in flags.items() if v is not None}
         check_flags(args, inputs)
@@ -306,12 +371,55 @@ def main(argv: list[str] | None = None) -> int:
             inputs["model_shape"] = resolve_shape(args.model)
         if inputs["model_shape"] is None:
             raise ValueError("give --model or --config")
-        result = plan(**inputs, ranks_per_node=args.ranks_per_node, instance=args.instance)
+        if args.usd_per_hour is not None and args.usd_per_hour <= 0:
+            raise ValueError(f"--usd-per-hour must be > 0, got {args.usd_per_hour:g}")
+        rates = _measured(inputs) if args.measure else None
+        if args.ranks_per_node is not None:
+            inputs["ranks_per_node"] = args.ranks_per_node
+        if args.instance:
+            inputs["instance"] = args.instance
+        result = plan(
+            **inputs,
+            rates=rates if rates and _c7i_class() else None,
+            rates_here=rates,
+            placement_group=args.placement_group,
+            usd_per_hour=args.usd_per_hour,
+        )
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
+
+
+def _c7i_class() -> bool:
+    """An AMX host (Sapphire Rapids or later): its measured rates stand for a c7i rank's."""
+    from raytrain_cpu.host.features import cpu_features
+
+    return bool(cpu_features().flags.get("amx_bf16"))
+
+
+def _measured(inputs: dict[str, Any]):
+    from raytrain_cpu.host.features import cpu_features
+    from raytrain_cpu.planner.measure import measure_rates
+
+    feats = cpu_features()
+    # The run's ranks on this machine at once, each on its share of the physical cores, as the
+    # workers' threads are placed (host.threads); a world larger than the cores times one rank.
+    ranks = inputs["world_size"] if inputs["world_size"] <= feats.physical_cores else 1
+    threads = max(1, feats.physical_cores // ranks)
+    print(f"measuring this machine's rates: {ranks} rank(s) x {threads} thread(s) (about a minute)...", file=sys.stderr)
+    rates, _ = measure_rates(
+        inputs["model_shape"],
+        inputs["micro_batch"],
+        inputs["seq_len"],
+        inputs["activation_checkpointing"],
+        lora=inputs["lora_rank"] > 0,
+        threads=threads,
+        host=feats.slug,
+        ranks=ranks,
+    )
+    return rates
 
 
 if __name__ == "__main__":

@@ -7,7 +7,21 @@ from raytrain_cpu.model.shape import (
     ModelShape,
 )
 from raytrain_cpu.planner.memory import bytes_per_param
-from raytrain_cpu.planner.tables import DS_PARAM_PERSISTENCE_THRESHOLD
+from raytrain_cpu.planner.tables import DS_MAX_REUSE_DISTANCE, DS_PARAM_PERSISTENCE_THRESHOLD
+
+
+def backward_regather_share(gathered_numel: float, reuse_distance: int = DS_MAX_REUSE_DISTANCE) -> float:
+    """Share of ZeRO-3's parameters the backward gathers again after the forward released them.
+
+    DeepSpeed keeps a gathered parameter when it runs again within stage3_max_reuse_distance
+    elements of parameters (partitioned_param_coordinator's release). Between a layer's forward
+    and its backward run the forward of every later layer and their backward: about twice the
+    parameters after it. So the last layers (up to half the distance) stay gathered into the
+    backward and the rest are gathered again: none in a model of up to half a billion gathered
+    parameters, most of an 8B."""
+    if gathered_numel <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - reuse_distance / (2.0 * gathered_numel)))
 
 
 def comm_bytes_per_step(
@@ -28,8 +42,9 @@ def comm_bytes_per_step(
     DPO's `reference_forward` (every micro batch: the base with the adapters off, or full
     fine-tuning's frozen copy of the starting model) gathers the model once more at ZeRO-3.
 
-    ZeRO-3 all-gathers the (non-persistent) parameters in forward and again in backward and
-    reduce-scatters the gradients, every micro batch: ~3x the model bytes. ZeRO-2 reduce-
+    ZeRO-3 all-gathers the (non-persistent) parameters in forward, again in backward those the
+    forward released (backward_regather_share), and reduce-scatters the gradients, every micro
+    batch: up to ~3x the model bytes. ZeRO-2 reduce-
     scatters gradients every micro batch and all-gathers the updated parameters once; ZeRO-1
     does both once per step: ~2x (an all-reduce).
     """
@@ -43,7 +58,7 @@ def comm_bytes_per_step(
     ring = (W - 1) / W
     if zero_stage == 3:
         gathered = sum(n for n in shape.param_numels() if n >= param_persistence_threshold)
-        gathers = 3 if reference_forward else 2
+        gathers = 1 + backward_regather_share(gathered) + (1 if reference_forward else 0)
         per_micro = gathers * w_bytes * gathered * ring + g_bytes * P * ring
         return per_micro * grad_accum_steps
     if zero_stage == 2:

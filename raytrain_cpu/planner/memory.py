@@ -134,8 +134,13 @@ def memory_breakdown(
     attention: str = "auto",
     attention_probs: str = "auto",
     reference_copy: bool = False,
+    hpz_partition_size: int = 1,
 ) -> dict[str, float]:
     """Per-rank bytes of each component (not cumulative), named after where it comes from.
+
+    `hpz_partition_size` > 1 (deepspeed.hpz_partition_size, ZeRO-3): each rank also holds its
+    1/hpz of the gathered parameters as hpZ's secondary copy once the first forward has run
+    (`hpz_secondary`), which its group's later gathers read instead of crossing nodes.
 
     `reference_copy`: full fine-tuning DPO keeps a frozen copy of the starting model as its
     reference, its weights held (and partitioned) as the trained ones are (`reference`).
@@ -278,6 +283,9 @@ def memory_breakdown(
         if reuse_fp32_grad_buffer:
             parts["fp32_grad_buffer"], parts["master_grad"] = parts["master_grad"], 0.0
     parts["reduce_buffer"] = parts["grad_bucket"] if zero_stage == 3 and reuse_reduce_buffer else 0.0
+    hpz = hpz_partition_size if zero_stage == 3 and 1 < hpz_partition_size < W else 1
+    gathered_numel = sum(n for n in numels if n >= param_persistence_threshold)
+    parts["hpz_secondary"] = b * gathered_numel / hpz if hpz > 1 else 0.0
     return parts
 
 
@@ -372,7 +380,7 @@ def memory_stages(parts: dict[str, float], lora: bool = False, kept_pages: bool 
     after_master = base + INIT_OVERHEAD_BYTES + parts["master"] + parts["grads"]
     # The shared-memory slots count once the first step's collectives have touched them.
     after_optimizer = after_master + parts["adam"] + parts["collective_buffers"]
-    after_optimizer += parts["fp32_grad_buffer"] + parts["reduce_buffer"]
+    after_optimizer += parts["fp32_grad_buffer"] + parts["reduce_buffer"] + parts.get("hpz_secondary", 0.0)
     backward = parts["activations"] + parts["logits"] + parts["gathered_params"] + parts["grad_bucket"]
     fragmentation = LORA_FRAGMENTATION if lora else FRAGMENTATION
     optimizer_step = parts["master_grad"] + parts["adam_temp"]

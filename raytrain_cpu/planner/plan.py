@@ -11,6 +11,7 @@ from raytrain_cpu.model.shape import (
     ModelShape,
 )
 from raytrain_cpu.planner.comm import comm_bytes_per_step, train_flops_per_step
+from raytrain_cpu.planner.compare import compare_variants, step_on
 from raytrain_cpu.planner.recommend import (
     fits_node,
     lower_stage_advice,
@@ -20,6 +21,7 @@ from raytrain_cpu.planner.recommend import (
     recommend,
     release_margin,
 )
+from raytrain_cpu.planner.steptime import Rates
 from raytrain_cpu.planner.tables import (
     C7I_SIZES,
     DS_MAX_LIVE_PARAMETERS,
@@ -30,6 +32,7 @@ from raytrain_cpu.planner.tables import (
     LIVE_CHOICES,
     instance_catalog,
     resolve_shape,
+    sockets_of,
 )
 
 # The table's note for a DPO run that runs no reference forward beside training (its figures
@@ -72,8 +75,27 @@ def plan(
     kept_pages: bool = True,
     free_memory_growth_mib: int = FREE_MEMORY_GROWTH_MIB,
     dpo_reference: str = "",
+    hpz_partition_size: int = 1,
+    shm_collectives: bool = True,
+    cross_node_collectives: str = "gloo",
+    threads_per_rank: int = 0,
+    reserved_vcpus: float = 0,
+    rates: Rates | None = None,
+    rates_here: Rates | None = None,
+    placement_group: str = "cluster",
+    usd_per_hour: float | None = None,
 ) -> dict[str, Any]:
     """The whole estimate as a JSON-able dict (what `--json` prints).
+
+    The step (planner.steptime): on `instance` (else the recommended node) with `rates` (a c7i
+    rank's, assumed unless measured on one), AWS's single-flow cap for `placement_group`
+    ("cluster" or "none") and `usd_per_hour` (else the on-demand table's price);
+    `rates_here` (plan --measure) adds this machine's own step with every rank on it.
+    `hpz_partition_size` (deepspeed.hpz_partition_size): ZeRO-3's gathers kept in groups of this
+    many ranks (0: the ranks of a node); `cross_node_collectives` (the deepspeed setting):
+    "striped" crosses nodes on several TCP flows; `threads_per_rank` a rank's intra-op threads on
+    those nodes (0: its share of the node's physical cores after `reserved_vcpus`, the
+    scaling.data_cpus every node leaves to Ray and data).
 
     `lora_rank` > 0 plans LoRA fine-tuning: a frozen, partitioned base and trainable adapters
     on `lora_targets` (`lora_dropout` > 0 keeps more activations). `dpo_reference` says how a
@@ -116,6 +138,9 @@ def plan(
         raise ValueError(f"dpo_reference must be one of {DPO_REFERENCES}, got {dpo_reference!r}")
     reference_forward = dpo_reference == "each-step"
     lora_targets = tuple(lora_targets)
+    if hpz_partition_size < 0:
+        raise ValueError(f"hpz_partition_size must be >= 0, got {hpz_partition_size}")
+    hpz_partition_size = hpz_partition_size or ranks_per_node
     trainable = shape.lora_params(lora_rank, lora_targets) if lora_rank else shape.num_params
 
     mem_kwargs = dict(
@@ -142,6 +167,7 @@ def plan(
         kept_pages=kept_pages,
         free_memory_growth_mib=free_memory_growth_mib,
         reference_copy=reference_forward and not lora_rank,  # full fine-tuning DPO's frozen reference
+        hpz_partition_size=hpz_partition_size,
     )
     # What the traffic depends on beyond the stage: LoRA's trainable part, DPO's reference gathers.
     comm_kw = dict(lora_rank=lora_rank, lora_targets=lora_targets, reference_forward=reference_forward)
@@ -181,7 +207,49 @@ def plan(
         if zero_stage == 3
         else {}
     )
+    run = dict(
+        zero_stage=zero_stage,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        grad_accum_steps=grad_accum_steps,
+        activation_checkpointing=activation_checkpointing,
+        dtype=dtype,
+        lora_rank=lora_rank,
+        lora_targets=lora_targets,
+        reference_forward=reference_forward,
+    )
+    step = step_on(
+        shape,
+        node,
+        world_size,
+        ranks_per_node,
+        hpz_partition_size,
+        shm_collectives,
+        run,
+        rates,
+        placement_group,
+        usd_per_hour,
+        cross_node_collectives,
+        threads_per_rank,
+    )
+    here = (
+        step_on(
+            shape, None, world_size, world_size, hpz_partition_size, shm_collectives, run, rates_here, "cluster", None
+        )
+        if rates_here
+        else None
+    )
+    variants = compare_variants(
+        shape, world_size, mem_kwargs, run, rates, placement_group, usd_per_hour, reserved_vcpus
+    )
     return {
+        "step_time_s": step["step_time_s"],
+        "tokens_per_s": step["tokens_per_s"],
+        "comm_exposed_s": step["comm_exposed_s"],
+        "usd_per_million_tokens": step["usd_per_million_tokens"],
+        "step": step,
+        **({"step_here": here} if here else {}),
+        **variants,
         "model": asdict(shape) | {"num_params": shape.num_params, "trainable_params": trainable},
         "inputs": dict(world_size=world_size, grad_accum_steps=grad_accum_steps, ranks_per_node=ranks_per_node)
         | mem_kwargs
@@ -224,8 +292,20 @@ def inputs_from_config(cfg: Any, model: str = "", world_size: int = 0) -> dict[s
         shape = ModelShape(**{**asdict(shape), "tie_word_embeddings": t.tie_word_embeddings})
     else:
         shape = resolve_shape(model or m.name_or_path)
+    instance = cfg.scaling.instance_type
+    if instance and instance.partition(".")[0] not in GIB_PER_VCPU:
+        raise ValueError(f"scaling.instance_type={instance!r}: plan a c7i, m7i or r7i size (e.g. c7i.48xlarge)")
     return dict(
         model_shape=shape,
+        instance=instance or None,
+        # one rank a socket where the config names its node (two on a 48xlarge), else one a node
+        ranks_per_node=sockets_of(instance) if instance else 1,
+        hpz_partition_size=cfg.deepspeed.hpz_partition_size,
+        shm_collectives=cfg.deepspeed.shm_collectives,
+        cross_node_collectives=cfg.deepspeed.cross_node_collectives,
+        # the config's threads a rank (its CPUs' physical cores), else its share of the node's
+        threads_per_rank=cfg.scaling.threads_per_worker or int(cfg.scaling.cpus_per_worker // 2),
+        reserved_vcpus=cfg.scaling.data_cpus,
         # 0 = auto: 2 on one machine
         world_size=world_size or (cfg.scaling.min_workers if cfg.elastic else cfg.scaling.num_workers) or 2,
         zero_stage=cfg.deepspeed.zero_stage,

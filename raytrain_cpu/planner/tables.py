@@ -238,6 +238,9 @@ LOW_LIVE_STEP_COST = "+16% step time measured at 0.5B"
 DS_PARAM_PERSISTENCE_THRESHOLD = 10_000
 
 
+DS_MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance: DeepSpeed's default, which the trainers keep
+
+
 DS_SUB_GROUP_SIZE = 100_000_000  # deepspeed.sub_group_size's default
 
 
@@ -262,6 +265,16 @@ C7I_SIZES: dict[str, tuple[int, int, float]] = {
 GIB_PER_VCPU = {"c7i": 2, "m7i": 4, "r7i": 8}
 
 
+# Sockets per size: the 48xlarge is a two-socket node (2 x 48 cores), the smaller sizes one
+# socket's share. A rank per socket keeps its threads and memory on one NUMA domain
+# (host.threads.default_workers_per_node).
+C7I_SOCKETS = {"8xlarge": 1, "12xlarge": 1, "16xlarge": 1, "24xlarge": 1, "48xlarge": 2}
+
+
+def sockets_of(instance: str) -> int:
+    return C7I_SOCKETS.get(instance.partition(".")[2], 1)
+
+
 # What a node keeps for itself: OS, page cache, raylet / GCS / dashboard agent, Ray Data's
 # tokenizing actors (data preparation). Ray's memory monitor kills workers above 95% of node memory,
 # so training plans to stay under 90%.
@@ -279,3 +292,27 @@ def instance_catalog(family: str = "c7i") -> dict[str, tuple[int, int, float]]:
 
 def usable_bytes(instance_gib: float) -> float:
     return instance_gib * GIB * NODE_USABLE_FRACTION - NODE_RESERVE_BYTES
+
+
+# What one TCP flow between two instances carries at most (AWS, "Amazon EC2 instance network
+# bandwidth": https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/ec2-instance-network-bandwidth.html):
+# 10 Gbit/s inside a cluster placement group, 5 Gbit/s outside one. Gloo opens one connection
+# between two ranks, so a ring's link between two nodes is one flow.
+SINGLE_FLOW_GBPS = {"cluster": 10.0, "none": 5.0}
+
+
+# On-demand prices, USD per instance hour, Linux, US East (N. Virginia), as AWS lists them at
+# https://aws.amazon.com/ec2/pricing/on-demand/ on PRICES_AS_OF. Each family's price is linear in
+# its size (the .large price x vCPUs / 2); `plan --usd-per-hour` overrides it for another region,
+# a savings plan or spot.
+PRICES_AS_OF = "2026-12-04"
+PRICES_SOURCE = "https://aws.amazon.com/ec2/pricing/on-demand/ (Linux, us-east-1)"
+USD_PER_VCPU_HOUR = {"c7i": 0.08925 / 2, "m7i": 0.1008 / 2, "r7i": 0.1323 / 2}
+
+
+def on_demand_usd_per_hour(instance: str) -> float:
+    """The on-demand price of a c7i, m7i or r7i size of C7I_SIZES."""
+    family, _, size = instance.partition(".")
+    if family not in USD_PER_VCPU_HOUR or f"c7i.{size}" not in C7I_SIZES:
+        raise ValueError(f"no price for {instance!r}: use a c7i, m7i or r7i size from 8xlarge to 48xlarge")
+    return round(C7I_SIZES[f"c7i.{size}"][0] * USD_PER_VCPU_HOUR[family], 4)

@@ -16,6 +16,16 @@ The flag protocol relies on x86's ordered stores (TSO): a rank's data stores are
 before its flag store. On other CPUs, with ranks on several machines or without room in
 /dev/shm, DeepSpeed keeps gloo. Calls on a group other than all ranks, or on tensors that
 are not contiguous CPU tensors, go to gloo as before.
+
+Across machines (StripedCollectives, deepspeed.cross_node_collectives="striped"): gloo opens one
+TCP connection per rank pair, and its ring all-gather and reduce-scatter cross each node boundary
+on one of them per direction. Clouds cap one TCP flow well below a node's rate (AWS: 10 of a
+c7i.48xlarge's 50 Gbit/s inside a placement group), so that ring reaches a fraction of the link.
+Striped, each all-gather and reduce-scatter among all ranks is cut into chunks, one per extra
+gloo group (each with its own connections, so its own flows), all issued at once: gloo's ring
+on each chunk, so the same bytes on several flows; all-gathers give gloo's bits, reduce-scatters
+may group a sum's terms otherwise (gloo segments each chunk itself): a rounding apart at most.
+benchmarks/flows.py measured it, and the alternatives, on a link shaped that way.
 """
 
 from __future__ import annotations
@@ -42,6 +52,14 @@ MIN_SLOT_BYTES = 1 << 20
 SPINS_BEFORE_SLEEP = 100
 SLEEP_S = 50e-6
 REDUCE_OPS = ("SUM", "AVG", "MAX", "MIN")
+CROSS_NODE_MODES = ("gloo", "striped")
+# A chunk per gloo group, none smaller than this: below it a stripe's fixed cost (one more ring
+# of round trips) outweighs the flow it adds, so small tensors take fewer stripes.
+MIN_STRIPE_BYTES = 1 << 20
+# Flows per ring link: one flow is capped at a fifth of a c7i.48xlarge's rate, and each stripe
+# adds one per direction. Four measured about 4x gloo's speed under a cap of a fifth; on an
+# uncapped link they cost little (benchmarks/results/*/flows.md).
+DEFAULT_STRIPES = 4
 
 
 class _Done:
@@ -151,6 +169,73 @@ class ShmCollectives:
         out.copy_(acc)
 
 
+class _Pending:
+    """The handle of collectives in flight: waits on each, then runs `then` once (the local sum
+    of an exchange). DeepSpeed waits on the handles of its async gathers."""
+
+    def __init__(self, works: list[Any], then: Callable[[], None] | None = None) -> None:
+        self.works, self.then = works, then
+
+    def wait(self, timeout: Any = None) -> bool:
+        for w in self.works:
+            w.wait()
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.then is None and all(w.is_completed() for w in self.works)
+
+
+class StripedCollectives:
+    """All-gather and reduce-scatter among all ranks as chunks on `stripes` extra gloo groups at
+    once (see the module's docstring). The groups are made here: every rank must construct it,
+    at the same point. Each call returns a handle to wait on. All-gathers are gloo's bit for bit;
+    reduce-scatters run gloo's ring per chunk, whose segments differ from the whole tensor's,
+    so a sum may round differently (within a rounding or two of gloo's)."""
+
+    def __init__(self, stripes: int = DEFAULT_STRIPES) -> None:
+        self.world = dist.get_world_size()
+        self.groups = [dist.new_group(backend="gloo") for _ in range(stripes)]
+
+    def _bounds(self, n: int, nbytes: int) -> list[tuple[Any, int, int]]:
+        """(group, start, end) of each chunk of n elements (nbytes in all: the ring's size)."""
+        k = max(1, min(len(self.groups), nbytes // MIN_STRIPE_BYTES, n))
+        step = -(-n // k)
+        return [(self.groups[i], i * step, min(n, (i + 1) * step)) for i in range(k) if i * step < n]
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> _Pending:
+        """out (world * n) = the ranks' inp (n), in rank order (all_gather_into_tensor)."""
+        inp, n = inp.reshape(-1), inp.numel()
+        outs = out.view(self.world, n)
+        works = [
+            dist.all_gather([outs[r, s:e] for r in range(self.world)], inp[s:e], group=g, async_op=True)
+            for g, s, e in self._bounds(n, out.numel() * out.element_size())
+        ]
+        return _Pending(works)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> _Pending:
+        """out (n) = op over the ranks of their inp's (world * n) slice number `rank`
+        (reduce_scatter_tensor). AVG: gloo's SUM, then divided (gloo has no AVG)."""
+        n = out.numel()
+        flat_out = out.view(-1)
+        ins = inp.reshape(self.world, n)
+        red = dist.ReduceOp.SUM if op == "AVG" else getattr(dist.ReduceOp, op)
+        works, chunks = [], []
+        for g, s, e in self._bounds(n, inp.numel() * inp.element_size()):
+            chunk = ins[:, s:e].reshape(-1)  # a copy: gloo wants the ranks' slices in one tensor
+            chunks.append(chunk)
+            works.append(dist.reduce_scatter_tensor(flat_out[s:e], chunk, op=red, group=g, async_op=True))
+
+        def done() -> None:
+            chunks.clear()  # kept until the sends were done
+            if op == "AVG":
+                flat_out.div_(self.world)
+
+        return _Pending(works, done)
+
+
 # ---------------------------------------------------------------------- DeepSpeed's backend
 
 
@@ -203,11 +288,98 @@ def _slot_bytes(world: int) -> int:
     return slot if slot >= MIN_SLOT_BYTES else 0
 
 
-def install(timeout_s: float, log: Callable[[str], None] = print, slot_bytes: int = 0) -> ShmCollectives | None:
+def _whole_world() -> Callable[[Any], bool]:
+    """group -> whether it is all ranks (None: the world), remembered per group."""
+    full = list(range(dist.get_world_size()))
+    whole: dict[int, bool] = {}
+
+    def everyone(group) -> bool:
+        if group is None:
+            return True
+        key = id(group)
+        if key not in whole:
+            whole[key] = dist.get_process_group_ranks(group) == full
+        return whole[key]
+
+    return everyone
+
+
+def _op_name(op) -> str | None:
+    name = getattr(op, "name", None)  # DeepSpeed's ReduceOp, torch's RedOpType
+    if name is None:  # a torch ReduceOp object
+        name = next((n for n in REDUCE_OPS if op == getattr(dist.ReduceOp, n)), None)
+    return name if name in REDUCE_OPS else None
+
+
+def install(
+    timeout_s: float, log: Callable[[str], None] = print, slot_bytes: int = 0, cross_node: str = "gloo"
+) -> ShmCollectives | StripedCollectives | None:
     """Routes DeepSpeed's all-gathers, reduce-scatters and all-reduces among all ranks through
-    shared memory when they share one x86 machine; otherwise leaves gloo. Every rank decides
-    alike: the checks are all-reduced, and ranks that do not see rank 0's file (other
-    machines) turn it down for everyone."""
+    shared memory when they share one x86 machine; otherwise, with `cross_node` "striped",
+    its all-gathers and reduce-scatters through StripedCollectives (install_cross_node), else
+    leaves gloo. Every rank decides alike: the checks are all-reduced, and ranks that do not
+    see rank 0's file (other machines) turn it down for everyone."""
+    shm = _install_shm(timeout_s, log, slot_bytes)
+    if shm is None and cross_node != "gloo":
+        return install_cross_node(cross_node, log)
+    return shm
+
+
+def install_cross_node(
+    mode: str, log: Callable[[str], None] = print, stripes: int = DEFAULT_STRIPES
+) -> StripedCollectives | None:
+    """DeepSpeed's all_gather_into_tensor and reduce_scatter_tensor among all ranks through
+    StripedCollectives (`mode` "striped"; "gloo" leaves gloo), for ranks on several machines.
+    Every rank must call it (it makes process groups). Other groups, tensors that are not
+    contiguous CPU tensors and all-reduces stay on gloo."""
+    from raytrain_cpu.compat.deepspeed import comm_backend
+
+    if mode not in CROSS_NODE_MODES:
+        raise ValueError(f"cross-node collectives must be one of {CROSS_NODE_MODES}, not {mode!r}")
+    backend = comm_backend()
+    if hasattr(backend, "_raytrain_striped"):  # a second load in the same process (tests)
+        return backend._raytrain_striped
+    if mode == "gloo" or dist.get_world_size() < 2:
+        return None
+    striped = StripedCollectives(stripes)
+    everyone = _whole_world()
+
+    def usable(group, *tensors: torch.Tensor, op: str = "SUM") -> bool:
+        return (
+            everyone(group)
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+            and (op != "AVG" or tensors[0].is_floating_point())
+        )
+
+    gloo_all_gather = backend.all_gather_into_tensor
+    gloo_reduce_scatter = backend.reduce_scatter_tensor
+
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+        if not usable(group, output_tensor, input_tensor):
+            return gloo_all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        handle = striped.all_gather(output_tensor, input_tensor)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        name = _op_name(op)
+        if name is None or not usable(group, output_tensor, input_tensor, op=name):
+            return gloo_reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        handle = striped.reduce_scatter(output_tensor, input_tensor, name)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    backend.all_gather_into_tensor = all_gather_into_tensor
+    backend.reduce_scatter_tensor = reduce_scatter_tensor
+    backend._raytrain_striped = striped
+    log(f"collectives: gloo, all-gathers and reduce-scatters striped over {stripes} groups (cross_node_collectives)")
+    return striped
+
+
+def _install_shm(timeout_s: float, log: Callable[[str], None], slot_bytes: int) -> ShmCollectives | None:
+    """The shared-memory collectives when every rank is on this x86 machine (install)."""
     from raytrain_cpu.compat.deepspeed import comm_backend
 
     backend = comm_backend()
@@ -229,16 +401,7 @@ def install(timeout_s: float, log: Callable[[str], None] = print, slot_bytes: in
         log("collectives: gloo (the ranks do not share one machine's /dev/shm)")
         return None
     shm = ShmCollectives(buf, rank, world, slot, timeout_s)
-    full = list(range(world))
-    whole: dict[int, bool] = {}
-
-    def everyone(group) -> bool:
-        if group is None:
-            return True
-        key = id(group)
-        if key not in whole:
-            whole[key] = dist.get_process_group_ranks(group) == full
-        return whole[key]
+    everyone = _whole_world()
 
     def usable(group, *tensors: torch.Tensor, op: str = "SUM") -> bool:
         return (
@@ -247,12 +410,6 @@ def install(timeout_s: float, log: Callable[[str], None] = print, slot_bytes: in
             and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
             and (op != "AVG" or tensors[0].is_floating_point())
         )
-
-    def op_name(op) -> str | None:
-        name = getattr(op, "name", None)  # DeepSpeed's ReduceOp, torch's RedOpType
-        if name is None:  # a torch ReduceOp object
-            name = next((n for n in REDUCE_OPS if op == getattr(dist.ReduceOp, n)), None)
-        return name if name in REDUCE_OPS else None
 
     gloo_all_gather = backend.all_gather_into_tensor
     gloo_reduce_scatter = backend.reduce_scatter_tensor
@@ -265,14 +422,14 @@ def install(timeout_s: float, log: Callable[[str], None] = print, slot_bytes: in
         return _Done()
 
     def reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        name = op_name(op)
+        name = _op_name(op)
         if name is None or not usable(group, output_tensor, input_tensor, op=name):
             return gloo_reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         shm.reduce_scatter(output_tensor, input_tensor, name)
         return _Done()
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        name = op_name(op)
+        name = _op_name(op)
         if name is None or not usable(group, tensor, op=name):
             return gloo_all_reduce(tensor, op=op, group=group, async_op=async_op)
         shm.all_reduce(tensor, name)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_cpu.compat import deepspeed_zero3
+from raytrain_cpu.config.checks import ConfigError, resolve_hpz_partition
 from raytrain_cpu.config.schema import Config
 from raytrain_cpu.trainer.schedule import lr_factor
 from raytrain_cpu.trainer.state import Worker
@@ -62,9 +63,33 @@ def rank_mean(w: Worker) -> Callable[[list[float]], list[float]]:
 # ----------------------------------------------------------------------------- DeepSpeed
 
 
+def _node_ranks() -> int:
+    """The ranks on this worker's node (Ray Train's local world size, LOCAL_WORLD_SIZE; 0 if unset),
+    checked equal on every node when the process group is up: deepspeed.hpz_partition_size=0 makes
+    it the hpZ group's size, and ranks that disagreed would each make other groups and hang in
+    DeepSpeed's new_group. An all-reduce: every rank calls it at once, as the worker does."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        seen = torch.tensor([local, -local], dtype=torch.int64)
+        dist.all_reduce(seen, op=dist.ReduceOp.MIN)
+        if int(seen[0]) != -int(seen[1]):
+            raise ConfigError(
+                f"deepspeed.hpz_partition_size: 0 takes the ranks of one node, and the nodes run from {int(seen[0])} "
+                f"to {-int(seen[1])} workers; run the same number on every node or give the size."
+            )
+    return local
+
+
 def deepspeed_config(cfg: Config, world_size: int, universal: bool = False) -> dict[str, Any]:
     """The DeepSpeed config the engine and transformers' sharded loading both read; `universal`
-    when this attempt resumes a checkpoint saved for another number of workers (checkpoint.universal)."""
+    when this attempt resumes a checkpoint saved for another number of workers (checkpoint.universal).
+    deepspeed.hpz_partition_size=0 asks every rank for its node's rank count (an all-reduce when
+    the process group is up, so every rank must build the config at once, as the worker does)."""
     t, ds = cfg.train, cfg.deepspeed
     zero: dict[str, Any] = {
         "stage": ds.zero_stage,
@@ -80,6 +105,11 @@ def deepspeed_config(cfg: Config, world_size: int, universal: bool = False) -> d
             "stage3_gather_16bit_weights_on_model_save": False,
             "sub_group_size": ds.sub_group_size,
         }
+        hpz = resolve_hpz_partition(
+            ds.hpz_partition_size, world_size, _node_ranks() if not ds.hpz_partition_size else 0
+        )
+        if hpz > 1:  # DeepSpeed's default is 1; leaving it out keeps flat configs as they were
+            zero["zero_hpz_partition_size"] = hpz
     conf: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum_steps,
@@ -121,24 +151,32 @@ def deepspeed_config(cfg: Config, world_size: int, universal: bool = False) -> d
     return conf
 
 
-def init_deepspeed(shm: bool = False, timeout_s: float = 600, log: Callable[[str], None] = print) -> None:
+def init_deepspeed(
+    shm: bool = False, timeout_s: float = 600, log: Callable[[str], None] = print, cross_node: str = "gloo"
+) -> None:
     """DeepSpeed set up for an engine: its communication on the process group already set up (Ray
     Train's gloo group in the workers), which DeepSpeed must reuse, never calling a second
     init_process_group; and kept from importing its Muon optimizer (deepspeed_zero3.keep_muon_unimported).
 
     DeepSpeed's own shared-memory all-reduce serves inference only, and would JIT-compile C++
     in every process at start-up. `shm` routes the training collectives through
-    raytrain_cpu.trainer.collectives instead, where all ranks share one machine.
+    raytrain_cpu.trainer.collectives instead, where all ranks share one machine; elsewhere
+    `cross_node` "striped" (deepspeed.cross_node_collectives) spreads ZeRO's all-gathers and
+    reduce-scatters over several gloo groups, so that more than one TCP flow crosses each node.
     """
     import deepspeed
 
     deepspeed_zero3.skip_shm_op_probe()
     deepspeed_zero3.keep_muon_unimported()
+    deepspeed_zero3.reuse_hpz_group()  # DPO's reference is a second model under the same hpZ group
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    if shm:
+    if shm or cross_node != "gloo":
         from raytrain_cpu.trainer import collectives
 
-        collectives.install(timeout_s, log)
+        if shm:
+            collectives.install(timeout_s, log, cross_node=cross_node)
+        else:
+            collectives.install_cross_node(cross_node, log)
 
 
 def param_groups(model, weight_decay: float) -> list[dict[str, Any]]:

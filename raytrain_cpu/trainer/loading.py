@@ -39,7 +39,9 @@ def load_model(w: Worker, ds_config: dict[str, Any]) -> Loaded:
 
     cfg, model_dir = w.cfg, w.loop_config["model_dir"]
     ckpt_identity.check_model_dir(model_dir, w.loop_config.get("model"))  # as the run found it at its start
-    eng.init_deepspeed(cfg.deepspeed.shm_collectives, cfg.run.gloo_timeout_s, w.log)
+    eng.init_deepspeed(
+        cfg.deepspeed.shm_collectives, cfg.run.gloo_timeout_s, w.log, cfg.deepspeed.cross_node_collectives
+    )
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     t0 = time.perf_counter()
     w.log(f"[load] loading {model_dir} into ZeRO-{cfg.deepspeed.zero_stage} shards on {w.world} ranks")

@@ -325,6 +325,23 @@ def test_8b_run_fits_its_node_memory(cluster):
     assert cfg.scaling.num_workers == est["inputs"]["world_size"]
 
 
+@pytest.mark.parametrize("name", ["llama3-8b-c7i", "llama3-8b-lora-c7i", "llama3-8b-dpo-c7i"])
+def test_8b_configs_take_the_planners_fastest_topology(name):
+    """Each 8B config runs what `plan --config` recommends by time: its node, a rank a socket,
+    and the variant's settings."""
+    path = ROOT / "configs" / f"{name}.yaml"
+    cfg = load_config(path)
+    best = plan.plan(**plan.inputs_from_run_config(str(path)))["recommended_by_time"]
+    assert best["instance"] == cfg.scaling.instance_type
+    assert best["ranks_per_node"] == plan_tables.sockets_of(cfg.scaling.instance_type) == 2
+    assert best["nodes"] * best["ranks_per_node"] == cfg.scaling.num_workers
+    for setting in best["settings"]:
+        key, value = setting.split("=")
+        section, field = key.split(".")
+        assert str(getattr(getattr(cfg, section), field)) == value, (name, setting)
+    assert cfg.deepspeed.cross_node_collectives == ("striped" if "striped" in best["variant"] else "gloo")
+
+
 # ----------------------------------------------------------------------------- EKS
 
 
