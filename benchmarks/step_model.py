@@ -65,7 +65,7 @@ def predict(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         shape,
         spec["micro_batch"],
         spec["seq_len"],
-        lora=spec["lora_rank"] > 0,
+        lora_rank=spec["lora_rank"],
         threads=1,
         host=cpu_features().slug,
         ranks=WORLD,

@@ -125,7 +125,6 @@ def main() -> int:
                         "measured_forward_backward_s": bd["forward_s"] + bd["backward_s"],
                         "predicted_MB_per_step_each_way": p["network_gib_per_step"] * 2**30 / 1e6,
                         "measured_veth_MB_per_step_each_way": veth / 1e6,
-                        "final_loss": m.get("step_breakdown", {}).get("final_loss"),
                     }
                 )
                 runs.append({"predicted": p, "measured": m})

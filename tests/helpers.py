@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -190,6 +191,22 @@ def straight_overrides(name: str, storage, cache: str, *extra: str) -> list[str]
         "data.tokenize_actors=1",
         *extra,
     )
+
+
+def as_stopped_at(run_dir: Path, step: int, to: Path) -> Path:
+    """A copy of a finished run's directory as a run stopped after its checkpoint at `step` left it:
+    later checkpoints gone (from Ray Train's record too), no export, metrics.jsonl up to `step`."""
+    from raytrain_cpu.checkpoint import layout as ck_layout
+    from raytrain_cpu.checkpoint import record as ck_record
+
+    shutil.copytree(run_dir, to)
+    later = [p for p in to.glob("checkpoint_0*") if int(p.name.split("_")[1]) > step]
+    for p in [*later, to / "export", to / "summary.json"]:
+        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    ck_record.drop_from_record(to, {p.name for p in later}, ck_layout.checkpoint_dir_name(step))
+    rows = (to / "metrics.jsonl").read_text().splitlines()
+    (to / "metrics.jsonl").write_text("".join(f"{r}\n" for r in rows if json.loads(r).get("step", 0) <= step))
+    return to
 
 
 def train_rows(run_dir) -> list[dict]:

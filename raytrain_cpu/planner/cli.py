@@ -144,6 +144,12 @@ def format_step(result: dict[str, Any]) -> list[str]:
             f"step on this machine ({i['world_size']} ranks, {h['rates']['threads']} thread(s) each): {_step_line(h)}"
         )
         lines.append(f"  rates: {h['rates']['source']}")
+    c = result["checkpoint"]
+    share = f"; saves take {c['save_share_of_run']:.1%} of the run" if "save_share_of_run" in c else ""
+    lines.append(
+        f"checkpoint {c['gb']:.3g} GB: save {c['save_s']:.0f} s, load {c['load_s']:.0f} s, universal conversion "
+        f"{c['universal_s']:.0f} s, export {c['export_s']:.0f} s{share} (s/GB measured on a 1B run: {c['measured_on']})"
+    )
     for key, what in (("recommended_by_time", "fastest"), ("recommended_by_cost", "cheapest")):
         r = result[key]
         if r:
@@ -414,7 +420,7 @@ def _measured(inputs: dict[str, Any]):
         inputs["micro_batch"],
         inputs["seq_len"],
         inputs["activation_checkpointing"],
-        lora=inputs["lora_rank"] > 0,
+        lora_rank=inputs["lora_rank"],
         threads=threads,
         host=feats.slug,
         ranks=ranks,

@@ -51,25 +51,28 @@ def time_compute(
     micro_batch: int,
     seq_len: int,
     activation_checkpointing: bool = False,
-    lora: bool = False,
+    lora_rank: int = 0,
     reps: int = 3,
 ) -> dict[str, float]:
     """Seconds of forward + backward for one micro batch: the output head and embeddings, and one
-    decoder layer (a 2-layer model less a 1-layer one). `lora`: the projections and the head
-    frozen, as under LoRA (the adapters' own GEMMs are small), so no weight gradients run."""
+    decoder layer (a 2-layer model less a 1-layer one). `lora_rank`: the project's LoRA adapters
+    on the default projections, the base frozen (no weight gradients; the adapters' own products
+    and casts run)."""
     import torch
 
     times, picks = {}, {}
     for layers in (1, 2):
         model, config, (attention, loss, norm, rotary, memory) = _layers_model(shape, layers, seq_len)
+        if lora_rank:  # as the trainers: the adapters first, then the kernels on the wrapped model
+            from raytrain_cpu.config.model import LoraSettings
+            from raytrain_cpu.model.lora import apply_lora
+
+            model = apply_lora(model, LoraSettings(rank=lora_rank), "planner.measure")
         keep = memory.probs_keeper(config, seq_len, activation_checkpointing, "auto")
         picks[layers], _ = attention.choose(model, "auto", micro_batch, seq_len, keep_probs=keep)
-        loss.install(model)
+        loss.install(model.get_base_model() if lora_rank else model)
         norm.install(model)
         rotary.install(model)
-        if lora:  # the norms stay trainable so the backward still runs through every layer
-            for name, p in model.named_parameters():
-                p.requires_grad_("norm" in name)
         if activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         ids = torch.randint(0, shape.vocab_size, (micro_batch, seq_len), generator=torch.Generator().manual_seed(0))
@@ -177,7 +180,7 @@ def time_loopback(nbytes: int = 32 << 20) -> float:
 
 
 def _rank_timings(
-    rank: int, shape: ModelShape, micro_batch: int, seq_len: int, ac: bool, lora: bool, threads: int, out
+    rank: int, shape: ModelShape, micro_batch: int, seq_len: int, ac: bool, lora_rank: int, threads: int, out
 ) -> None:
     """One of the run's ranks on this machine: its compute, GEMM rate and optimizer, timed while
     the others time theirs (they share the memory bandwidth and caches, as in the run)."""
@@ -188,19 +191,19 @@ def _rank_timings(
     torch.set_num_threads(threads)
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
-    compute = time_compute(shape, micro_batch, seq_len, ac, lora)
+    compute = time_compute(shape, micro_batch, seq_len, ac, lora_rank)
     probe = host_gemm.gemm_probe(_gemm_mix(shape, micro_batch * seq_len), torch.bfloat16, min_time_s=0.1)
     out.put((rank, compute | {"flops_per_s": probe["flops_per_s"], "optimizer_s_per_param": time_optimizer()}))
 
 
-def _timings(shape: ModelShape, micro_batch: int, seq_len: int, ac: bool, lora: bool, threads: int, ranks: int):
+def _timings(shape: ModelShape, micro_batch: int, seq_len: int, ac: bool, lora_rank: int, threads: int, ranks: int):
     """Every local rank's timings, measured at once in `ranks` processes (spawned: a fresh torch
     each, as the workers have); the slowest rank's, which sets a synchronous step's pace."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    args = (shape, micro_batch, seq_len, ac, lora, threads, out)
+    args = (shape, micro_batch, seq_len, ac, lora_rank, threads, out)
     procs = [ctx.Process(target=_rank_timings, args=(r, *args)) for r in range(ranks)]
     for p in procs:
         p.start()
@@ -214,7 +217,7 @@ def _gemm_mix(shape: ModelShape, tokens: int) -> list:
     """One decoder layer's and the output head's training GEMMs (forward, input and weight
     gradients), the token dimension capped and the largest operands left out as the start-up
     probe does (an 8B head's would take GBs): their rate, not their count, is what is timed."""
-    from raytrain_cpu.host.gemm import PROBE_MAX_BYTES, Gemm, fp32_operand_bytes
+    from raytrain_cpu.host.gemm import PROBE_MAX_BYTES, fp32_operand_bytes
 
     gemms = llama_gemms(
         shape.hidden_size,
@@ -226,8 +229,7 @@ def _gemm_mix(shape: ModelShape, tokens: int) -> list:
         min(tokens, 2048),
         head_dim=shape.attention_head_dim,
     )
-    capped = [Gemm(g.name, g.m, g.k, g.n, g.count) for g in gemms]
-    return [g for g in capped if fp32_operand_bytes(g.m, g.k, g.n) <= PROBE_MAX_BYTES]
+    return [g for g in gemms if fp32_operand_bytes(g.m, g.k, g.n) <= PROBE_MAX_BYTES]
 
 
 def measure_rates(
@@ -235,7 +237,7 @@ def measure_rates(
     micro_batch: int,
     seq_len: int,
     activation_checkpointing: bool = False,
-    lora: bool = False,
+    lora_rank: int = 0,
     threads: int = 0,
     loopback: bool = True,
     host: str = "",
@@ -254,17 +256,17 @@ def measure_rates(
     threads = threads or torch.get_num_threads()
     tokens = micro_batch * seq_len
     if ranks > 1:
-        timed = _timings(shape, micro_batch, seq_len, activation_checkpointing, lora, threads, ranks)
+        timed = _timings(shape, micro_batch, seq_len, activation_checkpointing, lora_rank, threads, ranks)
     else:
         from multiprocessing import Queue
 
         q: Any = Queue()
-        _rank_timings(0, shape, micro_batch, seq_len, activation_checkpointing, lora, threads, q)
+        _rank_timings(0, shape, micro_batch, seq_len, activation_checkpointing, lora_rank, threads, q)
         timed = q.get()[1]
     compute = {k: timed[k] for k in ("layer_s", "head_s", "attention")}
     flops_per_s = timed["flops_per_s"]
     measured_s = compute["head_s"] + shape.num_layers * compute["layer_s"]
-    gemm_s = gemm_flops_per_rank(shape, tokens, activation_checkpointing, lora) / flops_per_s
+    gemm_s = gemm_flops_per_rank(shape, tokens, activation_checkpointing, lora_rank > 0) / flops_per_s
     non_gemm = min(max(1.0 - gemm_s / measured_s, 0.0), 0.95)
     copy = time_copy()
     lo = time_loopback() if loopback else 0.0

@@ -10,6 +10,7 @@ from raytrain_cpu.model.shape import (
     LORA_TARGETS,
     ModelShape,
 )
+from raytrain_cpu.planner.ckpt import checkpoint_cost
 from raytrain_cpu.planner.comm import comm_bytes_per_step, train_flops_per_step
 from raytrain_cpu.planner.compare import compare_variants, step_on
 from raytrain_cpu.planner.recommend import (
@@ -80,6 +81,7 @@ def plan(
     cross_node_collectives: str = "gloo",
     threads_per_rank: int = 0,
     reserved_vcpus: float = 0,
+    checkpoint_every: int = 0,
     rates: Rates | None = None,
     rates_here: Rates | None = None,
     placement_group: str = "cluster",
@@ -249,6 +251,10 @@ def plan(
         "usd_per_million_tokens": step["usd_per_million_tokens"],
         "step": step,
         **({"step_here": here} if here else {}),
+        # train.checkpoint_every: the share of the run's time the saves take
+        "checkpoint": checkpoint_cost(
+            shape, world_size, zero_stage, lora_rank, lora_targets, checkpoint_every, step["step_time_s"]
+        ),
         **variants,
         "model": asdict(shape) | {"num_params": shape.num_params, "trainable_params": trainable},
         "inputs": dict(world_size=world_size, grad_accum_steps=grad_accum_steps, ranks_per_node=ranks_per_node)
@@ -306,6 +312,7 @@ def inputs_from_config(cfg: Any, model: str = "", world_size: int = 0) -> dict[s
         # the config's threads a rank (its CPUs' physical cores), else its share of the node's
         threads_per_rank=cfg.scaling.threads_per_worker or int(cfg.scaling.cpus_per_worker // 2),
         reserved_vcpus=cfg.scaling.data_cpus,
+        checkpoint_every=cfg.train.checkpoint_every,
         # 0 = auto: 2 on one machine
         world_size=world_size or (cfg.scaling.min_workers if cfg.elastic else cfg.scaling.num_workers) or 2,
         zero_stage=cfg.deepspeed.zero_stage,

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import SFT
+from helpers import SFT, as_stopped_at
 
 LORA = ["lora.rank=8", "lora.alpha=16", "train.lr=2e-2"]
 
@@ -19,22 +19,6 @@ LORA = ["lora.rank=8", "lora.alpha=16", "train.lr=2e-2"]
 def _losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r and "event" not in r}
-
-
-def _as_stopped_at(run_dir: Path, step: int, to: Path) -> Path:
-    """A copy of a finished run's directory as a run stopped after its checkpoint at `step` left it:
-    later checkpoints gone (from Ray Train's record too), no export, metrics.jsonl up to `step`."""
-    from raytrain_cpu.checkpoint import layout as ck_layout
-    from raytrain_cpu.checkpoint import record as ck_record
-
-    shutil.copytree(run_dir, to)
-    later = [p for p in to.glob("checkpoint_0*") if int(p.name.split("_")[1]) > step]
-    for p in [*later, to / "export", to / "summary.json"]:
-        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-    ck_record.drop_from_record(to, {p.name for p in later}, ck_layout.checkpoint_dir_name(step))
-    rows = (to / "metrics.jsonl").read_text().splitlines()
-    (to / "metrics.jsonl").write_text("".join(f"{r}\n" for r in rows if json.loads(r).get("step", 0) <= step))
-    return to
 
 
 @pytest.mark.slow
@@ -94,7 +78,7 @@ def test_lora_sft_two_workers_resume_export_generate(ray_session, make_config, t
 
     # ---- resume: the run as it stood after its step-3 checkpoint continues to 6 exactly (losses
     # bit-identical to the straight run's); a copy of it rather than a 3-step run of its own
-    resumed_dir = _as_stopped_at(run_dir, 3, run_dir.parent / "resumed")
+    resumed_dir = as_stopped_at(run_dir, 3, run_dir.parent / "resumed")
     resumed = run(make_config(*common, "train.max_steps=6", "run.name=resumed"))
     assert resumed["resumed_from_step"] == 3 and resumed["optimizer_step_at_resume"] == 3
     again = _losses(resumed_dir)

@@ -199,3 +199,18 @@ def test_the_comparison_offers_striping_only_across_nodes():
     ]
     one = plan("tiny", 2, ranks_per_node=2, instance="c7i.48xlarge")
     assert not any("striped" in v["variant"] for v in one["variants_compared"] if v["instance"] == "c7i.48xlarge")
+
+
+def test_a_checkpoint_costs_its_gb_at_the_measured_seconds_per_gb():
+    from raytrain_cpu.planner import ckpt
+
+    P = LLAMA3_8B.num_params
+    z3 = ckpt.checkpoint_cost(LLAMA3_8B, 8, zero_stage=3, checkpoint_every=25, step_time_s=60.0)
+    assert z3["gb"] == pytest.approx(14 * P / 1e9)  # bf16 weights, fp32 master, two moments
+    assert z3["save_s"] == pytest.approx(z3["gb"] / 8 * ckpt.SAVE_S_PER_RANK_GB)  # each rank its shard
+    assert z3["save_share_of_run"] == pytest.approx(z3["save_s"] / (z3["save_s"] + 25 * 60.0))
+    z2 = ckpt.checkpoint_cost(LLAMA3_8B, 8, zero_stage=2)
+    assert z2["save_s"] == pytest.approx((2 * P + 12 * P / 8) / 1e9 * ckpt.SAVE_S_PER_RANK_GB)  # rank 0: the model
+    lora = ckpt.checkpoint_cost(LLAMA3_8B, 2, lora_rank=16)
+    assert lora["gb"] == pytest.approx((2 * P + 12 * LLAMA3_8B.lora_params(16)) / 1e9)
+    assert lora["export_s"] == pytest.approx(2 * P / 1e9 * ckpt.EXPORT_S_PER_GB)
