@@ -301,10 +301,12 @@ def usable_bytes(instance_gib: float) -> float:
 SINGLE_FLOW_GBPS = {"cluster": 10.0, "none": 5.0}
 
 
-# On-demand prices, USD per instance hour, Linux, US East (N. Virginia), as AWS lists them at
-# https://aws.amazon.com/ec2/pricing/on-demand/ on PRICES_AS_OF. Each family's price is linear in
-# its size (the .large price x vCPUs / 2); `plan --usd-per-hour` overrides it for another region,
-# a savings plan or spot.
+# On-demand prices, USD per instance hour, Linux, US East (N. Virginia): AWS's published rates
+# (PRICES_SOURCE; c7i.large $0.08925, m7i.large $0.1008, r7i.large $0.1323), recorded on
+# PRICES_AS_OF without a copy of the page at hand (the machine that wrote them reaches no web
+# page), so check them there before leaning on a cost. Each family's price is linear in its size
+# (the .large price x vCPUs / 2); `plan --usd-per-hour` overrides it for another region, a
+# savings plan or spot.
 PRICES_AS_OF = "2026-12-04"
 PRICES_SOURCE = "https://aws.amazon.com/ec2/pricing/on-demand/ (Linux, us-east-1)"
 USD_PER_VCPU_HOUR = {"c7i": 0.08925 / 2, "m7i": 0.1008 / 2, "r7i": 0.1323 / 2}
