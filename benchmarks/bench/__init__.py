@@ -33,6 +33,8 @@ benchmarks/results/<machine>/<suite>.json and a markdown table next to it (or --
             reference, zero3: tokens/s per core and their ratio (issue 12's goal: >= 0.95).
             bf16 runs get two references, autocast and bf16 weights with fp32 master
             weights; `--variants compile` adds torch.compile on the faster of them.
+            `--threads 1,2,4,...` repeats it at each count of threads per rank (with
+            --workers 1: one rank against plain PyTorch at the same threads; goal >= 0.9).
 
 --size tiny runs everything on a 0.4M-parameter model in seconds (the smoke test).
 """

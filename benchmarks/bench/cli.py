@@ -80,6 +80,32 @@ def _unwritable(folder: Path) -> str:
     return f"cannot create files in {folder} ({why})" if why else ""
 
 
+def thread_counts(text: str) -> list[int]:
+    """--threads: comma-separated counts, each a whole number >= 1."""
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give whole numbers separated by commas, e.g. 1,2,4, not {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"each count must be >= 1, got {text!r}")
+    return counts
+
+
+def _check_threads(args: argparse.Namespace, suites: list[str], feats: host_features.CpuFeatures) -> None:
+    """--threads belongs to the reference suite, and each count's ranks must fit this machine's
+    cores: threads beyond them would time the cores' sharing, not the training."""
+    if not args.threads:
+        return
+    if suites != ["reference"]:
+        raise ValueError(f"--threads: only the reference suite sweeps threads, not {args.suite}")
+    cores = feats.usable_cores
+    if too_many := [t for t in args.threads if t * args.workers > cores]:
+        raise ValueError(
+            f"--threads {too_many[0]}: {args.workers} rank(s) x {too_many[0]} threads is more than this machine's "
+            f"{cores} usable cores; give counts up to {cores // args.workers} (or fewer --workers)"
+        )
+
+
 def check_args(args: argparse.Namespace, suites: list[str], runner: Runner, feats: host_features.CpuFeatures) -> None:
     """Every argument, before anything runs: a bad one would otherwise surface after minutes of
     runs (an override at the first training run, --json once all of them are done, its results
@@ -93,6 +119,7 @@ def check_args(args: argparse.Namespace, suites: list[str], runner: Runner, feat
             "run the suites one at a time, or drop --json"
         )
     _check_variants(chosen_variants(args), args.suite, suites)
+    _check_threads(args, suites, feats)
     if args.overrides and set(suites) <= NO_TRAINING_RUNS:
         raise ValueError(
             f"{' '.join(args.overrides)}: key=value overrides apply to training runs, and {args.suite} runs none"
@@ -116,6 +143,16 @@ def _check_variants(chosen: set[str], suite: str, suites: list[str]) -> None:
         raise ValueError(f"--variants: unknown {names}; {suite} knows {', '.join(known)}")
 
 
+# OpenMP's settings that change every run's speed and that both sides of a comparison inherit
+# (the local Ray's workers and the reference processes): the result's command names them.
+OPENMP_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def env_prefix() -> str:
+    """'OMP_WAIT_POLICY=active ' where the bench runs under such a setting, else ''."""
+    return "".join(f"{k}={os.environ[k]} " for k in OPENMP_ENV if k in os.environ)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/suites.py", description=SUITES_DOC.split("\n\n")[0])
     ap.add_argument("suite", choices=[*SUITES, "all"])
@@ -132,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="options, lora, dpo: comma-separated subset of variants to run; reference: recipes (autocast, "
         "bf16_master) and/or compile",
+    )
+    ap.add_argument(
+        "--threads",
+        type=thread_counts,
+        default=[],
+        help="reference: threads per rank to compare at, in turn (e.g. 1,2,4,8,16; with --workers 1, one rank "
+        "against plain PyTorch at the same threads at each count)",
     )
     ap.add_argument("--workdir", default="/tmp/raytrain_bench", help="runs, data cache and model files")
     ap.add_argument(
@@ -158,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         result = SUITES[name](runner, args)
         result |= {
-            "command": "python benchmarks/suites.py " + " ".join(portable_args(argv, args.json)),
+            "command": env_prefix() + "python benchmarks/suites.py " + " ".join(portable_args(argv, args.json)),
             "machine": feats.describe(),
             "cpu": feats.to_dict(),
             # the library, not this machine's path

@@ -304,10 +304,23 @@ def _reference_row(name: str, res: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# Issue 61's bar for one rank against plain PyTorch at the same threads (bench reference --threads).
+THREADS_GOAL = 0.9
+
+
 def suite_reference(r: Runner, args) -> dict[str, Any]:
-    """The 2-worker ZeRO-3 run against plain single-process PyTorch on the same model, dtype,
-    tokens per step and cores, interleaved: zero3, references, zero3."""
-    zero3 = [r.run("zero3-0", [f"scaling.num_workers={args.workers}"])]
+    """The ZeRO-3 run (--workers ranks) against plain single-process PyTorch on the same model,
+    dtype, tokens per step and cores, interleaved: zero3, references, zero3. With --threads
+    1,2,4,... the same at each count of threads per rank in turn (thread_sweep)."""
+    if getattr(args, "threads", None):
+        return thread_sweep(r, args)
+    return reference_at(r, args, [f"scaling.num_workers={args.workers}"])
+
+
+def reference_at(r: Runner, args, overrides: list[str], tag: str = "") -> dict[str, Any]:
+    """One comparison: the ZeRO-3 run under `overrides`, the references at its cores, the
+    ZeRO-3 run again; `tag` keeps its run names apart from another comparison's."""
+    zero3 = [r.run(f"zero3-0{tag}", overrides)]
     z = zero3[0]
     batch = tokens_per_step(z) // r.spec["seq_len"]
     cores = z["workers"] * z["threads"]
@@ -331,7 +344,7 @@ def suite_reference(r: Runner, args) -> dict[str, Any]:
     if "compile" in only or z.get("compiled"):
         best_eager = max(refs, key=lambda x: x["tokens_per_s"])
         refs.append(reference("reference + compile", best_eager["recipe"], True))
-    zero3.append(r.run("zero3-1", [f"scaling.num_workers={args.workers}"]))
+    zero3.append(r.run(f"zero3-1{tag}", overrides))
     for x in zero3:
         x["tokens_per_step"] = tokens_per_step(x)
         x["precision"] = "DeepSpeed " + x["dtype"] + (" + compile" if x.get("compiled") else "")
@@ -393,7 +406,7 @@ def _reference_report(zero3: list[dict], refs: list[dict], tokens: str, cores: i
             + ", as the trainers' model.attention=auto picks it, SDPA under autocast; the trainers' fused "
             "loss (model.fused_loss) except under autocast, and bf16_master its weight gradients "
             "(model.weight_grad_kernel=auto)), "
-            f"{tokens} random tokens per step in one micro batch, {cores} threads, "
+            f"{tokens} random tokens per step in one micro batch, as many threads as the ZeRO-3 run has cores, "
             "AdamW(fused=True) with the project's lr, betas, eps and weight-decay groups, gradient clipping "
             f"at {refs[0]['grad_clip']}; the first {obs_timing.WARMUP_STEPS} steps excluded, as in the training runs.",
             "bf16 recipes: 'autocast' = fp32 weights and optimizer, forward under torch.autocast(bf16); "
@@ -401,7 +414,51 @@ def _reference_report(zero3: list[dict], refs: list[dict], tokens: str, cores: i
             "(DeepSpeed's bf16 recipe by hand). The ratio row of the faster one is the goal's.",
             "final loss: the training runs read the bench corpus, the reference random tokens "
             "(ln 2048 = 7.62 is chance), so the two losses are not comparable.",
-            f"best reference here: {best['variant']} ({per_core(best):.0f} tokens/s per core); "
+            f"best reference at {cores} cores: {best['variant']} ({per_core(best):.0f} tokens/s per core); "
             f"ZeRO-3 / best, per core = {ratio:.3f} (mean of {len(zero3)} interleaved ZeRO-3 runs).",
         ],
+    }
+
+
+def thread_sweep(r: Runner, args) -> dict[str, Any]:
+    """bench reference --threads 1,2,4,...: at each count in turn, --workers ranks of that many
+    threads against plain PyTorch with as many threads in all (reference_at). Issue 61 asks it
+    of one rank (--workers 1), at least THREADS_GOAL of plain PyTorch at every count: what ZeRO-3's
+    hooks, our kernels and the OpenMP settings cost must not grow with the threads, and a
+    1- or 2-thread figure says nothing of a 16- or 92-thread rank."""
+    per = {}
+    for t in args.threads:
+        ov = [f"scaling.num_workers={args.workers}", f"scaling.threads_per_worker={t}"]
+        per[t] = reference_at(r, args, ov, f"-t{t}")
+    return _sweep_report(per)
+
+
+def _sweep_report(per: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Each thread count's ratio against its best reference, and its runs, in one set of tables."""
+    rows = []
+    for t, rep in per.items():
+        best = next(x for x in rep["reference"] if x["variant"] == rep["best_reference"])
+        rows.append(
+            {
+                "threads per rank": t,
+                "ranks": rep["zero3"][0]["workers"],
+                "ZeRO-3 tokens/s (two runs)": ", ".join(f"{x['tokens_per_s']:,.0f}" for x in rep["zero3"]),
+                "best reference": best["variant"],
+                "reference tokens/s": best["tokens_per_s"],
+                "ZeRO-3 / reference, per core": rep["ratio"],
+                "goal": THREADS_GOAL,
+                "meets goal": rep["ratio"] >= THREADS_GOAL,
+            }
+        )
+    first = next(iter(per.values()))
+    names = list(first["tables"])  # throughput, ratios, breakdown: each count's rows, one table each
+    tables = {f"ZeRO-3 against plain PyTorch at each thread count (goal >= {THREADS_GOAL})": rows}
+    for name in (names[0], names[2]):
+        tables[name] = [{"threads per rank": t, **row} for t, rep in per.items() for row in rep["tables"][name]]
+    return {
+        "by_threads": {str(t): rep for t, rep in per.items()},
+        "ratios": {str(t): rep["ratio"] for t, rep in per.items()},
+        "meets_goal": all(rep["ratio"] >= THREADS_GOAL for rep in per.values()),
+        "tables": tables,
+        "notes": [*first["notes"][:-1], *(rep["notes"][-1] for rep in per.values())],
     }

@@ -9,6 +9,7 @@ from typing import Literal, get_args
 from raytrain_cpu.config.checks import absolute, check_hpz_partition, choice, require
 
 Allocator = Literal["auto", "jemalloc", "tcmalloc", "system"]
+OmpWaitPolicy = Literal["default", "active", "passive"]
 
 # The workers' default: glibc's dynamic threshold at its ceiling from the first step, with its
 # trim threshold (twice it, as glibc's dynamic rule sets it). The dynamic pair trims the heap
@@ -66,6 +67,15 @@ class ScalingConfig:
     pin_cores: bool = False
     """Pin each worker's threads to its own physical cores (split by local rank; one socket
     per rank on multi-socket nodes). Pays on a dedicated node; hurts on a shared one."""
+    omp_wait_policy: OmpWaitPolicy = "default"
+    """What a worker's idle OpenMP threads do between parallel regions (OMP_WAIT_POLICY):
+    'default' leaves OpenMP's own (libgomp spins a while, then sleeps), 'active' keeps them
+    spinning, 'passive' puts them to sleep at once. A ZeRO-3 rank runs Python between operators
+    (its hooks) where plain PyTorch does not, and a thread that slept must be woken for the next
+    region: on a 2-vCPU host 'active' raised a 2-thread rank 1.06-1.08x, to plain PyTorch's speed
+    (docs/performance.md, threads per rank). Not the default until measured at 16-92 threads:
+    a spinning thread takes its core from the data reader and Ray where the rank has none spare,
+    and on a hyperthreaded node from its sibling."""
     allocator: Allocator = "auto"
     """malloc of the training workers: 'auto' preloads jemalloc (the system's, apt-get install
     libjemalloc2, else the one Ray's wheel ships), else tcmalloc; 'jemalloc', 'tcmalloc' or
@@ -108,6 +118,7 @@ class ScalingConfig:
         require(self.resize_check_s > 0, "scaling.resize_check_s", "must be > 0 seconds.")
         require(self.free_memory_growth_mib >= 0, "scaling.free_memory_growth_mib", "must be >= 0 (0 = never).")
         choice(self.allocator, "scaling.allocator", get_args(Allocator))
+        choice(self.omp_wait_policy, "scaling.omp_wait_policy", get_args(OmpWaitPolicy))
         require(
             self.glibc_mmap_threshold >= 0, "scaling.glibc_mmap_threshold", "must be >= 0 (0 = glibc's dynamic one)."
         )

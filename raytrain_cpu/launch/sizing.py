@@ -231,11 +231,14 @@ def worker_env(cfg: Config, workers_per_node: int) -> dict[str, str]:
     The allocator has to be preloaded (and glibc's tunables set) before the process starts.
     OMP_PROC_BIND is turned off when ranks share a node: libgomp binds at import time to the
     node's first cores, the same ones for every rank (the cluster images set it for one rank
-    per node); placement then comes from scaling.pin_cores instead.
+    per node); placement then comes from scaling.pin_cores instead. scaling.omp_wait_policy
+    too is read once, when OpenMP starts.
     """
     from raytrain_cpu.host.memory import preload_env
 
     env = preload_env(cfg.scaling.allocator, cfg.scaling.glibc_mmap_threshold, cfg.scaling.jemalloc_conf)
     if workers_per_node > 1:
         env["OMP_PROC_BIND"] = "false"
+    if cfg.scaling.omp_wait_policy != "default":
+        env["OMP_WAIT_POLICY"] = cfg.scaling.omp_wait_policy
     return env

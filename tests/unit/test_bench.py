@@ -140,6 +140,66 @@ def test_reference_suite_matches_dtype_tokens_and_cores_of_the_run(monkeypatch, 
     assert common.write_results("reference", res | {"command": "x", "machine": "y"}, str(tmp_path / "r.json"))
 
 
+def test_reference_sweeps_threads_per_rank_one_comparison_a_count(monkeypatch, tmp_path):
+    """bench reference --workers 1 --threads 1,2: at each count the rank's run, the references at
+    as many threads, the rank's run again; one ratio a count against issue 61's 0.9."""
+    seq = common.SIZES["tiny"]["seq_len"]
+
+    class FakeRunner:
+        spec, workdir, runs = common.SIZES["tiny"], tmp_path, []
+
+        def run(self, name, overrides):
+            t = int(overrides[1].rsplit("=", 1)[1])
+            self.runs.append((name, overrides))
+            tps = 100.0 * t * (0.95 if t == 1 else 0.8)  # falls short at 2 threads
+            return {"variant": name, "workers": 1, "threads": t, "dtype": "bf16", "allocator": "system",
+                    "tokens_per_s": tps, "step_s": 4 * seq / tps, "final_loss": 7.0}  # fmt: skip
+
+    calls = []
+
+    def fake_reference_run(spec, dtype, threads, batch, steps, compile=False, precision="autocast", **kw):
+        calls.append((threads, precision))
+        tps = 100.0 * threads * (1.0 if precision == "bf16_master" else 0.9)
+        return {"threads": threads, "dtype": dtype, "precision": precision, "allocator": "system",
+                "tokens_per_step": batch * seq, "tokens_per_s": tps, "step_s": batch * seq / tps,
+                "forward_s": 0.1, "backward_s": 0.2, "optimizer_step_s": 0.05, "steps_timed": steps,
+                "final_loss": 7.6, "grad_clip": 1.0, "attention": "sdpa"}  # fmt: skip
+
+    monkeypatch.setattr(reference, "reference_run", fake_reference_run)
+    args = type("Args", (), {"workers": 1, "variants": "", "threads": [1, 2]})()
+    res = reference.suite_reference(FakeRunner(), args)
+    assert [name for name, _ in FakeRunner.runs] == ["zero3-0-t1", "zero3-1-t1", "zero3-0-t2", "zero3-1-t2"]
+    assert FakeRunner.runs[2][1] == ["scaling.num_workers=1", "scaling.threads_per_worker=2"]
+    assert calls == [(1, "autocast"), (1, "bf16_master"), (2, "autocast"), (2, "bf16_master")]
+    assert res["ratios"] == {"1": pytest.approx(0.95), "2": pytest.approx(0.8)} and res["meets_goal"] is False
+    sweep = res["tables"]["ZeRO-3 against plain PyTorch at each thread count (goal >= 0.9)"]
+    assert [(x["threads per rank"], x["meets goal"]) for x in sweep] == [(1, True), (2, False)]
+    path = common.write_results("reference", res | {"command": "x", "machine": "y"}, str(tmp_path / "r.json"))
+    assert "| 2 | 1 | 160, 160 | reference bf16_master |" in path.with_suffix(".md").read_text()
+
+
+def test_thread_counts_must_be_whole_and_fit_the_cores(tmp_path, capsys, no_suites_run):
+    assert cli.thread_counts("1, 2,4") == [1, 2, 4]
+    for bad in ("0,1", "two", ""):
+        with pytest.raises(Exception, match="count|whole"):
+            cli.thread_counts(bad)
+    out = ["--json", str(tmp_path / "out.json")]
+    assert cli.main(["train", "--size", "tiny", "--threads", "1", *out]) == 2
+    assert "--threads: only the reference suite sweeps threads, not train" in capsys.readouterr().err
+    too_many = str(cli.host_features.cpu_features().usable_cores + 1)
+    assert cli.main(["reference", "--size", "tiny", "--workers", "1", "--threads", f"1,{too_many}", *out]) == 2
+    assert f"--threads {too_many}: 1 rank(s) x {too_many} threads is more than" in capsys.readouterr().err
+    assert no_suites_run == []
+
+
+def test_result_command_names_the_openmp_settings_both_sides_ran_under(monkeypatch):
+    for k in cli.OPENMP_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert cli.env_prefix() == ""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    assert cli.env_prefix() == "OMP_WAIT_POLICY=active "
+
+
 def test_scaling_suite_runs_rounds_in_turn_beside_the_hosts_ceiling(monkeypatch, tmp_path):
     """bench scaling --repeats 3: 1 and 2 workers and the host's plain-PyTorch ceiling (1 process,
     then 2 at once) in rounds, in turn first and last; each figure is the median round's."""

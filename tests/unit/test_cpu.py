@@ -291,6 +291,19 @@ def test_worker_env_turns_omp_binding_off_for_shared_nodes(monkeypatch):
     assert worker_env(cfg, 2) == {"OMP_PROC_BIND": "false"}
 
 
+def test_omp_wait_policy_reaches_the_workers_only_when_chosen(monkeypatch):
+    from raytrain_cpu.config.schema import ConfigError, load_config
+    from raytrain_cpu.launch.sizing import worker_env
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    base = ["scaling.allocator=system", "scaling.glibc_mmap_threshold=0"]
+    assert "OMP_WAIT_POLICY" not in worker_env(load_config(None, base), 1)  # OpenMP's own
+    cfg = load_config(None, [*base, "scaling.omp_wait_policy=active"])
+    assert worker_env(cfg, 1) == {"OMP_WAIT_POLICY": "active"}
+    with pytest.raises(ConfigError, match="scaling.omp_wait_policy"):
+        load_config(None, [*base, "scaling.omp_wait_policy=spin"])
+
+
 def test_glibc_workers_get_a_fixed_mmap_threshold_and_twice_it_to_trim(monkeypatch):
     """Without jemalloc/tcmalloc: 32 MiB by default (a kept heap), 1 MiB on request (less memory)."""
     from raytrain_cpu.config.schema import load_config
