@@ -14,9 +14,10 @@ import pytest
 # Fixtures that start Ray or a whole run (tests/conftest.py): asking for one is enough.
 INTEGRATION_FIXTURES = ("ray_session", "straight", "cli_run")
 
-# Children started from these are compilers building a kernel once (then cached), not a second
-# process the test talks to: torch's C++ extension loader and inductor's compile workers.
-BUILDERS = ("torch/utils/cpp_extension.py", "torch/_inductor/")
+# Children started from these build something once (then cached), not a second process the test
+# talks to: torch's C++ extension loader and inductor's compile workers, and matplotlib's font
+# list (`fc-list`, on the first import of a machine without the cache: a fresh CI host).
+BUILDERS = ("torch/utils/cpp_extension.py", "torch/_inductor/", "matplotlib/font_manager.py")
 
 
 def _refusal(what: str) -> RuntimeError:
