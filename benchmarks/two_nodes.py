@@ -28,6 +28,7 @@ Writes benchmarks/results/<machine>/two_nodes_{gloo,train}.json and .md (--json 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -373,6 +374,13 @@ class Sampler(threading.Thread):
                 return a0 + f * (a1 - a0), b0 + f * (b1 - b0)
         raise ValueError(f"{t} is outside the sampled window")
 
+    def per_step(self, times: list[float], first: int = 2) -> tuple[float, float]:
+        """(tx, rx) bytes a step between the end of step `first` + 1 and the last of `times` (each
+        logged step's wall time; by default from obs.timing.WARMUP_STEPS on: the steady steps)."""
+        (tx0, rx0), (tx1, rx1) = self.at(times[first]), self.at(times[-1])
+        n = len(times) - 1 - first
+        return (tx1 - tx0) / n, (rx1 - rx0) / n
+
 
 def ray_start(net: Any, node: str, temp_dir: Path, env: dict[str, str], head: bool) -> str:
     ray = str(Path(PY).parent / "ray")
@@ -412,25 +420,44 @@ def wait_for_nodes(net: Any, env: dict[str, str], n: int, timeout_s: float = 120
         time.sleep(2)
 
 
+def ray_env() -> dict[str, str]:
+    """This environment for every Ray process on the two nodes: token auth with a fresh token
+    (RAY_AUTH_TOKEN wins over ~/.ray/auth_token, which stays untouched: another Ray on this machine
+    may use it), this Python's folder first on PATH (its `ray`), no address of another Ray."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "PYTHONWARNINGS": "ignore",
+           "PATH": f"{Path(PY).parent}:{os.environ.get('PATH', '')}"}  # fmt: skip
+    for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(key, None)
+    return env
+
+
+@contextlib.contextmanager
+def ray_on_both(net: Any, temp_dir: Path, env: dict[str, str]):
+    """A Ray head on A and a worker node on B, their session folders under `temp_dir`; yields the
+    alive nodes. Their processes go with the namespaces; /tmp/ray/ray_current_cluster, which a
+    head writes despite --temp-dir and later ray.init() calls would try to join, goes here."""
+    ray_current = Path("/tmp/ray/ray_current_cluster")
+    had_current = ray_current.exists()
+    try:
+        ray_start(net, "A", temp_dir / "ray-a", env, head=True)
+        ray_start(net, "B", temp_dir / "ray-b", env, head=False)
+        yield wait_for_nodes(net, env, 2)
+    finally:
+        if not had_current and ray_current.exists():
+            ray_current.unlink()
+
+
 def train_main(args: argparse.Namespace) -> None:
-    from netns import WORK, check_private_shm, two_nodes
+    from netns import IP, WORK, check_private_shm, two_nodes
 
     rate = args.rate_mbit or None
     tag = f"train-{os.getpid()}-{int(time.time())}"
     work = WORK / tag
     work.mkdir(parents=True)
-    # Token auth: a fresh token in the environment of every Ray process (RAY_AUTH_TOKEN wins over
-    # ~/.ray/auth_token, which stays untouched: another Ray on this machine may use it).
-    token = secrets.token_hex(16)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PYTHONWARNINGS": "ignore",
-           "PATH": f"{Path(PY).parent}:{os.environ.get('PATH', '')}"}  # fmt: skip
-    env.pop("RAY_ADDRESS", None)
-    env.pop("RAY_AUTH_TOKEN_PATH", None)
-    ray_current = Path("/tmp/ray/ray_current_cluster")
-    had_current = ray_current.exists()
+    env = ray_env()
     name = args.name or f"two-nodes-{'unshaped' if rate is None else f'{args.rate_mbit:g}mbit'}"
     overrides = [
-        f"run.ray_address={'10.77.0.1'}:{RAY_PORT}",
+        f"run.ray_address={IP['A']}:{RAY_PORT}",
         f"run.storage_path={work / 'runs'}",
         f"run.name={name}",
         f"train.max_steps={args.steps}",
@@ -440,12 +467,9 @@ def train_main(args: argparse.Namespace) -> None:
         *TRAIN_DEFAULTS,
         *args.overrides,
     ]
-    try:
-        with two_nodes(rate) as net:
-            shm = check_private_shm(net)
-            ray_start(net, "A", work / "ray-a", env, head=True)
-            ray_start(net, "B", work / "ray-b", env, head=False)
-            nodes = wait_for_nodes(net, env, 2)
+    with two_nodes(rate) as net:
+        shm = check_private_shm(net)
+        with ray_on_both(net, work, env) as nodes:
             sampler = Sampler(net)
             c0 = net.link_bytes("A")
             sampler.start()
@@ -461,9 +485,6 @@ def train_main(args: argparse.Namespace) -> None:
                 raise RuntimeError(
                     f"the run failed (rc {drv.returncode}); {work / 'driver.log'}:\n{drv.stderr[-3000:]}"
                 )
-    finally:
-        if not had_current and ray_current.exists():  # made by our head despite --temp-dir
-            ray_current.unlink()
     run_dir = work / "runs" / name
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -471,8 +492,7 @@ def train_main(args: argparse.Namespace) -> None:
     times = [s["time"] for s in steps]
     step_s = [round(b - a, 4) for a, b in zip(times, times[1:])]
     first = 2  # obs.timing.WARMUP_STEPS: from the end of step 3 on, every step is a steady one
-    (tx0, rx0), (tx1, rx1) = sampler.at(times[first]), sampler.at(times[-1])
-    n = len(times) - 1 - first
+    tx, rx = sampler.per_step(times, first)
     collectives = [c for c in summary.get("choices", []) if "collectives:" in c]
     bd = summary.get("step_breakdown") or {}
     row = {
@@ -482,8 +502,8 @@ def train_main(args: argparse.Namespace) -> None:
         "step_s": round(bd.get("step_wall_s") or 0, 4),
         "comm_s": round(bd["comm_s"], 4) if bd.get("comm_s") is not None else None,
         "median_logged_step_s": sorted(step_s[first:])[len(step_s[first:]) // 2] if step_s[first:] else None,
-        "veth_KiB_per_step_a_to_b": round((tx1 - tx0) / n / 1024, 1),
-        "veth_KiB_per_step_b_to_a": round((rx1 - rx0) / n / 1024, 1),
+        "veth_KiB_per_step_a_to_b": round(tx / 1024, 1),
+        "veth_KiB_per_step_b_to_a": round(rx / 1024, 1),
         "veth_MiB_whole_run": round((c1["tx_bytes"] - c0["tx_bytes"] + c1["rx_bytes"] - c0["rx_bytes"]) / MIB, 1),
         "wall_s": round(wall, 1),
     }

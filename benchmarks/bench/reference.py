@@ -306,13 +306,16 @@ def _reference_row(name: str, res: dict[str, Any]) -> dict[str, Any]:
 
 # Issue 61's bar for one rank against plain PyTorch at the same threads (bench reference --threads).
 THREADS_GOAL = 0.9
+# The comparison's tables that a thread sweep gathers over its counts.
+THROUGHPUT_TABLE = "throughput: same model, dtype, tokens per step and cores"
+BREAKDOWN_TABLE = "step-time breakdown (s per optimizer step; comm is inside forward/backward/step)"
 
 
 def suite_reference(r: Runner, args) -> dict[str, Any]:
     """The ZeRO-3 run (--workers ranks) against plain single-process PyTorch on the same model,
     dtype, tokens per step and cores, interleaved: zero3, references, zero3. With --threads
     1,2,4,... the same at each count of threads per rank in turn (thread_sweep)."""
-    if getattr(args, "threads", None):
+    if args.threads:
         return thread_sweep(r, args)
     return reference_at(r, args, [f"scaling.num_workers={args.workers}"])
 
@@ -393,9 +396,9 @@ def _reference_report(zero3: list[dict], refs: list[dict], tokens: str, cores: i
         "best_reference": best["variant"],
         "ratio": ratio,
         "tables": {
-            "throughput: same model, dtype, tokens per step and cores": throughput,
+            THROUGHPUT_TABLE: throughput,
             "per-core throughput ratio, ZeRO-3 / plain PyTorch (goal >= 0.95)": ratios,
-            "step-time breakdown (s per optimizer step; comm is inside forward/backward/step)": [
+            BREAKDOWN_TABLE: [
                 {k: x.get(k) for k in ("variant", "precision", *BREAKDOWN_COLUMNS[1:])}
                 for x in (zero3[0], *refs, zero3[1])
             ],
@@ -451,9 +454,8 @@ def _sweep_report(per: dict[int, dict[str, Any]]) -> dict[str, Any]:
             }
         )
     first = next(iter(per.values()))
-    names = list(first["tables"])  # throughput, ratios, breakdown: each count's rows, one table each
     tables = {f"ZeRO-3 against plain PyTorch at each thread count (goal >= {THREADS_GOAL})": rows}
-    for name in (names[0], names[2]):
+    for name in (THROUGHPUT_TABLE, BREAKDOWN_TABLE):  # each count's rows, one table each
         tables[name] = [{"threads per rank": t, **row} for t, rep in per.items() for row in rep["tables"][name]]
     return {
         "by_threads": {str(t): rep for t, rep in per.items()},

@@ -37,17 +37,16 @@ def checkpoint_cost(
     """A checkpoint's GB (bf16 weights; fp32 master and AdamW's two moments of what trains) and
     the seconds of each operation on it; with `checkpoint_every` and `step_time_s`, the share of
     the run's time the saves take."""
-    trainable = shape.lora_params(lora_rank, tuple(lora_targets)) if lora_rank else shape.num_params
+    trainable = shape.lora_params(lora_rank, lora_targets) if lora_rank else shape.num_params
     weights, states = 2.0 * shape.num_params / GB, 12.0 * trainable / GB
-    if zero_stage == 3:
-        rank_gb = (weights + states) / world_size
-    else:  # rank 0 writes the whole model beside its optimizer partition
-        rank_gb = weights + states / world_size
+    total = weights + states
+    # ZeRO-3: every rank its shard; ZeRO-1/2: rank 0 writes the whole model beside its optimizer partition
+    rank_gb = total / world_size if zero_stage == 3 else weights + states / world_size
     out = {
-        "gb": weights + states,
+        "gb": total,
         "save_s": rank_gb * SAVE_S_PER_RANK_GB,
         "load_s": rank_gb * LOAD_S_PER_RANK_GB,
-        "universal_s": (weights + states) * UNIVERSAL_S_PER_GB,
+        "universal_s": total * UNIVERSAL_S_PER_GB,
         "export_s": weights * EXPORT_S_PER_GB,
         "measured_on": MEASURED_ON,
     }

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import sys
 import tempfile
@@ -37,8 +36,7 @@ def _driver(net, env, tn, overrides: list[str]) -> None:
 def _crossed_per_step(sampler, run_dir: Path) -> float:
     """Bytes a step over the link, each way on average, from the first timed step to the last."""
     times = [json.loads(x)["time"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
-    (tx0, rx0), (tx1, rx1) = sampler.at(times[2]), sampler.at(times[-1])
-    return (tx1 - tx0 + rx1 - rx0) / 2 / (len(times) - 3)
+    return sum(sampler.per_step(times)) / 2
 
 
 def _predicted_per_step(hpz: int) -> float:
@@ -57,11 +55,7 @@ def test_hpz_across_two_ray_nodes_trains_as_flat_zero3_resumes_and_crosses_as_mo
     import netns
     import two_nodes as tn
 
-    token = secrets.token_hex(16)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PYTHONWARNINGS": "ignore"}
-    env["PATH"] = f"{Path(tn.PY).parent}:{env.get('PATH', '')}"
-    for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH"):
-        env.pop(key, None)
+    env = tn.ray_env()
     common = [
         *tn.TRAIN_DEFAULTS,
         *FAST,  # the suite's quick settings: no start-up attention timing, no eval, no cleaner actor
@@ -77,15 +71,10 @@ def test_hpz_across_two_ray_nodes_trains_as_flat_zero3_resumes_and_crosses_as_mo
     ]
     # Ray's socket paths must fit 107 bytes: its session folders go in a short temporary folder.
     ray_tmp = Path(tempfile.mkdtemp(prefix="rt2n-", dir="/tmp"))
-    ray_current = Path("/tmp/ray/ray_current_cluster")
-    had_current = ray_current.exists()
     crossed = {}
     try:
-        with netns.two_nodes(None, name="rtest") as net:
+        with netns.two_nodes(None, name="rtest") as net, tn.ray_on_both(net, ray_tmp, env):
             assert netns.check_private_shm(net)["private"]
-            tn.ray_start(net, "A", ray_tmp / "a", env, head=True)
-            tn.ray_start(net, "B", ray_tmp / "b", env, head=False)
-            tn.wait_for_nodes(net, env, 2)
             for name, hpz in (("flat", 1), ("hpz", 2)):
                 sampler = tn.Sampler(net)
                 sampler.start()
@@ -97,8 +86,6 @@ def test_hpz_across_two_ray_nodes_trains_as_flat_zero3_resumes_and_crosses_as_mo
             resumed = as_stopped_at(tmp_path / "runs" / "hpz", SAVE_AT, tmp_path / "runs" / "resumed")
             _driver(net, env, tn, [*common, "run.name=resumed", "deepspeed.hpz_partition_size=2"])
     finally:
-        if not had_current and ray_current.exists():
-            ray_current.unlink()
         shutil.rmtree(ray_tmp, ignore_errors=True)
     runs = tmp_path / "runs"
     summary = json.loads((runs / "hpz" / "summary.json").read_text())

@@ -132,7 +132,7 @@ def test_reference_suite_matches_dtype_tokens_and_cores_of_the_run(monkeypatch, 
                 "final_loss": 7.6, "grad_clip": 1.0, "attention": "sdpa"}  # fmt: skip
 
     monkeypatch.setattr(reference, "reference_run", fake_reference_run)
-    args = type("Args", (), {"workers": 2, "variants": ""})()
+    args = type("Args", (), {"workers": 2, "variants": "", "threads": []})()
     res = reference.suite_reference(FakeRunner(), args)
     assert FakeRunner.runs == [["scaling.num_workers=2"]] * 2  # zero3, references, zero3
     assert calls == [("bf16", 2, 8, False, "autocast"), ("bf16", 2, 8, False, "bf16_master")]
